@@ -1,0 +1,629 @@
+//! The engine: one thread that owns the scheduler, the model runner, the KV cache and every
+//! request's state, and steps them; and [`EngineHandle`], the cloneable way in for HTTP, Python and
+//! the CLI (`submit` -> a stream of outputs, `abort`).
+//!
+//! One owner: nothing outside the engine thread touches engine state; callers talk to it through a
+//! channel and receive [`RequestOutput`]s on a per-request channel. Requests are validated at
+//! `submit` (before they reach the thread), so the loop only sees requests it can finish.
+
+use crate::engine_types::Command;
+pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget};
+pub use crate::engine_types::{EngineHandle, OutputStream};
+use crate::kv_cache::KvCache;
+use crate::loader::{load_model, LoadedModel};
+use crate::model_runner::{LogitRow, ModelRunner};
+use crate::request::{
+    CompletionOutput, EngineRequest, FinishReason, RequestId, RequestOutput, StopReason,
+    TokenLogprob,
+};
+use crate::sampler::{prompt_logprob, sample_batch, SampleInput, SeqRng};
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::sequence::{SeqId, Sequence};
+use crate::tokenizer::IncrementalDetokenizer;
+use candle_core::{DType, Device};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+struct Completion {
+    seq: Option<SeqId>,
+    rng: SeqRng,
+    detok: IncrementalDetokenizer,
+    token_ids: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    cumulative_logprob: f32,
+    finish: Option<FinishReason>,
+    stop_reason: Option<StopReason>,
+    delta: String,
+}
+
+struct RequestState {
+    req: EngineRequest,
+    tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+    completions: Vec<Completion>,
+    prompt_logprobs: Vec<Option<TokenLogprob>>,
+    arrival: Instant,
+    queue_time: Option<f64>,
+    max_tokens: usize,
+}
+
+impl RequestState {
+    fn finished(&self) -> bool {
+        self.completions.iter().all(|c| c.finish.is_some())
+    }
+}
+
+/// The state owned by the engine thread.
+pub struct Engine {
+    info: Arc<EngineInfo>,
+    stats: Arc<EngineStats>,
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    requests: HashMap<RequestId, RequestState>,
+    seq_owner: HashMap<SeqId, (RequestId, usize)>,
+    next_seq: u64,
+    seed_rng: SeqRng,
+}
+
+/// Picks the CPU or a CUDA device from a `--device` value.
+pub fn parse_device(name: &str) -> Result<Device, EngineError> {
+    match name {
+        "cpu" | "auto" => Ok(Device::Cpu),
+        other => Err(EngineError::InvalidConfig(format!(
+            "device `{other}` is not available in this build (use cpu)"
+        ))),
+    }
+}
+
+impl Engine {
+    /// Loads the model, sizes the KV cache and starts the engine thread.
+    pub fn start(cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+        let device = parse_device(&cfg.device)?;
+        let hf = crate::loader::read_config(&cfg.model)?;
+        let dcfg = crate::models::decoder_config(&hf)?;
+        let max_model_len = match cfg.max_model_len {
+            Some(0) => {
+                return Err(EngineError::InvalidConfig(
+                    "max_model_len must be positive".into(),
+                ))
+            }
+            Some(m) => m,
+            None => dcfg.max_position_embeddings,
+        };
+        let loaded = load_model(
+            &cfg.model,
+            &cfg.dtype,
+            &device,
+            Some(max_model_len.max(dcfg.max_position_embeddings)),
+        )?;
+        Self::from_loaded(cfg, loaded, device, max_model_len)
+    }
+
+    fn from_loaded(
+        cfg: EngineConfig,
+        loaded: LoadedModel,
+        device: Device,
+        max_model_len: usize,
+    ) -> Result<EngineHandle, EngineError> {
+        if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
+            return Err(EngineError::InvalidConfig(
+                "block_size, max_num_seqs and max_num_batched_tokens must be positive".into(),
+            ));
+        }
+        let mc = loaded.model.config().clone();
+        let kv_dtype: DType = loaded.dtype;
+        let per_block = KvCache::bytes_per_block(
+            mc.num_layers,
+            cfg.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            kv_dtype,
+        );
+        let useful = cfg.max_num_seqs * max_model_len.div_ceil(cfg.block_size);
+        let num_blocks = match cfg.kv_cache {
+            KvBudget::Bytes(b) => b / per_block,
+            KvBudget::Blocks(n) => n,
+            KvBudget::Auto => ((1usize << 30) / per_block).min(useful),
+        };
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "the KV cache budget holds no block (one block of {} tokens takes {per_block} bytes)",
+                cfg.block_size
+            )));
+        }
+        let kv = KvCache::new(
+            mc.num_layers,
+            num_blocks,
+            cfg.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            kv_dtype,
+            &device,
+        )
+        .map_err(|e| EngineError::Model(e.to_string()))?;
+        tracing::info!(
+            "KV cache: {num_blocks} blocks of {} tokens = {} tokens; max concurrency at {max_model_len} tokens: {:.2}",
+            cfg.block_size,
+            num_blocks * cfg.block_size,
+            (num_blocks * cfg.block_size) as f64 / max_model_len as f64
+        );
+        let sched_cfg = SchedulerConfig {
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_model_len,
+            block_size: cfg.block_size,
+            num_blocks,
+        };
+        let info = Arc::new(EngineInfo {
+            model_dir: loaded.dir.clone(),
+            model_config: mc.clone(),
+            tokenizer: Arc::new(loaded.tokenizer),
+            chat_template: loaded.chat_template.map(Arc::new),
+            generation: loaded.generation,
+            max_model_len,
+            num_blocks,
+            block_size: cfg.block_size,
+            dtype: loaded.dtype,
+        });
+        let stats = Arc::new(EngineStats::default());
+        let runner = ModelRunner::new(loaded.model, kv, device);
+        let engine = Engine {
+            info: info.clone(),
+            stats: stats.clone(),
+            scheduler: Scheduler::new(sched_cfg),
+            runner,
+            requests: HashMap::new(),
+            seq_owner: HashMap::new(),
+            next_seq: 0,
+            seed_rng: SeqRng::new(cfg.seed),
+        };
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("rserve-engine".into())
+            .spawn(move || engine.run(rx))
+            .map_err(|e| {
+                EngineError::InvalidConfig(format!("cannot start the engine thread: {e}"))
+            })?;
+        Ok(EngineHandle::new(tx, info, stats))
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            if !self.scheduler.has_work() {
+                match rx.recv() {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(c) => {
+                        if !self.handle(c) {
+                            return;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        if !self.scheduler.has_work() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            if self.scheduler.has_work() {
+                self.step();
+            }
+            self.publish_stats();
+        }
+    }
+
+    fn publish_stats(&self) {
+        self.stats
+            .running
+            .store(self.scheduler.num_running(), Ordering::Relaxed);
+        self.stats
+            .waiting
+            .store(self.scheduler.num_waiting(), Ordering::Relaxed);
+        let usage = (self.scheduler.kv().usage() * 1e6) as u64;
+        self.stats.kv_usage_ppm.store(usage, Ordering::Relaxed);
+    }
+
+    /// Handles one command; false means shut down.
+    fn handle(&mut self, c: Command) -> bool {
+        match c {
+            Command::Submit { id, req, tx } => self.admit(id, *req, tx),
+            Command::Abort(id) => self.abort(id),
+            Command::Shutdown => return false,
+            Command::Check(reply) => {
+                let _ = reply.send(self.scheduler.check_integrity());
+            }
+        }
+        true
+    }
+
+    fn admit(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+    ) {
+        let p = &req.params;
+        let prompt_len = req.prompt_token_ids.len();
+        let max_tokens = p
+            .max_tokens
+            .unwrap_or(usize::MAX)
+            .min(self.info.max_model_len.saturating_sub(prompt_len));
+        let base_seed = p.seed.unwrap_or_else(|| self.seed_rng.next_u64());
+        let completions = (0..p.n)
+            .map(|i| Completion {
+                seq: None,
+                rng: SeqRng::for_sample(base_seed, i),
+                detok: IncrementalDetokenizer::new(
+                    &req.prompt_token_ids,
+                    p.skip_special_tokens,
+                    p.stop.clone(),
+                    p.include_stop_str_in_output,
+                ),
+                token_ids: Vec::new(),
+                logprobs: Vec::new(),
+                cumulative_logprob: 0.0,
+                finish: None,
+                stop_reason: None,
+                delta: String::new(),
+            })
+            .collect();
+        self.stats
+            .prompt_tokens
+            .fetch_add(prompt_len as u64, Ordering::Relaxed);
+        let sid = self.new_seq_id();
+        let mut state = RequestState {
+            tx,
+            completions,
+            prompt_logprobs: Vec::new(),
+            arrival: Instant::now(),
+            queue_time: None,
+            max_tokens,
+            req,
+        };
+        state.completions[0].seq = Some(sid);
+        if state.req.params.prompt_logprobs.is_some() {
+            state.prompt_logprobs.push(None);
+        }
+        self.scheduler.add(Sequence::new(
+            sid,
+            id,
+            state.req.prompt_token_ids.clone(),
+            state.req.params.n,
+        ));
+        self.seq_owner.insert(sid, (id, 0));
+        self.requests.insert(id, state);
+    }
+
+    fn new_seq_id(&mut self) -> SeqId {
+        self.next_seq += 1;
+        SeqId(self.next_seq)
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        for s in self.scheduler.abort_request(id) {
+            self.seq_owner.remove(&s);
+        }
+        if let Some(mut st) = self.requests.remove(&id) {
+            for c in &mut st.completions {
+                if c.finish.is_none() {
+                    c.finish = Some(FinishReason::Abort);
+                }
+            }
+            self.stats.record_finish(FinishReason::Abort);
+            let out = Self::snapshot(id, &mut st, true);
+            let _ = st.tx.send(Ok(out));
+        }
+    }
+
+    fn fail_all(&mut self, err: EngineError) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            for s in self.scheduler.abort_request(id) {
+                self.seq_owner.remove(&s);
+            }
+            if let Some(st) = self.requests.remove(&id) {
+                let _ = st.tx.send(Err(err.clone()));
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let out = self.scheduler.schedule();
+        if out.is_empty() {
+            // Only possible when every running sequence was preempted this step; the next call
+            // admits them again.
+            return;
+        }
+        self.stats
+            .preemptions
+            .fetch_add(out.preempted.len() as u64, Ordering::Relaxed);
+        let now = Instant::now();
+        for s in &out.scheduled {
+            if let Some((rid, _)) = self.seq_owner.get(&s.seq_id) {
+                if let Some(st) = self.requests.get_mut(rid) {
+                    if st.queue_time.is_none() {
+                        st.queue_time = Some(now.duration_since(st.arrival).as_secs_f64());
+                    }
+                }
+            }
+        }
+        let wants = |seq: SeqId| -> bool {
+            self.seq_owner
+                .get(&seq)
+                .and_then(|(rid, _)| self.requests.get(rid))
+                .is_some_and(|st| st.req.params.prompt_logprobs.is_some())
+        };
+        let result = self
+            .runner
+            .prepare(&self.scheduler, &out, wants)
+            .and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)))
+            .and_then(|(logits, rows)| Ok((logits.to_vec2::<f32>()?, rows)));
+        let (mut logits, rows) = match result {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::error!("forward pass failed: {e}");
+                self.fail_all(EngineError::Model(e.to_string()));
+                return;
+            }
+        };
+        self.scheduler.complete_step(&out);
+        let mut touched: Vec<RequestId> = Vec::new();
+        // prompt logprobs
+        for (row, kind) in logits.iter().zip(&rows) {
+            if let LogitRow::PromptLogprob { seq, pos } = *kind {
+                let Some(&(rid, _)) = self.seq_owner.get(&seq) else {
+                    continue;
+                };
+                let Some(st) = self.requests.get_mut(&rid) else {
+                    continue;
+                };
+                if st.prompt_logprobs.len() == pos + 1 {
+                    if let Some(&next) = st.req.prompt_token_ids.get(pos + 1) {
+                        st.prompt_logprobs.push(Some(prompt_logprob(
+                            row,
+                            next,
+                            st.req.params.prompt_logprobs,
+                        )));
+                    }
+                }
+            }
+        }
+        // forks: a first sample of an n > 1 request fans out into its other completions
+        let mut jobs: Vec<(usize, SeqId)> = Vec::new();
+        for (i, kind) in rows.iter().enumerate() {
+            let LogitRow::Sample(seq) = *kind else {
+                continue;
+            };
+            let pending = self.scheduler.seq(seq).map_or(0, |s| s.pending_forks);
+            if pending > 0 {
+                let children: Vec<SeqId> = (0..pending).map(|_| self.new_seq_id()).collect();
+                self.scheduler.fork(seq, &children);
+                if let Some(&(rid, _)) = self.seq_owner.get(&seq) {
+                    if let Some(st) = self.requests.get_mut(&rid) {
+                        for (k, &c) in children.iter().enumerate() {
+                            st.completions[k + 1].seq = Some(c);
+                            self.seq_owner.insert(c, (rid, k + 1));
+                        }
+                    }
+                    for &c in &children {
+                        jobs.push((i, c));
+                    }
+                }
+            }
+            jobs.push((i, seq));
+        }
+        jobs.sort_by_key(|&(i, s)| (i, s));
+        // rows shared by forked samples are copied so each sample sees the raw logits
+        let mut extra: Vec<Vec<f32>> = Vec::new();
+        let mut row_of: Vec<(usize, bool)> = Vec::with_capacity(jobs.len());
+        let mut used = vec![false; logits.len()];
+        for &(i, _) in &jobs {
+            if used[i] {
+                extra.push(logits[i].clone());
+                row_of.push((extra.len() - 1, true));
+            } else {
+                used[i] = true;
+                row_of.push((i, false));
+            }
+        }
+        let sampled = self.sample_jobs(&jobs, &row_of, &mut logits, &mut extra);
+        for ((_, seq), tl) in jobs.iter().zip(sampled) {
+            if let Some(rid) = self.on_token(*seq, tl) {
+                if !touched.contains(&rid) {
+                    touched.push(rid);
+                }
+            }
+        }
+        for rid in touched {
+            self.emit(rid);
+        }
+    }
+
+    fn sample_jobs(
+        &mut self,
+        jobs: &[(usize, SeqId)],
+        row_of: &[(usize, bool)],
+        logits: &mut [Vec<f32>],
+        extra: &mut [Vec<f32>],
+    ) -> Vec<TokenLogprob> {
+        // Take each completion's rng out while sampling, then put it back.
+        let mut rngs: Vec<SeqRng> = Vec::with_capacity(jobs.len());
+        let mut meta: Vec<(RequestId, usize)> = Vec::with_capacity(jobs.len());
+        for &(_, seq) in jobs {
+            let (rid, idx) = self
+                .seq_owner
+                .get(&seq)
+                .copied()
+                .unwrap_or((RequestId(u64::MAX), 0));
+            let rng = self
+                .requests
+                .get_mut(&rid)
+                .map(|st| std::mem::replace(&mut st.completions[idx].rng, SeqRng::new(0)))
+                .unwrap_or_else(|| SeqRng::new(0));
+            rngs.push(rng);
+            meta.push((rid, idx));
+        }
+        let empty = crate::request::SamplingParams::default();
+        let mut suppress: Vec<Vec<u32>> = Vec::with_capacity(jobs.len());
+        for (k, &(_, seq)) in jobs.iter().enumerate() {
+            let st = self.requests.get(&meta[k].0);
+            let out_len = self.scheduler.seq(seq).map_or(0, |s| s.num_output_tokens());
+            let s = match st {
+                Some(st) if out_len < st.req.params.min_tokens => {
+                    let mut v = st.req.params.stop_token_ids.clone();
+                    v.extend(&self.info.generation.eos_token_ids);
+                    v
+                }
+                _ => Vec::new(),
+            };
+            suppress.push(s);
+        }
+        let results = {
+            let mut main_rows: Vec<Option<&mut Vec<f32>>> = logits.iter_mut().map(Some).collect();
+            let mut extra_rows: Vec<Option<&mut Vec<f32>>> = extra.iter_mut().map(Some).collect();
+            let mut inputs = Vec::with_capacity(jobs.len());
+            for ((k, &(_, seq)), rng) in jobs.iter().enumerate().zip(rngs.iter_mut()) {
+                let (r, is_extra) = row_of[k];
+                let row = if is_extra {
+                    extra_rows[r].take()
+                } else {
+                    main_rows[r].take()
+                };
+                let Some(row) = row else { continue };
+                let params = self
+                    .requests
+                    .get(&meta[k].0)
+                    .map_or(&empty, |st| &st.req.params);
+                let (prompt, output): (&[u32], &[u32]) = match self.scheduler.seq(seq) {
+                    Some(s) => (&s.tokens[..s.prompt_len], s.output_tokens()),
+                    None => (&[], &[]),
+                };
+                inputs.push(SampleInput {
+                    logits: row.as_mut_slice(),
+                    params,
+                    prompt_ids: prompt,
+                    output_ids: output,
+                    suppress: &suppress[k],
+                    rng,
+                });
+            }
+            sample_batch(inputs)
+        };
+        for (k, rng) in rngs.into_iter().enumerate() {
+            let (rid, idx) = meta[k];
+            if let Some(st) = self.requests.get_mut(&rid) {
+                st.completions[idx].rng = rng;
+            }
+        }
+        results
+    }
+
+    /// Appends a sampled token to its sequence and completion; applies stop rules. Returns the
+    /// request it belongs to.
+    fn on_token(&mut self, seq: SeqId, tl: TokenLogprob) -> Option<RequestId> {
+        let (rid, idx) = *self.seq_owner.get(&seq)?;
+        self.scheduler.append_token(seq, tl.token_id);
+        self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let info = self.info.clone();
+        let st = self.requests.get_mut(&rid)?;
+        let p = &st.req.params;
+        let c = &mut st.completions[idx];
+        let tok = tl.token_id;
+        c.token_ids.push(tok);
+        c.cumulative_logprob += tl.logprob;
+        if p.logprobs.is_some() {
+            c.logprobs.push(tl);
+        }
+        let n_out = c.token_ids.len();
+        let is_eos = info.generation.eos_token_ids.contains(&tok);
+        let mut finish = None;
+        if n_out >= p.min_tokens && p.stop_token_ids.contains(&tok) {
+            finish = Some((FinishReason::Stop, Some(StopReason::Token(tok))));
+        } else if n_out >= p.min_tokens && is_eos && !p.ignore_eos {
+            finish = Some((FinishReason::Stop, None));
+        }
+        // EOS and stop tokens are not part of the text.
+        if finish.is_none() {
+            match c.detok.push(&info.tokenizer, tok) {
+                Ok(Some(stop)) if n_out >= p.min_tokens => {
+                    finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("detokenizer: {e}"),
+            }
+        }
+        let total = st.req.prompt_token_ids.len() + n_out;
+        if finish.is_none() && (n_out >= st.max_tokens || total >= info.max_model_len) {
+            finish = Some((FinishReason::Length, None));
+        }
+        if let Some((reason, stop)) = finish {
+            let _ = c.detok.flush(&info.tokenizer);
+            c.finish = Some(reason);
+            c.stop_reason = stop;
+            self.scheduler.finish(seq);
+            self.seq_owner.remove(&seq);
+            self.stats.record_finish(reason);
+        }
+        let finished = c.finish.is_some();
+        c.delta.push_str(&c.detok.take_delta(finished));
+        Some(rid)
+    }
+
+    fn snapshot(id: RequestId, st: &mut RequestState, finished: bool) -> RequestOutput {
+        let outputs = st
+            .completions
+            .iter_mut()
+            .enumerate()
+            .map(|(i, c)| CompletionOutput {
+                index: i,
+                text: c.detok.text().to_string(),
+                delta: std::mem::take(&mut c.delta),
+                token_ids: c.token_ids.clone(),
+                cumulative_logprob: c.cumulative_logprob,
+                logprobs: st.req.params.logprobs.map(|_| c.logprobs.clone()),
+                finish_reason: c.finish,
+                stop_reason: c.stop_reason.clone(),
+            })
+            .collect();
+        RequestOutput {
+            request_id: id,
+            prompt_token_ids: st.req.prompt_token_ids.clone(),
+            prompt_logprobs: st
+                .req
+                .params
+                .prompt_logprobs
+                .map(|_| st.prompt_logprobs.clone()),
+            outputs,
+            finished,
+            queue_time: st.queue_time,
+        }
+    }
+
+    fn emit(&mut self, rid: RequestId) {
+        let Some(st) = self.requests.get_mut(&rid) else {
+            return;
+        };
+        let finished = st.finished();
+        let out = Self::snapshot(rid, st, finished);
+        let gone = st.tx.send(Ok(out)).is_err();
+        if finished {
+            self.requests.remove(&rid);
+        } else if gone {
+            // the caller dropped its stream: free everything now
+            self.abort(rid);
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! The engine's public face: configuration, errors, the facts callers need at the edge
+//! ([`EngineInfo`]), live counters ([`EngineStats`]), and [`EngineHandle`] / [`OutputStream`],
+//! through which every caller (async or blocking) submits requests and receives outputs.
+//!
+//! `submit` validates a request against the model (vocabulary, context length, KV capacity)
+//! before it reaches the engine thread, so bad input is an [`EngineError`] and never a panic
+//! or a request that cannot finish. Dropping an unfinished [`OutputStream`] aborts its request.
+
+use crate::chat_template::ChatTemplate;
+use crate::loader::{GenerationDefaults, LoadError};
+use crate::models::DecoderConfig;
+use crate::request::{EngineRequest, FinishReason, InvalidParam, RequestId, RequestOutput};
+use crate::tokenizer::Tokenizer;
+use candle_core::DType;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// How much memory the KV cache gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBudget {
+    /// 1 GiB on the CPU, never more than `max_num_seqs` full-length sequences need.
+    Auto,
+    Bytes(usize),
+    Blocks(usize),
+}
+
+/// Engine settings (vLLM's names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    pub model: PathBuf,
+    /// `auto`, `float32`, `bfloat16` or `float16`.
+    pub dtype: String,
+    pub device: String,
+    pub max_model_len: Option<usize>,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    pub kv_cache: KvBudget,
+    pub seed: u64,
+}
+
+impl EngineConfig {
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        Self {
+            model: model.into(),
+            dtype: "auto".into(),
+            device: "cpu".into(),
+            max_model_len: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            block_size: 16,
+            kv_cache: KvBudget::Auto,
+            seed: 0,
+        }
+    }
+}
+
+/// Everything that can go wrong between a caller and the engine.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// A request the caller must fix (HTTP 400).
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("{field}: {message}")]
+    InvalidParam { field: String, message: String },
+    /// Prompt plus completion exceed the context (HTTP 400, vLLM's wording).
+    #[error("This model's maximum context length is {max} tokens. However, you requested {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the messages or completion.", prompt + completion)]
+    ContextLength {
+        max: usize,
+        prompt: usize,
+        completion: usize,
+    },
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    #[error("failed to load the model: {0}")]
+    Load(String),
+    #[error("model error: {0}")]
+    Model(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+impl From<LoadError> for EngineError {
+    fn from(e: LoadError) -> Self {
+        EngineError::Load(e.to_string())
+    }
+}
+
+impl From<InvalidParam> for EngineError {
+    fn from(e: InvalidParam) -> Self {
+        EngineError::InvalidParam {
+            field: e.field.to_string(),
+            message: e.message,
+        }
+    }
+}
+
+impl EngineError {
+    /// True when the caller's input caused the error (a 400, a `ValueError`).
+    pub fn is_user_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::InvalidRequest(_)
+                | EngineError::InvalidParam { .. }
+                | EngineError::ContextLength { .. }
+        )
+    }
+}
+
+/// Facts about the loaded model that callers need at the edge.
+#[derive(Debug)]
+pub struct EngineInfo {
+    pub model_dir: PathBuf,
+    pub model_config: DecoderConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub generation: GenerationDefaults,
+    pub max_model_len: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub dtype: DType,
+}
+
+/// Live counters the engine thread publishes after each step.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    /// KV usage in parts per million.
+    pub kv_usage_ppm: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    pub finished_abort: AtomicU64,
+    pub preemptions: AtomicU64,
+}
+
+impl EngineStats {
+    pub fn record_finish(&self, r: FinishReason) {
+        let c = match r {
+            FinishReason::Stop => &self.finished_stop,
+            FinishReason::Length => &self.finished_length,
+            FinishReason::Abort => &self.finished_abort,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub(crate) enum Command {
+    Submit {
+        id: RequestId,
+        req: Box<EngineRequest>,
+        tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+    },
+    Abort(RequestId),
+    Check(mpsc::Sender<Vec<String>>),
+    Shutdown,
+}
+
+/// The cloneable way into the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    info: Arc<EngineInfo>,
+    stats: Arc<EngineStats>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        tx: mpsc::Sender<Command>,
+        info: Arc<EngineInfo>,
+        stats: Arc<EngineStats>,
+    ) -> Self {
+        Self {
+            tx,
+            info,
+            stats,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    pub fn info(&self) -> &Arc<EngineInfo> {
+        &self.info
+    }
+
+    pub fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+
+    /// Checks a request against the model's limits.
+    pub fn validate(&self, req: &EngineRequest) -> Result<(), EngineError> {
+        let vocab = self.info.model_config.vocab_size;
+        req.params.validate(vocab)?;
+        let prompt = req.prompt_token_ids.len();
+        if prompt == 0 {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if let Some(bad) = req.prompt_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is out of vocabulary (size {vocab})"
+            )));
+        }
+        let max = self.info.max_model_len;
+        let completion = req.params.max_tokens.unwrap_or(0);
+        if prompt >= max || prompt + completion > max {
+            return Err(EngineError::ContextLength {
+                max,
+                prompt,
+                completion,
+            });
+        }
+        let total = match req.params.max_tokens {
+            Some(m) => prompt + m,
+            None => max,
+        };
+        let blocks = total.div_ceil(self.info.block_size);
+        if blocks > self.info.num_blocks {
+            return Err(EngineError::InvalidRequest(format!(
+                "the request needs up to {total} tokens of KV cache but the cache holds {} tokens",
+                self.info.num_blocks * self.info.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validates and queues a request; its outputs arrive on the returned stream.
+    pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+        self.validate(&req)?;
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = unbounded_channel();
+        self.tx
+            .send(Command::Submit {
+                id,
+                req: Box::new(req),
+                tx,
+            })
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(OutputStream {
+            id,
+            rx,
+            tx: self.tx.clone(),
+            done: false,
+        })
+    }
+
+    /// Aborts a request; its blocks are freed at the engine's next turn.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Asks the engine thread for every inconsistency in its scheduler and KV pool.
+    pub fn check_integrity(&self) -> Result<Vec<String>, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Check(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Stops the engine thread once its queue is drained of commands.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// Outputs of one request, in order; the last has `finished == true`.
+pub struct OutputStream {
+    id: RequestId,
+    rx: UnboundedReceiver<Result<RequestOutput, EngineError>>,
+    tx: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl OutputStream {
+    pub fn request_id(&self) -> RequestId {
+        self.id
+    }
+
+    fn see(
+        &mut self,
+        item: Option<Result<RequestOutput, EngineError>>,
+    ) -> Option<Result<RequestOutput, EngineError>> {
+        match &item {
+            Some(Ok(o)) if o.finished => self.done = true,
+            Some(Err(_)) | None => self.done = true,
+            _ => {}
+        }
+        item
+    }
+
+    /// The next output (async).
+    pub async fn next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+        if self.done {
+            return None;
+        }
+        let item = self.rx.recv().await;
+        self.see(item)
+    }
+
+    /// The next output (blocking; do not call from an async runtime thread).
+    pub fn blocking_next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+        if self.done {
+            return None;
+        }
+        let item = self.rx.blocking_recv();
+        self.see(item)
+    }
+
+    /// Waits (blocking) for the final output.
+    pub fn wait(mut self) -> Result<RequestOutput, EngineError> {
+        let mut last = None;
+        while let Some(item) = self.blocking_next() {
+            last = Some(item?);
+        }
+        last.ok_or(EngineError::Stopped)
+    }
+}
+
+impl Drop for OutputStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! Loading a model directory in Hugging Face layout: `config.json`, safetensors weights (one file or
+//! shards with `model.safetensors.index.json`, memory-mapped), `tokenizer.json`,
+//! `tokenizer_config.json` / `chat_template.jinja` and `generation_config.json`.
+//!
+//! Every failure is a [`LoadError`] naming the file and the reason; nothing here panics on a bad
+//! checkpoint.
+
+use crate::chat_template::{load_chat_template, ChatTemplate};
+use crate::models::{decoder_config, Decoder, HfConfig, Model};
+use crate::tokenizer::Tokenizer;
+use crate::weights::Weights;
+use candle_core::{DType, Device};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// Why a model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("model directory {0} does not exist")]
+    NoDirectory(PathBuf),
+    #[error("missing file {0}")]
+    MissingFile(PathBuf),
+    #[error("cannot read {file}: {reason}")]
+    Io { file: PathBuf, reason: String },
+    #[error("invalid JSON in {file}: {reason}")]
+    Json { file: PathBuf, reason: String },
+    #[error("config.json: {field}: {reason}")]
+    Config { field: String, reason: String },
+    #[error("unsupported architecture {found:?}; supported: {}", supported.join(", "))]
+    UnsupportedArchitecture {
+        found: Vec<String>,
+        supported: Vec<String>,
+    },
+    #[error("unsupported dtype `{0}` (use auto, float32, bfloat16 or float16)")]
+    Dtype(String),
+    #[error("{file}: {reason}")]
+    Safetensors { file: PathBuf, reason: String },
+    #[error("tensor `{name}` not found in {files:?}")]
+    MissingTensor { name: String, files: Vec<PathBuf> },
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("tensor `{name}`: {reason}")]
+    Tensor { name: String, reason: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+}
+
+/// Parses a dtype flag; `auto` follows the checkpoint (`torch_dtype` / `dtype`), defaulting to f32.
+pub fn parse_dtype(name: &str, checkpoint: Option<&str>) -> Result<DType, LoadError> {
+    let pick = |s: &str| -> Option<DType> {
+        match s {
+            "float32" | "float" | "f32" | "fp32" => Some(DType::F32),
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            "float16" | "half" | "f16" | "fp16" => Some(DType::F16),
+            _ => None,
+        }
+    };
+    if name == "auto" {
+        return Ok(checkpoint.and_then(pick).unwrap_or(DType::F32));
+    }
+    pick(name).ok_or_else(|| LoadError::Dtype(name.to_string()))
+}
+
+/// Reads and parses a JSON file.
+pub fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => LoadError::MissingFile(path.to_path_buf()),
+        _ => LoadError::Io {
+            file: path.to_path_buf(),
+            reason: e.to_string(),
+        },
+    })?;
+    serde_json::from_str(&text).map_err(|e| LoadError::Json {
+        file: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// The safetensors files of a checkpoint, in shard order.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let v = read_json(&index)?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| LoadError::Json {
+                file: index.clone(),
+                reason: "no `weight_map` object".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(String::from)
+            .collect();
+        files.sort();
+        files.dedup();
+        if files.iter().any(|f| f.contains('/') || f.contains("..")) {
+            return Err(LoadError::Json {
+                file: index,
+                reason: "shard names must be plain file names".into(),
+            });
+        }
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| LoadError::Io {
+            file: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shards.sort();
+    if shards.is_empty() {
+        return Err(LoadError::MissingFile(single));
+    }
+    Ok(shards)
+}
+
+/// Defaults from `generation_config.json`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationDefaults {
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub repetition_penalty: Option<f32>,
+}
+
+fn generation_defaults(dir: &Path, cfg: &HfConfig) -> Result<GenerationDefaults, LoadError> {
+    let path = dir.join("generation_config.json");
+    let v = if path.is_file() {
+        read_json(&path)?
+    } else {
+        Value::Null
+    };
+    let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+    let mut eos = HfConfig::token_ids(&v.get("eos_token_id").cloned());
+    if eos.is_empty() {
+        eos = HfConfig::token_ids(&cfg.eos_token_id);
+    }
+    let bos = HfConfig::token_ids(&v.get("bos_token_id").cloned())
+        .first()
+        .copied()
+        .or_else(|| HfConfig::token_ids(&cfg.bos_token_id).first().copied());
+    Ok(GenerationDefaults {
+        eos_token_ids: eos,
+        bos_token_id: bos,
+        temperature: f("temperature"),
+        top_p: f("top_p"),
+        top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
+        repetition_penalty: f("repetition_penalty"),
+    })
+}
+
+/// Everything loaded from a model directory.
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    pub model: Box<dyn Model>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub generation: GenerationDefaults,
+    pub dtype: DType,
+    pub hf_config: HfConfig,
+}
+
+/// Reads and validates `config.json` without touching the weights.
+pub fn read_config(dir: &Path) -> Result<HfConfig, LoadError> {
+    if !dir.is_dir() {
+        return Err(LoadError::NoDirectory(dir.to_path_buf()));
+    }
+    let path = dir.join("config.json");
+    let v = read_json(&path)?;
+    serde_json::from_value(v).map_err(|e| LoadError::Json {
+        file: path,
+        reason: e.to_string(),
+    })
+}
+
+/// Loads a model directory for `max_positions` positions (at least the model's context length).
+pub fn load_model(
+    dir: &Path,
+    dtype: &str,
+    device: &Device,
+    max_positions: Option<usize>,
+) -> Result<LoadedModel, LoadError> {
+    let hf = read_config(dir)?;
+    let dcfg = decoder_config(&hf)?;
+    let dtype = parse_dtype(dtype, hf.dtype_name())?;
+    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+        .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    let files = weight_files(dir)?;
+    let weights = Weights::open(&files, dtype, device)?;
+    let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
+    let model = Decoder::load(dcfg, &weights, positions)?;
+    let generation = generation_defaults(dir, &hf)?;
+    let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
+    let chat_template = match source {
+        Some(crate::chat_template::TemplateSource {
+            template: Some(t),
+            bos_token,
+            eos_token,
+        }) => Some(
+            ChatTemplate::new(&t, bos_token, eos_token)
+                .map_err(|e| LoadError::ChatTemplate(e.to_string()))?,
+        ),
+        _ => None,
+    };
+    Ok(LoadedModel {
+        dir: dir.to_path_buf(),
+        model: Box::new(model),
+        tokenizer,
+        chat_template,
+        generation,
+        dtype,
+        hf_config: hf,
+    })
+}

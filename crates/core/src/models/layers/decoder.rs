@@ -1,0 +1,146 @@
+//! The decoder-only transformer stack shared by every Llama-family architecture:
+//! embedding -> N x (RMSNorm, attention, residual, RMSNorm, gated MLP, residual) -> RMSNorm -> LM head.
+//! An architecture file only translates its `config.json` into a [`DecoderConfig`].
+
+use super::attention::{Attention, AttentionSpec};
+use super::mlp::Mlp;
+use super::norm::RmsNorm;
+use super::rotary::{RopeConfig, RotaryEmbedding};
+use crate::kv_cache::KvCache;
+use crate::loader::LoadError;
+use crate::model_runner::ForwardBatch;
+use crate::models::Model;
+use crate::weights::Weights;
+use candle_core::{DType, Result, Tensor};
+
+/// Everything the stack needs to know, normalised from any supported `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderConfig {
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope: RopeConfig,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    pub qk_norm: bool,
+    /// Per layer: the sliding window, if that layer uses one.
+    pub sliding_window: Vec<Option<usize>>,
+}
+
+struct Layer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// A loaded decoder-only model.
+pub struct Decoder {
+    cfg: DecoderConfig,
+    embed_tokens: Tensor, // [vocab, hidden]
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor, // [vocab, hidden]
+    rotary: RotaryEmbedding,
+}
+
+impl Decoder {
+    /// Loads the weights named as in transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+    pub fn load(
+        cfg: DecoderConfig,
+        w: &Weights,
+        max_positions: usize,
+    ) -> std::result::Result<Self, LoadError> {
+        let m = w.pp("model");
+        let embed_tokens = m.get(&[cfg.vocab_size, cfg.hidden_size], "embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let lw = m.pp("layers").pp(i);
+            let spec = AttentionSpec {
+                hidden_size: cfg.hidden_size,
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                qkv_bias: cfg.qkv_bias,
+                o_bias: cfg.o_bias,
+                qk_norm: cfg.qk_norm,
+                rms_norm_eps: cfg.rms_norm_eps,
+                sliding_window: cfg.sliding_window.get(i).copied().flatten(),
+            };
+            layers.push(Layer {
+                input_layernorm: RmsNorm::load(
+                    &lw.pp("input_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
+                self_attn: Attention::load(&lw.pp("self_attn"), spec)?,
+                post_attention_layernorm: RmsNorm::load(
+                    &lw.pp("post_attention_layernorm"),
+                    cfg.hidden_size,
+                    cfg.rms_norm_eps,
+                )?,
+                mlp: Mlp::load(
+                    &lw.pp("mlp"),
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                )?,
+            });
+        }
+        let norm = RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
+            embed_tokens.clone()
+        } else {
+            w.get(&[cfg.vocab_size, cfg.hidden_size], "lm_head.weight")?
+        };
+        let rotary = RotaryEmbedding::new(
+            cfg.head_dim,
+            max_positions,
+            &cfg.rope,
+            w.dtype(),
+            w.device(),
+        )
+        .map_err(|e| LoadError::Tensor {
+            name: "rotary tables".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+        })
+    }
+}
+
+impl Model for Decoder {
+    fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
+        let mut x = self.embed_tokens.index_select(&batch.input_ids, 0)?; // [T, hidden]
+        let (cos, sin) = self.rotary.gather(&batch.positions)?;
+        for (layer, cache) in self.layers.iter().zip(&kv.layers) {
+            let h = layer.input_layernorm.forward(&x)?;
+            let h = layer.self_attn.forward(&h, &cos, &sin, batch, cache)?;
+            x = (x + h)?;
+            let h = layer.post_attention_layernorm.forward(&x)?;
+            x = (&x + layer.mlp.forward(&h)?)?;
+        }
+        let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
+        let x = self.norm.forward(&x)?;
+        x.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)
+    }
+}

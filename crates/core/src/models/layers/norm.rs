@@ -1,0 +1,25 @@
+//! RMSNorm as in Llama: `x / sqrt(mean(x^2) + eps) * weight`, computed in f32.
+
+use crate::loader::LoadError;
+use crate::weights::Weights;
+use candle_core::{Result, Tensor};
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor, // [dim]
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(w: &Weights, dim: usize, eps: f64) -> std::result::Result<Self, LoadError> {
+        Ok(Self {
+            weight: w.get(&[dim], "weight")?,
+            eps: eps as f32,
+        })
+    }
+
+    /// Normalises over the last dimension.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+    }
+}

@@ -1,0 +1,163 @@
+//! Rotary position embeddings (rotate-half layout) with Hugging Face's frequency rules: default,
+//! `linear` and `llama3` scaling. Tables are precomputed in f32 exactly as transformers does, then
+//! gathered per token by position so any mix of positions runs in one call.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// How the base frequencies are rescaled for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+/// Rotary settings of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f32,
+    pub scaling: RopeScaling,
+}
+
+/// The inverse frequencies (`[head_dim / 2]`) as transformers computes them in f32.
+pub fn inv_freq(head_dim: usize, cfg: &RopeConfig) -> Vec<f32> {
+    let base: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / cfg.theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    match cfg.scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old,
+        } => {
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                    if medium {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    } else {
+                        scaled
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    cos: Tensor, // [max_positions, head_dim / 2]
+    sin: Tensor, // [max_positions, head_dim / 2]
+}
+
+impl RotaryEmbedding {
+    pub fn new(
+        head_dim: usize,
+        max_positions: usize,
+        cfg: &RopeConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let inv = inv_freq(head_dim, cfg);
+        let half = inv.len();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &inv {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
+        let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
+        Ok(Self { cos, sin })
+    }
+
+    /// Gathers the tables for `positions` (`[num_tokens]` u32): `(cos, sin)`, each `[num_tokens, head_dim / 2]`.
+    pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
+    }
+
+    /// Rotates `x` (`[num_tokens, heads, head_dim]`) with gathered tables.
+    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.unsqueeze(0)?.contiguous()?;
+        candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_scales_low_frequencies() {
+        let plain = inv_freq(
+            16,
+            &RopeConfig {
+                theta: 500000.0,
+                scaling: RopeScaling::None,
+            },
+        );
+        let cfg = RopeConfig {
+            theta: 500000.0,
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 32.0,
+            },
+        };
+        let scaled = inv_freq(16, &cfg);
+        assert_eq!(scaled[0], plain[0]); // wavelength 2*pi < 8
+        assert!((scaled[7] - plain[7] / 8.0).abs() < 1e-12); // longest wavelength
+    }
+
+    #[test]
+    fn rotation_matches_rotate_half() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = RopeConfig {
+            theta: 10000.0,
+            scaling: RopeScaling::None,
+        };
+        let r = RotaryEmbedding::new(4, 8, &cfg, DType::F32, &dev)?;
+        let x = Tensor::new(&[[[1f32, 2., 3., 4.]]], &dev)?; // [1 token, 1 head, 4]
+        let (c, s) = r.gather(&Tensor::new(&[3u32], &dev)?)?;
+        let y = RotaryEmbedding::apply(&x, &c, &s)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let f = inv_freq(4, &cfg);
+        let (a0, a1) = (3.0 * f[0], 3.0 * f[1]);
+        let want = [
+            1. * a0.cos() - 3. * a0.sin(),
+            2. * a1.cos() - 4. * a1.sin(),
+            3. * a0.cos() + 1. * a0.sin(),
+            4. * a1.cos() + 2. * a1.sin(),
+        ];
+        for (g, w) in y.iter().zip(want) {
+            assert!((g - w).abs() < 1e-5, "{y:?} vs {want:?}");
+        }
+        Ok(())
+    }
+}

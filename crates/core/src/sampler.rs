@@ -1,0 +1,680 @@
+//! Token sampling over host `f32` logits: per-sequence seeded randomness, logit processing
+//! (bias, suppression, repetition / presence / frequency penalties), greedy and stochastic
+//! selection (temperature, min-p, top-k, top-p) and log-probabilities.
+//!
+//! This module owns only pure functions over one logits row per sequence; it owns no tensors,
+//! no locks and no request state (the caller keeps prompt / output ids and decides which ids to
+//! suppress, e.g. EOS and stop ids before `min_tokens`). Invariants: logprobs (chosen token and
+//! top alternatives) always come from the raw row, before any processing, as in vLLM v1; every
+//! non-greedy sample consumes exactly one draw from the sequence's own [`SeqRng`] and greedy
+//! samples consume none, so a seeded sequence's tokens never depend on the rest of the batch;
+//! the logits row is used as scratch but holds its raw values again when [`sample`] returns;
+//! NaN is read as `-inf`, and nothing here panics on non-finite or out-of-range input.
+
+use crate::request::{SamplingParams, TokenLogprob};
+use rayon::prelude::*;
+use std::cmp::Ordering;
+
+const NEG_INF: f32 = f32::NEG_INFINITY;
+
+/// Total logits (rows x vocab) from which [`sample_batch`] spreads rows over rayon's pool.
+const PAR_MIN_WORK: usize = 1 << 17;
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A sequence's own random stream (xoshiro256++ seeded through SplitMix64).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRng {
+    s: [u64; 4],
+}
+
+impl SeqRng {
+    /// The stream for `seed`; equal seeds give equal streams on every platform.
+    pub fn new(seed: u64) -> Self {
+        let mut sm = seed;
+        let mut next = || splitmix64(&mut sm);
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    /// The stream of completion `index` of a request seeded with `seed`; index 0 is `new(seed)`.
+    pub fn for_sample(seed: u64, index: usize) -> Self {
+        if index == 0 {
+            return Self::new(seed);
+        }
+        let mut st = seed ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        Self::new(splitmix64(&mut st))
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in [0, 1) with 24 random bits.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
+    }
+}
+
+/// Everything needed to pick one sequence's next token.
+pub struct SampleInput<'a> {
+    /// Raw model logits for this position, `[vocab]` (may be longer than the tokenizer's vocab).
+    /// Used as scratch; holds its raw values again on return.
+    pub logits: &'a mut [f32],
+    pub params: &'a SamplingParams,
+    /// Prompt and generated ids so far: the repetition penalty uses both, the presence and
+    /// frequency penalties only the output.
+    pub prompt_ids: &'a [u32],
+    pub output_ids: &'a [u32],
+    /// Ids forbidden at this step (EOS and stop ids while `min_tokens` is not reached).
+    pub suppress: &'a [u32],
+    pub rng: &'a mut SeqRng,
+}
+
+/// NaN as `-inf` (`f32::max` ignores a NaN operand).
+fn clean(x: f32) -> f32 {
+    x.max(NEG_INF)
+}
+
+/// Most likely first, lower id first on ties (values are never NaN here).
+fn rank(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
+}
+
+/// The normaliser of a row's log-softmax: max-subtracted, summed in f64.
+struct LogZ {
+    max: f32,
+    log_sum: f64,
+}
+
+impl LogZ {
+    fn of(row: &[f32]) -> Self {
+        let max = row.iter().fold(NEG_INF, |m, &x| m.max(clean(x)));
+        let log_sum = if max == f32::INFINITY {
+            // The +inf entries share all the mass equally.
+            (row.iter().filter(|&&x| x == max).count() as f64).ln()
+        } else if max == NEG_INF {
+            0.0
+        } else {
+            let sum: f64 = row.iter().map(|&x| f64::from((clean(x) - max).exp())).sum();
+            sum.ln()
+        };
+        Self { max, log_sum }
+    }
+
+    fn logprob(&self, x: f32) -> f32 {
+        let x = clean(x);
+        if self.max == f32::INFINITY {
+            if x == self.max {
+                -self.log_sum as f32
+            } else {
+                NEG_INF
+            }
+        } else if self.max == NEG_INF || x == NEG_INF {
+            NEG_INF
+        } else {
+            (f64::from(x - self.max) - self.log_sum) as f32
+        }
+    }
+}
+
+/// The `n` largest entries of `row` as (id, cleaned value), most likely first, ties by lower id.
+/// One pass with a sorted buffer of `n` (small: at most `MAX_LOGPROBS` after validation).
+fn top_n(row: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(row.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let items = row.iter().enumerate().map(|(i, &x)| (i as u32, clean(x)));
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    for item in items {
+        if best.len() == n {
+            match best.last() {
+                Some(last) if rank(&item, last) == Ordering::Less => {
+                    best.pop();
+                }
+                _ => continue,
+            }
+        }
+        let pos = best.partition_point(|b| rank(b, &item) == Ordering::Less);
+        best.insert(pos, item);
+    }
+    best
+}
+
+fn with_logprobs(row: &[f32], z: &LogZ, n: usize) -> Vec<(u32, f32)> {
+    top_n(row, n)
+        .into_iter()
+        .map(|(id, x)| (id, z.logprob(x)))
+        .collect()
+}
+
+/// Sparse in-place edits of a row that remember the values they overwrote.
+struct Edits<'a> {
+    row: &'a mut [f32],
+    saved: Vec<(u32, f32)>,
+}
+
+impl<'a> Edits<'a> {
+    fn edit(&mut self, id: u32, f: impl FnOnce(f32) -> f32) {
+        if let Some(x) = self.row.get_mut(id as usize) {
+            self.saved.push((id, *x));
+            *x = f(*x);
+        }
+    }
+
+    /// Logit bias, suppression, then repetition, presence and frequency penalties.
+    fn apply(&mut self, p: &SamplingParams, prompt: &[u32], output: &[u32], suppress: &[u32]) {
+        let vocab = self.row.len();
+        for (&id, &bias) in &p.logit_bias {
+            self.edit(id, |x| x + bias);
+        }
+        for &id in suppress {
+            self.edit(id, |_| NEG_INF);
+        }
+        let rp = p.repetition_penalty;
+        if rp != 1.0 && rp > 0.0 {
+            let mut seen = vec![false; vocab];
+            for &id in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(id as usize) {
+                    if !*s {
+                        *s = true;
+                        self.edit(id, |x| if x > 0.0 { x / rp } else { x * rp });
+                    }
+                }
+            }
+        }
+        let (pp, fp) = (p.presence_penalty, p.frequency_penalty);
+        if (pp != 0.0 || fp != 0.0) && !output.is_empty() {
+            let mut counts = vec![0u32; vocab];
+            for &id in output {
+                if let Some(c) = counts.get_mut(id as usize) {
+                    *c += 1;
+                }
+            }
+            for &id in output {
+                if let Some(c) = counts.get_mut(id as usize) {
+                    let n = std::mem::take(c);
+                    if n > 0 {
+                        self.edit(id, |x| x - fp * n as f32 - pp);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Puts back every overwritten value and hands the row back.
+    fn restore(self) -> &'a mut [f32] {
+        for &(id, x) in self.saved.iter().rev() {
+            self.row[id as usize] = x;
+        }
+        self.row
+    }
+}
+
+/// Arg-max with the lowest id on ties; 0 when every entry is `-inf` / NaN.
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = (0u32, NEG_INF);
+    for (i, &x) in row.iter().enumerate() {
+        let x = clean(x);
+        if x > best.1 {
+            best = (i as u32, x);
+        }
+    }
+    best.0
+}
+
+/// Inverse CDF over `items` (id, unnormalised weight) in their given order, at `u` in [0, 1).
+fn pick(items: impl Iterator<Item = (u32, f64)> + Clone, u: f64) -> u32 {
+    let total: f64 = items.clone().map(|(_, w)| w).sum();
+    let target = u * total;
+    let mut cum = 0.0;
+    let mut last = None;
+    for (id, w) in items {
+        if w > 0.0 {
+            cum += w;
+            last = Some(id);
+            if cum > target {
+                return id;
+            }
+        }
+    }
+    last.unwrap_or(0)
+}
+
+/// Sorts the best prefix of `cands` just far enough to find the smallest one whose weight
+/// reaches `target`, and returns its length (at least 1 unless `cands` is empty).
+fn nucleus(cands: &mut [(u32, f32)], weight: &impl Fn(f32) -> f64, target: f64) -> usize {
+    let n = cands.len();
+    let (mut sorted, mut cum) = (0, 0.0);
+    let mut k = n.min(64);
+    while sorted < n {
+        let rest = &mut cands[sorted..];
+        let take = k - sorted;
+        if take < rest.len() {
+            rest.select_nth_unstable_by(take - 1, rank);
+        }
+        rest[..take].sort_unstable_by(rank);
+        for (i, c) in cands.iter().enumerate().take(k).skip(sorted) {
+            cum += weight(c.1);
+            if cum >= target {
+                return i + 1;
+            }
+        }
+        sorted = k;
+        k = (k * 8).min(n);
+    }
+    n
+}
+
+/// Temperature, min-p, top-k, top-p, then one draw from `rng` (always exactly one).
+fn draw(row: &[f32], p: &SamplingParams, rng: &mut SeqRng) -> u32 {
+    let u = rng.next_f64();
+    let max = row.iter().fold(NEG_INF, |m, &x| m.max(clean(x)));
+    if max == NEG_INF {
+        return 0;
+    }
+    let t = p.temperature;
+    let pos_inf = max == f32::INFINITY;
+    let ln_min_p = if p.min_p > 0.0 {
+        p.min_p.ln().min(0.0)
+    } else {
+        NEG_INF
+    };
+    // log(prob / max prob) after temperature.
+    let rel = move |x: f32| {
+        let x = clean(x);
+        match (pos_inf, x == f32::INFINITY) {
+            (true, true) => 0.0,
+            (true, false) => NEG_INF,
+            _ => (x - max) / t,
+        }
+    };
+    let keep = move |x: f32| {
+        let r = rel(x);
+        r > NEG_INF && r >= ln_min_p
+    };
+    let weight = move |x: f32| f64::from(rel(x).exp());
+    let use_top_p = p.top_p < 1.0;
+    if p.top_k == 0 && !use_top_p {
+        // One exp per entry: weights are materialised rather than recomputed for the draw.
+        let w: Vec<f64> = row
+            .iter()
+            .map(|&x| if keep(x) { weight(x) } else { 0.0 })
+            .collect();
+        return pick(w.iter().enumerate().map(|(i, &w)| (i as u32, w)), u);
+    }
+    let mut cands: Vec<(u32, f32)> = row
+        .iter()
+        .enumerate()
+        .filter(|&(_, &x)| keep(x))
+        .map(|(i, &x)| (i as u32, clean(x)))
+        .collect();
+    if p.top_k > 0 && p.top_k < cands.len() {
+        cands.select_nth_unstable_by(p.top_k - 1, rank);
+        cands.truncate(p.top_k);
+        cands.sort_unstable_by(rank);
+    }
+    if use_top_p {
+        let total: f64 = cands.iter().map(|c| weight(c.1)).sum();
+        let n = nucleus(&mut cands, &weight, f64::from(p.top_p) * total);
+        cands.truncate(n);
+    }
+    pick(cands.iter().map(|&(i, x)| (i, weight(x))), u)
+}
+
+/// Picks one sequence's next token; returns it with its raw logprob and the raw top
+/// `params.logprobs` alternatives.
+pub fn sample(input: SampleInput<'_>) -> TokenLogprob {
+    let params = input.params;
+    let z = LogZ::of(input.logits);
+    let top = with_logprobs(input.logits, &z, params.logprobs.unwrap_or(0));
+    let mut edits = Edits {
+        row: input.logits,
+        saved: Vec::new(),
+    };
+    edits.apply(params, input.prompt_ids, input.output_ids, input.suppress);
+    let token_id = if params.is_greedy() {
+        argmax(edits.row)
+    } else {
+        draw(edits.row, params, input.rng)
+    };
+    let row = edits.restore();
+    let logprob = row
+        .get(token_id as usize)
+        .map_or(NEG_INF, |&x| z.logprob(x));
+    TokenLogprob {
+        token_id,
+        logprob,
+        top,
+    }
+}
+
+/// [`sample`] for every row, spread over rayon's pool when the batch is large.
+pub fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
+    let work: usize = inputs.iter().map(|i| i.logits.len()).sum();
+    if inputs.len() > 1 && work >= PAR_MIN_WORK {
+        inputs.into_par_iter().map(sample).collect()
+    } else {
+        inputs.into_iter().map(sample).collect()
+    }
+}
+
+/// Raw log-probability of `next_token` given `logits`, with the top `k` alternatives.
+pub fn prompt_logprob(logits: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
+    let z = LogZ::of(logits);
+    TokenLogprob {
+        token_id: next_token,
+        logprob: logits
+            .get(next_token as usize)
+            .map_or(NEG_INF, |&x| z.logprob(x)),
+        top: with_logprobs(logits, &z, k.unwrap_or(0)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// `ids` = [prompt, output, suppress]; also checks the row is restored.
+    fn run(x: &[f32], params: &SamplingParams, ids: [&[u32]; 3], rng: &mut SeqRng) -> TokenLogprob {
+        let mut row = x.to_vec();
+        let [prompt_ids, output_ids, suppress] = ids;
+        let logits = &mut row;
+        let r = sample(SampleInput {
+            logits,
+            params,
+            prompt_ids,
+            output_ids,
+            suppress,
+            rng,
+        });
+        assert_eq!(format!("{row:?}"), format!("{x:?}"));
+        r
+    }
+    const NO: [&[u32]; 3] = [&[], &[], &[]];
+    const L: [f32; 6] = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0];
+    type Ids = &'static [u32];
+    type Case = (&'static [f32], SamplingParams, Ids, Ids, u32);
+
+    fn with(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    fn softmax(x: &[f32], t: f64) -> Vec<f64> {
+        let e: Vec<f64> = x.iter().map(|&v| (f64::from(v) / t).exp()).collect();
+        e.iter().map(|v| v / e.iter().sum::<f64>()).collect()
+    }
+
+    fn renorm(p: &[f64], keep: impl Fn(usize) -> bool) -> Vec<f64> {
+        let s: f64 = (0..p.len()).filter(|&i| keep(i)).map(|i| p[i]).sum();
+        (0..p.len())
+            .map(|i| if keep(i) { p[i] / s } else { 0.0 })
+            .collect()
+    }
+
+    /// Length of the shortest prefix whose cumulative mass reaches `target`.
+    fn nucleus_len(p: &[f64], target: f64) -> usize {
+        let cum = p
+            .iter()
+            .scan(0.0, |c, &q| Some(std::mem::replace(c, *c + q)));
+        cum.take_while(|&c| c < target).count()
+    }
+
+    /// 20k draws from `L`; every frequency within 5 sigma, tokens outside the kept set never drawn.
+    fn assert_dist(p: &SamplingParams, expected: &[f64]) {
+        const N: usize = 20_000;
+        let mut rng = SeqRng::new(7);
+        let mut counts = [0usize; L.len()];
+        for _ in 0..N {
+            counts[run(&L, p, NO, &mut rng).token_id as usize] += 1;
+        }
+        for (i, (&c, &q)) in counts.iter().zip(expected).enumerate() {
+            let (mean, msg) = (N as f64 * q, format!("token {i}: {c} draws, p = {q}"));
+            assert!(q > 0.0 || c == 0, "{msg}");
+            assert!(
+                (c as f64 - mean).abs() <= 5.0 * (mean * (1.0 - q)).sqrt() + 1.0,
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn rng_reference_and_ranges() {
+        let mut r = SeqRng { s: [1, 2, 3, 4] };
+        assert_eq!(r.next_u64(), 41_943_041); // xoshiro256++ reference output
+        let mut r = SeqRng::new(1);
+        let (mut s32, mut s64) = (0.0, 0.0);
+        for _ in 0..10_000 {
+            let (a, b) = (r.next_f32(), r.next_f64());
+            assert!((0.0..1.0).contains(&a) && (0.0..1.0).contains(&b));
+            (s32, s64) = (s32 + f64::from(a), s64 + b);
+        }
+        assert!((s32 / 1e4 - 0.5).abs() < 0.02 && (s64 / 1e4 - 0.5).abs() < 0.02);
+        assert_eq!(SeqRng::for_sample(9, 0), SeqRng::new(9));
+        assert_ne!(SeqRng::for_sample(9, 1), SeqRng::for_sample(9, 2));
+    }
+
+    #[test]
+    fn greedy_argmax_ties_and_no_draw() {
+        let p = SamplingParams::greedy(4);
+        let mut rng = SeqRng::new(3);
+        let before = rng.clone();
+        assert_eq!(run(&[0.1, 2.0, -1.0, 2.0], &p, NO, &mut rng).token_id, 1);
+        assert_eq!(run(&[5.0, 5.0], &p, NO, &mut rng).token_id, 0);
+        assert_eq!(rng, before, "greedy must not draw");
+    }
+
+    #[test]
+    fn logprobs_match_hand_computation() {
+        // ln(e^1 + e^2 + e^3 + e^0.5) = 3.460773489156851
+        let logits = [1.0, 2.0, 3.0, 0.5];
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-6;
+        let p = with(|p| (p.temperature, p.logprobs) = (0.0, Some(2)));
+        let r = run(&logits, &p, NO, &mut SeqRng::new(0));
+        assert_eq!(
+            (r.token_id, r.top.len(), r.top[0].0, r.top[1].0),
+            (2, 2, 2, 1)
+        );
+        assert!(close(r.logprob, -0.460_773_5) && close(r.top[1].1, -1.460_773_5));
+        let pl = prompt_logprob(&logits, 1, Some(1));
+        assert!(close(pl.logprob, -1.460_773_5) && pl.top[0].0 == 2);
+        assert_eq!(prompt_logprob(&logits, 99, None).logprob, NEG_INF);
+        // The chosen token's logprob comes from the raw row even when a bias picked it.
+        let mut p = p;
+        p.logit_bias.insert(3, 10.0);
+        let r = run(&logits, &p, NO, &mut SeqRng::new(0));
+        assert!(r.token_id == 3 && close(r.logprob, 0.5 - 3.460_773_5));
+    }
+
+    #[test]
+    fn top_alternatives_order() {
+        let ids = |t: Vec<(u32, f32)>| t.into_iter().map(|t| t.0).collect::<Vec<_>>();
+        let top = |k| ids(prompt_logprob(&[1.0, 3.0, 2.0, 3.0, 2.0], 0, Some(k)).top);
+        assert_eq!(
+            (top(4), top(0), top(10)),
+            (vec![1, 3, 2, 4], vec![], vec![1, 3, 2, 4, 0])
+        );
+        let big: Vec<f32> = (0..200).map(|i| (i % 7) as f32).collect();
+        let mut brute: Vec<(u32, f32)> = (0..200).map(|i| (i, big[i as usize])).collect();
+        brute.sort_by(rank);
+        assert_eq!(top_n(&big, 40), brute[..40]);
+    }
+
+    #[test]
+    fn seeded_determinism_and_batch_independence() {
+        let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.1).collect();
+        let p = SamplingParams::default();
+        let seq = |seed| {
+            let mut rng = SeqRng::new(seed);
+            let mut next = || run(&logits, &p, NO, &mut rng).token_id;
+            (0..50).map(|_| next()).collect::<Vec<_>>()
+        };
+        assert_eq!(seq(1), seq(1));
+        assert_ne!(seq(1), seq(2));
+
+        // 64 x 4096 logits takes the parallel path; mixed params in one batch.
+        let mut gen = SeqRng::new(99);
+        let rows: Vec<Vec<f32>> = (0..64)
+            .map(|_| (0..4096).map(|_| gen.next_f32() * 4.0).collect())
+            .collect();
+        let kinds = [
+            p.clone(),
+            with(|p| (p.top_k, p.top_p) = (50, 0.9)),
+            SamplingParams::greedy(1),
+        ];
+        let batch = |which: &[usize]| {
+            let mut copies: Vec<Vec<f32>> = which.iter().map(|&i| rows[i].clone()).collect();
+            let mut rngs: Vec<SeqRng> = which.iter().map(|&i| SeqRng::for_sample(5, i)).collect();
+            let rows = copies.iter_mut().zip(&mut rngs).zip(which);
+            let inputs = rows.map(|((logits, rng), &i)| {
+                let (params, prompt_ids, output_ids, suppress) = (&kinds[i % 3], &[], &[], &[]);
+                SampleInput {
+                    logits,
+                    params,
+                    prompt_ids,
+                    output_ids,
+                    suppress,
+                    rng,
+                }
+            });
+            let out = sample_batch(inputs.collect());
+            out.into_iter().map(|r| r.token_id).collect::<Vec<_>>()
+        };
+        let full = batch(&(0..64).collect::<Vec<_>>());
+        let odd: Vec<usize> = (1..64).step_by(2).collect();
+        assert_eq!(
+            batch(&odd),
+            odd.iter().map(|&i| full[i]).collect::<Vec<_>>()
+        );
+        assert_eq!(batch(&[10]), [full[10]]);
+    }
+
+    #[test]
+    fn temperature_and_top_k_distributions() {
+        assert_dist(&with(|p| p.temperature = 0.5), &softmax(&L, 0.5));
+        let top3 = renorm(&softmax(&L, 1.0), |i| i < 3);
+        assert_dist(&with(|p| p.top_k = 3), &top3);
+    }
+
+    #[test]
+    fn top_p_distribution() {
+        let probs = softmax(&L, 1.0);
+        let kept = nucleus_len(&probs, 0.7);
+        assert!(kept > 1 && kept < L.len());
+        assert_dist(&with(|p| p.top_p = 0.7), &renorm(&probs, |i| i < kept));
+        // top-p applies to the renormalised top-k set, after temperature.
+        let probs = renorm(&softmax(&L, 2.0), |i| i < 4);
+        let kept = nucleus_len(&probs, 0.8);
+        let p = with(|p| (p.temperature, p.top_k, p.top_p) = (2.0, 4, 0.8));
+        assert_dist(&p, &renorm(&probs, |i| i < kept));
+    }
+
+    #[test]
+    fn min_p_distribution() {
+        let probs = softmax(&L, 1.0);
+        let keep = |i: usize| probs[i] >= 0.3 * probs[0];
+        assert_eq!((0..6).filter(|&i| keep(i)).count(), 3);
+        assert_dist(&with(|p| p.min_p = 0.3), &renorm(&probs, keep));
+    }
+
+    #[test]
+    fn nucleus_matches_full_sort() {
+        let mut gen = SeqRng::new(4);
+        let mut full: Vec<(u32, f32)> = (0..5000).map(|i| (i, gen.next_f32() * 8.0)).collect();
+        let w = |x: f32| f64::from((x - 8.0).exp());
+        let target = 0.9 * full.iter().map(|c| w(c.1)).sum::<f64>();
+        let mut cands = full.clone();
+        let n = nucleus(&mut cands, &w, target);
+        full.sort_by(rank);
+        let expect = nucleus_len(&full.iter().map(|c| w(c.1)).collect::<Vec<_>>(), target);
+        assert!(n > 256, "exercises several widenings");
+        assert_eq!((n, &cands[..n]), (expect, &full[..expect]));
+    }
+
+    #[test]
+    fn penalties_and_bias_move_argmax() {
+        let rep = |r| with(|p| p.repetition_penalty = r);
+        let pres = |r| with(|p| p.presence_penalty = r);
+        let freq = with(|p| p.frequency_penalty = 0.1);
+        let bias = with(|p| p.logit_bias = BTreeMap::from([(2, 5.0), (77, 1.0)]));
+        let cases: [Case; 11] = [
+            (&[2.0, 1.9, -1.0], rep(1.2), &[], &[], 0),
+            (&[2.0, 1.9, -1.0], rep(1.2), &[0], &[], 1),
+            (&[-0.5, -0.6], rep(2.0), &[], &[0], 1),
+            (&[2.0, 1.6], rep(1.2), &[0, 0, 0], &[0], 0), // once per distinct token
+            (&[1.0, 0.8], pres(0.15), &[], &[0, 0, 0], 0), // once, not per occurrence
+            (&[1.0, 0.8], pres(0.5), &[0], &[0], 1),
+            (&[1.0, 0.8], pres(0.5), &[0], &[], 0), // the prompt does not count
+            (&[1.0, 0.8], freq.clone(), &[], &[0], 0),
+            (&[1.0, 0.8], freq, &[], &[0, 0, 0], 1),
+            (&[1.0, 0.0, 0.0], bias, &[], &[99], 2),
+            (&[1.0, 0.0, 0.0], SamplingParams::default(), &[], &[], 0),
+        ];
+        for (i, (logits, mut p, prompt, out, want)) in cases.into_iter().enumerate() {
+            p.temperature = 0.0;
+            let got = run(logits, &p, [prompt, out, &[]], &mut SeqRng::new(0)).token_id;
+            assert_eq!(got, want, "case {i}");
+        }
+    }
+
+    #[test]
+    fn suppressed_ids_never_chosen() {
+        let mut rng = SeqRng::new(11);
+        let mut tok = |p: &SamplingParams, sup| {
+            run(&[3.0, 2.9, 0.0, -0.5], p, [&[], &[], sup], &mut rng).token_id
+        };
+        assert_eq!(tok(&SamplingParams::greedy(1), &[0, 1000]), 1);
+        let p = with(|p| p.logit_bias = BTreeMap::from([(0, 50.0)]));
+        for _ in 0..2000 {
+            assert!(tok(&p, &[0, 1]) >= 2);
+        }
+        assert_eq!(tok(&p, &[0, 1, 2, 3]), 0);
+    }
+
+    #[test]
+    fn nan_and_inf_do_not_panic() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let g = with(|p| (p.temperature, p.logprobs) = (0.0, Some(3)));
+        let s = with(|p| (p.logprobs, p.top_k, p.top_p, p.min_p) = (Some(3), 2, 0.5, 0.1));
+        let mut rng = SeqRng::new(2);
+        for p in [&g, &s, &SamplingParams::default()] {
+            let r = run(&[nan, 1.0, nan], p, NO, &mut rng);
+            assert_eq!((r.token_id, r.logprob), (1, 0.0));
+            for row in [&[nan, nan][..], &[NEG_INF; 3], &[]] {
+                let r = run(row, p, [&[1], &[0], &[]], &mut rng);
+                assert_eq!((r.token_id, r.logprob), (0, NEG_INF));
+            }
+            let r = run(&[0.0, inf, 1.0, inf], p, NO, &mut rng);
+            assert!(r.token_id == 1 || r.token_id == 3);
+            assert!((r.logprob - -std::f32::consts::LN_2).abs() < 1e-6);
+        }
+        assert_eq!(prompt_logprob(&[nan, nan], 0, Some(2)).logprob, NEG_INF);
+    }
+}

@@ -1,0 +1,295 @@
+//! Continuous batching with one token budget per step (vLLM v1 semantics): there is no prefill or
+//! decode phase; every step each running sequence asks for the tokens it has not computed yet
+//! (a whole prompt, a chunk of it, or one decode token), then waiting sequences are admitted FCFS
+//! with what is left of the budget.
+//!
+//! Owns the sequences, the waiting queue, the running list and the KV block tables. Pure: integer
+//! ids and `Vec`s, no tensors, no clocks, no locks. When blocks run out the newest running sequence
+//! is preempted by recompute (its blocks freed, its computed count reset, put back at the head of
+//! the queue), so the oldest requests always make progress and nothing deadlocks as long as every
+//! single request fits the cache on its own (checked at admission by the engine).
+
+use crate::kv_cache::{BlockId, KvCacheManager};
+use crate::request::RequestId;
+use crate::sequence::{SeqId, SeqStatus, Sequence};
+use std::collections::{HashMap, VecDeque};
+
+/// Limits of the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub seq_id: SeqId,
+    /// Tokens already in the cache before this step.
+    pub num_computed: usize,
+    /// Tokens fed through the model in this step.
+    pub num_new: usize,
+    /// The step reaches the sequence's last token, so a new token is sampled.
+    pub samples: bool,
+}
+
+/// What to run in one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledSeq>,
+    /// Block copies `(src, dst)` to perform before the forward pass (copy-on-write).
+    pub block_copies: Vec<(BlockId, BlockId)>,
+    /// Sequences preempted in this step (their computed state was dropped).
+    pub preempted: Vec<SeqId>,
+    pub num_batched_tokens: usize,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+    }
+}
+
+/// The scheduler.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    kv: KvCacheManager,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            kv: KvCacheManager::new(cfg.num_blocks, cfg.block_size),
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Queues a new sequence at the tail.
+    pub fn add(&mut self, mut seq: Sequence) {
+        seq.status = SeqStatus::Waiting;
+        self.waiting.push_back(seq.id);
+        self.seqs.insert(seq.id, seq);
+    }
+
+    /// Plans one step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(seq) = self.seqs.get(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let num_computed = seq.num_computed_tokens;
+            let remaining = seq.num_uncomputed();
+            if remaining == 0 {
+                i += 1;
+                continue;
+            }
+            let num_new = remaining.min(budget);
+            let mut self_preempted = false;
+            let copies = loop {
+                match self.kv.allocate_slots(id, num_computed, num_new) {
+                    Ok(c) => break c,
+                    Err(_) => {
+                        let Some(victim) = self.running.pop() else {
+                            self_preempted = true;
+                            break Vec::new();
+                        };
+                        self.preempt(victim);
+                        out.preempted.push(victim);
+                        if victim == id {
+                            self_preempted = true;
+                            break Vec::new();
+                        }
+                    }
+                }
+            };
+            if self_preempted {
+                break;
+            }
+            out.block_copies.extend(copies);
+            out.scheduled.push(ScheduledSeq {
+                seq_id: id,
+                num_computed,
+                num_new,
+                samples: num_new == remaining,
+            });
+            budget -= num_new;
+            i += 1;
+        }
+        if out.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let Some(seq) = self.seqs.get(&id) else {
+                    self.waiting.pop_front();
+                    continue;
+                };
+                let num_computed = seq.num_computed_tokens;
+                let remaining = seq.num_uncomputed();
+                let num_new = remaining.min(budget);
+                let Ok(copies) = self.kv.allocate_slots(id, num_computed, num_new) else {
+                    break;
+                };
+                self.waiting.pop_front();
+                self.running.push(id);
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.status = SeqStatus::Running;
+                }
+                out.block_copies.extend(copies);
+                out.scheduled.push(ScheduledSeq {
+                    seq_id: id,
+                    num_computed,
+                    num_new,
+                    samples: num_new == remaining,
+                });
+                budget -= num_new;
+            }
+        }
+        out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget;
+        out
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        self.kv.free(id);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.num_computed_tokens = 0;
+            s.status = SeqStatus::Waiting;
+            s.num_preemptions += 1;
+        }
+        self.waiting.push_front(id);
+    }
+
+    /// Records that the planned tokens of a step are now in the cache.
+    pub fn complete_step(&mut self, out: &SchedulerOutput) {
+        for s in &out.scheduled {
+            if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
+                seq.num_computed_tokens = (s.num_computed + s.num_new).min(seq.tokens.len());
+            }
+        }
+    }
+
+    /// Appends a sampled token to a sequence.
+    pub fn append_token(&mut self, id: SeqId, token: u32) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.tokens.push(token);
+        }
+    }
+
+    /// Splits `parent` into itself plus one child per id in `children`, sharing its KV blocks. Each
+    /// child copies the parent's tokens; the caller appends each one's own sampled token.
+    pub fn fork(&mut self, parent: SeqId, children: &[SeqId]) {
+        let Some(p) = self.seqs.get_mut(&parent) else {
+            return;
+        };
+        p.pending_forks = 0;
+        let template = p.clone();
+        for (k, &cid) in children.iter().enumerate() {
+            let mut c = template.clone();
+            c.id = cid;
+            c.index = template.index + k + 1;
+            self.kv.fork(parent, cid);
+            self.seqs.insert(cid, c);
+            match template.status {
+                SeqStatus::Running => self.running.push(cid),
+                _ => self.waiting.push_back(cid),
+            }
+        }
+    }
+
+    /// Ends a sequence and frees its blocks; returns it.
+    pub fn finish(&mut self, id: SeqId) -> Option<Sequence> {
+        self.kv.free(id);
+        self.running.retain(|&s| s != id);
+        self.waiting.retain(|&s| s != id);
+        let mut seq = self.seqs.remove(&id)?;
+        seq.status = SeqStatus::Finished;
+        Some(seq)
+    }
+
+    /// Ends every sequence of a request; returns their ids.
+    pub fn abort_request(&mut self, request: RequestId) -> Vec<SeqId> {
+        let ids: Vec<SeqId> = self
+            .seqs
+            .values()
+            .filter(|s| s.request_id == request)
+            .map(|s| s.id)
+            .collect();
+        for &id in &ids {
+            self.finish(id);
+        }
+        ids
+    }
+
+    /// Inconsistencies between sequences, queues and blocks (empty when sound).
+    pub fn check_integrity(&self) -> Vec<String> {
+        let mut errs = self.kv.check_integrity();
+        for (id, s) in &self.seqs {
+            let in_run = self.running.contains(id);
+            let in_wait = self.waiting.contains(id);
+            if in_run == in_wait {
+                errs.push(format!("seq {id}: running={in_run} waiting={in_wait}"));
+            }
+            if s.num_computed_tokens > s.tokens.len() {
+                errs.push(format!(
+                    "seq {id}: computed {} > tokens {}",
+                    s.num_computed_tokens,
+                    s.tokens.len()
+                ));
+            }
+            let held = self.kv.block_table(*id).len();
+            if held < self.kv.blocks_for(s.num_computed_tokens) {
+                errs.push(format!(
+                    "seq {id}: {} computed tokens in {held} blocks",
+                    s.num_computed_tokens
+                ));
+            }
+        }
+        if self.kv.num_tables() > self.seqs.len() {
+            errs.push("block tables of finished sequences remain".into());
+        }
+        errs
+    }
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

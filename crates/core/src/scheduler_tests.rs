@@ -1,0 +1,193 @@
+//! Unit tests of the scheduler: exact budgets, chunking, limits, preemption and resume, forks and
+//! aborts, with a pool-integrity check after every step.
+
+use super::*;
+
+fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: max_seqs,
+        max_num_batched_tokens: budget,
+        max_model_len: 1024,
+        block_size: bs,
+        num_blocks: blocks,
+    }
+}
+
+fn add(s: &mut Scheduler, id: u64, prompt_len: usize) {
+    let prompt = (0..prompt_len as u32)
+        .map(|t| t + 100 * id as u32)
+        .collect();
+    s.add(Sequence::new(SeqId(id), RequestId(id), prompt, 1));
+}
+
+fn plan(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
+    out.scheduled
+        .iter()
+        .map(|s| (s.seq_id.0, s.num_computed, s.num_new, s.samples))
+        .collect()
+}
+
+/// Completes a step, appending token 7 to each sequence that sampled.
+fn finish_step(s: &mut Scheduler, out: &SchedulerOutput) {
+    s.complete_step(out);
+    for x in &out.scheduled {
+        if x.samples {
+            s.append_token(x.seq_id, 7);
+        }
+    }
+    let errs = s.check_integrity();
+    assert!(errs.is_empty(), "{errs:?}");
+}
+
+#[test]
+fn one_budget_mixes_chunked_prefill_and_decode() {
+    let mut s = Scheduler::new(cfg(16, 8, 64, 4));
+    add(&mut s, 1, 10);
+    add(&mut s, 2, 10);
+    add(&mut s, 3, 10);
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 10, true), (2, 0, 6, false)]);
+    assert_eq!(o.num_batched_tokens, 16);
+    assert_eq!(s.num_waiting(), 1);
+    finish_step(&mut s, &o);
+    let o = s.schedule();
+    assert_eq!(
+        plan(&o),
+        vec![(1, 10, 1, true), (2, 6, 4, true), (3, 0, 10, true)]
+    );
+    assert_eq!(o.num_batched_tokens, 15);
+    finish_step(&mut s, &o);
+    let o = s.schedule();
+    assert_eq!(
+        plan(&o),
+        vec![(1, 11, 1, true), (2, 10, 1, true), (3, 10, 1, true)]
+    );
+    finish_step(&mut s, &o);
+    assert_eq!(s.kv().block_table(SeqId(1)).len(), 3); // 12 tokens computed, 13th pending
+}
+
+#[test]
+fn max_num_seqs_limits_admission() {
+    let mut s = Scheduler::new(cfg(100, 2, 64, 4));
+    for id in 1..=3 {
+        add(&mut s, id, 3);
+    }
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 3, true), (2, 0, 3, true)]);
+    finish_step(&mut s, &o);
+    s.finish(SeqId(1));
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(2, 3, 1, true), (3, 0, 3, true)]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn admission_waits_for_blocks_fcfs() {
+    let mut s = Scheduler::new(cfg(100, 8, 4, 4));
+    add(&mut s, 1, 12); // 3 blocks
+    add(&mut s, 2, 8); // 2 blocks: does not fit yet
+    add(&mut s, 3, 2); // would fit, but FCFS keeps it behind 2
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 12, true)]);
+    finish_step(&mut s, &o);
+    s.finish(SeqId(1));
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(2, 0, 8, true), (3, 0, 2, true)]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn preempts_newest_and_resumes_by_recompute() {
+    // 4 blocks of 2 tokens; two sequences of 3 tokens take 2 blocks each
+    let mut s = Scheduler::new(cfg(100, 8, 4, 2));
+    add(&mut s, 1, 3);
+    add(&mut s, 2, 3);
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 3, true), (2, 0, 3, true)]);
+    finish_step(&mut s, &o); // both have 4 tokens, 3 computed; next decode fits in block 2
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 3, 1, true), (2, 3, 1, true)]);
+    finish_step(&mut s, &o); // 5 tokens, 4 computed: the 5th needs a third block each
+    let o = s.schedule();
+    assert_eq!(o.preempted, vec![SeqId(2)]);
+    assert_eq!(plan(&o), vec![(1, 4, 1, true)]);
+    assert_eq!(s.seq(SeqId(2)).unwrap().num_computed_tokens, 0);
+    assert_eq!(s.num_waiting(), 1);
+    finish_step(&mut s, &o);
+    let out1: Vec<u32> = s.seq(SeqId(1)).unwrap().output_tokens().to_vec();
+    assert_eq!(out1, vec![7, 7, 7]);
+    s.finish(SeqId(1));
+    // seq 2 resumes: recomputes prompt + its 2 generated tokens, then samples its 3rd
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(2, 0, 5, true)]);
+    finish_step(&mut s, &o);
+    assert_eq!(s.seq(SeqId(2)).unwrap().output_tokens(), &[7, 7, 7]);
+    assert_eq!(s.seq(SeqId(2)).unwrap().num_preemptions, 1);
+}
+
+#[test]
+fn a_lone_sequence_that_cannot_grow_preempts_itself_without_looping() {
+    let mut s = Scheduler::new(cfg(100, 8, 1, 2));
+    add(&mut s, 1, 2);
+    let o = s.schedule();
+    finish_step(&mut s, &o);
+    let o = s.schedule();
+    assert_eq!(o.preempted, vec![SeqId(1)]);
+    assert!(o.scheduled.is_empty());
+    assert!(s.check_integrity().is_empty());
+}
+
+#[test]
+fn abort_frees_everything_at_any_moment() {
+    let mut s = Scheduler::new(cfg(6, 8, 16, 4));
+    add(&mut s, 1, 10);
+    add(&mut s, 2, 3);
+    let o = s.schedule(); // seq 1 mid-prefill
+    finish_step(&mut s, &o);
+    assert_eq!(s.abort_request(RequestId(1)), vec![SeqId(1)]);
+    assert_eq!(s.abort_request(RequestId(2)), vec![SeqId(2)]);
+    assert_eq!(s.kv().num_free_blocks(), 16);
+    assert!(!s.has_work());
+    assert!(s.check_integrity().is_empty());
+    assert!(s.abort_request(RequestId(9)).is_empty());
+}
+
+#[test]
+fn forked_samples_share_the_prompt_and_copy_on_write() {
+    let mut s = Scheduler::new(cfg(100, 8, 16, 4));
+    s.add(Sequence::new(
+        SeqId(1),
+        RequestId(1),
+        vec![1, 2, 3, 4, 5, 6],
+        3,
+    ));
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 6, true)]);
+    s.complete_step(&o);
+    assert_eq!(s.seq(SeqId(1)).unwrap().pending_forks, 2);
+    s.fork(SeqId(1), &[SeqId(2), SeqId(3)]);
+    for (id, tok) in [(1, 10), (2, 20), (3, 30)] {
+        s.append_token(SeqId(id), tok);
+    }
+    assert!(s.check_integrity().is_empty());
+    assert_eq!(s.kv().pool().ref_count(BlockId(0)), 3);
+    assert_eq!(s.kv().pool().ref_count(BlockId(1)), 3);
+    assert_eq!(s.seq(SeqId(3)).unwrap().index, 2);
+    let o = s.schedule();
+    assert_eq!(
+        plan(&o),
+        vec![(1, 6, 1, true), (2, 6, 1, true), (3, 6, 1, true)]
+    );
+    // the partial block 1 is copied for two of the three holders; the last one keeps it
+    assert_eq!(
+        o.block_copies,
+        vec![(BlockId(1), BlockId(2)), (BlockId(1), BlockId(3))]
+    );
+    assert_eq!(s.kv().pool().ref_count(BlockId(1)), 1);
+    finish_step(&mut s, &o);
+    for id in 1..=3 {
+        s.finish(SeqId(id));
+    }
+    assert_eq!(s.kv().num_free_blocks(), 16);
+    assert!(s.check_integrity().is_empty());
+}

@@ -1,0 +1,366 @@
+//! Continuous batching end to end on a tiny model: outputs do not depend on what else is in the
+//! batch, on when requests arrive, on chunked prefill or on preemption; seeds, n > 1, stops,
+//! aborts and bad input behave; the block pool is sound after every test.
+
+mod common;
+
+use common::*;
+use rserve_core::request::StopReason;
+use rserve_core::{
+    EngineError, EngineHandle, EngineRequest, FinishReason, KvBudget, SamplingParams,
+};
+use std::sync::atomic::Ordering;
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32)
+        .map(|i| {
+            (0..(3 + i * 7))
+                .map(|j| 13 + (i * 31 + j * 17) % 900)
+                .collect()
+        })
+        .collect()
+}
+
+fn greedy(n: usize) -> SamplingParams {
+    let mut p = SamplingParams::greedy(n);
+    p.ignore_eos = true;
+    p
+}
+
+fn run_alone(h: &EngineHandle, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
+    let s = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompt.to_vec(),
+            params: p.clone(),
+        })
+        .expect("submit");
+    s.wait().expect("done").outputs[0].token_ids.clone()
+}
+
+#[test]
+fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
+    let solo_engine = start("qwen2", |_| {});
+    let want: Vec<Vec<u32>> = prompts()
+        .iter()
+        .map(|p| run_alone(&solo_engine, p, &greedy(12)))
+        .collect();
+    assert_sound(&solo_engine);
+
+    let h = start("qwen2", |c| c.max_num_batched_tokens = 9);
+    let mut streams = Vec::new();
+    for p in prompts() {
+        let mut s = h
+            .submit(EngineRequest {
+                prompt_token_ids: p,
+                params: greedy(12),
+            })
+            .expect("submit");
+        // let the previous ones run a little before the next arrives
+        if let Some(first) = s.blocking_next() {
+            assert!(!first.expect("ok").finished);
+        }
+        streams.push(s);
+    }
+    for (i, s) in streams.into_iter().enumerate() {
+        let out = s.wait().expect("done");
+        assert_eq!(out.outputs[0].token_ids, want[i], "request {i}");
+        assert_eq!(out.outputs[0].finish_reason, Some(FinishReason::Length));
+    }
+    assert_sound(&h);
+}
+
+#[test]
+fn preemption_under_a_tiny_kv_budget_changes_no_output() {
+    let solo = start("llama3", |_| {});
+    let want: Vec<Vec<u32>> = prompts()
+        .iter()
+        .map(|p| run_alone(&solo, p, &greedy(16)))
+        .collect();
+    let h = start("llama3", |c| {
+        c.block_size = 4;
+        c.kv_cache = KvBudget::Blocks(24); // 96 tokens for ~230 needed
+    });
+    let streams: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| {
+            h.submit(EngineRequest {
+                prompt_token_ids: p,
+                params: greedy(16),
+            })
+            .expect("submit")
+        })
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        assert_eq!(
+            s.wait().expect("done").outputs[0].token_ids,
+            want[i],
+            "request {i}"
+        );
+    }
+    assert!(
+        h.stats().preemptions.load(Ordering::Relaxed) > 0,
+        "the budget must force preemption"
+    );
+    assert_sound(&h);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_independent_of_the_batch() {
+    let h = start("qwen3", |_| {});
+    let mut p = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 50,
+        seed: Some(42),
+        max_tokens: Some(10),
+        ..Default::default()
+    };
+    p.ignore_eos = true;
+    let prompt = prompts()[2].clone();
+    let alone = run_alone(&h, &prompt, &p);
+    // same request amid other traffic
+    let noise: Vec<_> = prompts()
+        .into_iter()
+        .map(|q| {
+            let mut np = p.clone();
+            np.seed = None;
+            h.submit(EngineRequest {
+                prompt_token_ids: q,
+                params: np,
+            })
+            .expect("submit")
+        })
+        .collect();
+    let busy = run_alone(&h, &prompt, &p);
+    drop(noise);
+    assert_eq!(alone, busy);
+    let mut other = p.clone();
+    other.seed = Some(7);
+    assert_ne!(run_alone(&h, &prompt, &other), alone);
+    assert_sound(&h);
+}
+
+#[test]
+fn n_samples_fork_share_the_prompt_and_are_reproducible() {
+    let h = start("llama2", |c| c.block_size = 4);
+    let mut p = SamplingParams {
+        n: 4,
+        temperature: 1.0,
+        seed: Some(3),
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    p.ignore_eos = true;
+    let prompt = prompts()[3].clone();
+    let run = || {
+        h.submit(EngineRequest {
+            prompt_token_ids: prompt.clone(),
+            params: p.clone(),
+        })
+        .expect("submit")
+        .wait()
+        .expect("done")
+    };
+    let a = run();
+    let b = run();
+    assert_eq!(a.outputs.len(), 4);
+    for (x, y) in a.outputs.iter().zip(&b.outputs) {
+        assert_eq!(x.token_ids, y.token_ids);
+        assert_eq!(x.token_ids.len(), 8);
+    }
+    let distinct: std::collections::HashSet<_> =
+        a.outputs.iter().map(|o| o.token_ids.clone()).collect();
+    assert!(
+        distinct.len() > 1,
+        "independent samples should differ: {distinct:?}"
+    );
+    // greedy n > 1: every sample equals the single greedy answer
+    let mut g = greedy(8);
+    g.n = 3;
+    let single = run_alone(&h, &prompt, &greedy(8));
+    let out = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompt.clone(),
+            params: g,
+        })
+        .expect("submit")
+        .wait()
+        .expect("done");
+    for o in &out.outputs {
+        assert_eq!(o.token_ids, single);
+    }
+    assert_sound(&h);
+}
+
+#[test]
+fn stop_tokens_stop_strings_and_min_tokens() {
+    let h = start("qwen2", |_| {});
+    let prompt = prompts()[4].clone();
+    let full = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompt.clone(),
+            params: greedy(12),
+        })
+        .expect("submit")
+        .wait()
+        .expect("done");
+    let toks = full.outputs[0].token_ids.clone();
+    let text = full.outputs[0].text.clone();
+    // stop token: the 4th generated token
+    let mut p = greedy(12);
+    p.stop_token_ids = vec![toks[3]];
+    let first = toks.iter().position(|&t| t == toks[3]).unwrap_or(3);
+    let o = run_req(&h, &prompt, p.clone());
+    assert_eq!(o.token_ids, toks[..=first].to_vec());
+    assert_eq!(o.finish_reason, Some(FinishReason::Stop));
+    assert_eq!(o.stop_reason, Some(StopReason::Token(toks[3])));
+    // min_tokens suppresses it
+    p.min_tokens = 12;
+    let o = run_req(&h, &prompt, p);
+    assert_eq!(o.token_ids.len(), 12);
+    assert!(!o.token_ids.contains(&toks[3]));
+    // stop string: a piece from the middle of the text
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() > 6 {
+        let stop: String = chars[3..6].iter().collect();
+        let cut = text.find(&stop).expect("present");
+        let mut p = greedy(12);
+        p.stop = vec![stop.clone()];
+        let o = run_req(&h, &prompt, p.clone());
+        assert_eq!(o.text, text[..cut]);
+        assert_eq!(o.stop_reason, Some(StopReason::Text(stop.clone())));
+        p.include_stop_str_in_output = true;
+        let o = run_req(&h, &prompt, p);
+        assert_eq!(o.text, text[..cut + stop.len()]);
+    }
+    assert_sound(&h);
+}
+
+fn run_req(
+    h: &EngineHandle,
+    prompt: &[u32],
+    p: SamplingParams,
+) -> rserve_core::request::CompletionOutput {
+    let out = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompt.to_vec(),
+            params: p,
+        })
+        .expect("submit")
+        .wait()
+        .expect("done");
+    out.outputs[0].clone()
+}
+
+#[test]
+fn streaming_deltas_concatenate_to_the_text() {
+    let h = start("mistral", |_| {});
+    let mut s = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompts()[5].clone(),
+            params: greedy(20),
+        })
+        .expect("submit");
+    let mut acc = String::new();
+    let mut deltas = Vec::new();
+    let mut last = None;
+    while let Some(o) = s.blocking_next() {
+        let o = o.expect("ok");
+        acc.push_str(&o.outputs[0].delta);
+        deltas.push(o.outputs[0].delta.clone());
+        last = Some(o);
+    }
+    let last = last.expect("outputs");
+    assert!(last.finished);
+    assert_eq!(acc, last.outputs[0].text);
+    let decoded = h
+        .info()
+        .tokenizer
+        .decode(&last.outputs[0].token_ids, true)
+        .expect("decode");
+    assert_eq!(acc, decoded);
+    // a random model may emit invalid UTF-8; otherwise no delta shows a replacement character
+    if !decoded.contains('\u{FFFD}') {
+        assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
+    }
+}
+
+#[test]
+fn dropping_a_stream_aborts_and_frees_its_blocks() {
+    let h = start("qwen3", |_| {});
+    let mut p = greedy(400);
+    p.ignore_eos = true;
+    let mut s = h
+        .submit(EngineRequest {
+            prompt_token_ids: prompts()[1].clone(),
+            params: p,
+        })
+        .expect("submit");
+    for _ in 0..3 {
+        s.blocking_next();
+    }
+    let id = s.request_id();
+    drop(s);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(
+        h.stats().running.load(Ordering::Relaxed),
+        0,
+        "request {id} still running"
+    );
+    assert_sound(&h);
+    // explicit abort of a queued request
+    let s = h
+        .submit(EngineRequest {
+            prompt_token_ids: vec![0, 5, 9],
+            params: greedy(300),
+        })
+        .expect("submit");
+    h.abort(s.request_id());
+    let out = s.wait().expect("final output");
+    assert_eq!(out.outputs[0].finish_reason, Some(FinishReason::Abort));
+    assert_sound(&h);
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let h = start("llama2", |c| c.max_model_len = Some(64));
+    let sub = |prompt: Vec<u32>, p: SamplingParams| {
+        h.submit(EngineRequest {
+            prompt_token_ids: prompt,
+            params: p,
+        })
+        .err()
+    };
+    assert!(matches!(
+        sub(vec![], greedy(4)),
+        Some(EngineError::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        sub(vec![5000], greedy(4)),
+        Some(EngineError::InvalidRequest(_))
+    ));
+    let e = sub(vec![1; 60], greedy(10)).expect("too long");
+    assert_eq!(
+        e.to_string(),
+        "This model's maximum context length is 64 tokens. However, you requested 70 tokens (60 in the messages, 10 in the completion). Please reduce the length of the messages or completion."
+    );
+    assert!(e.is_user_error());
+    let bad = SamplingParams {
+        top_p: 0.0,
+        ..greedy(4)
+    };
+    assert!(matches!(
+        sub(vec![1, 2], bad),
+        Some(EngineError::InvalidParam { .. })
+    ));
+    // default max_tokens (None) fills the rest of the context
+    let p = SamplingParams {
+        max_tokens: None,
+        ignore_eos: true,
+        ..greedy(1)
+    };
+    let out = run_req(&h, &[0, 1, 2, 3], p);
+    assert_eq!(out.token_ids.len(), 60);
+    assert_eq!(out.finish_reason, Some(FinishReason::Length));
+    assert_sound(&h);
+}

@@ -1,0 +1,56 @@
+//! Helpers shared by the engine's integration tests: fixture paths, goldens and engine start-up.
+#![allow(dead_code)]
+
+use rserve_core::{Engine, EngineConfig, EngineHandle, KvBudget};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn fixture_model(name: &str) -> PathBuf {
+    repo().join("tests/fixtures/models").join(name)
+}
+
+pub const MODELS: &[&str] = &["llama3", "llama2", "mistral", "qwen2", "qwen3"];
+
+#[derive(Debug, Deserialize)]
+pub struct Golden {
+    pub model: String,
+    pub cases: Vec<Case>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Case {
+    pub prompt: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub top5: Vec<Vec<(u32, f32)>>,
+    pub margins: Vec<f32>,
+    pub prompt_logprobs: Vec<Option<f32>>,
+}
+
+pub fn golden(name: &str) -> Golden {
+    let p = repo()
+        .join("tests/fixtures/goldens")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).expect("golden parses")
+}
+
+pub fn start(name: &str, f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
+    let mut cfg = EngineConfig::new(fixture_model(name));
+    cfg.kv_cache = KvBudget::Blocks(256);
+    f(&mut cfg);
+    Engine::start(cfg).expect("engine starts")
+}
+
+pub fn assert_sound(h: &EngineHandle) {
+    // let the engine finish processing aborts and frees
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let errs = h.check_integrity().expect("engine alive");
+    assert!(errs.is_empty(), "pool integrity: {errs:?}");
+    let free_all = h.stats().running.load(std::sync::atomic::Ordering::Relaxed) == 0;
+    assert!(free_all, "requests still running");
+}

@@ -1,0 +1,141 @@
+//! Command-line arguments (vLLM's flag names where they exist).
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "rserve", version, about = "A fast, small LLM serving engine")]
+pub struct Cli {
+    /// Log level: error, warn, info, debug, trace.
+    #[arg(long, global = true, default_value = "warn")]
+    pub log_level: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate a completion for one prompt and print it.
+    Generate(GenerateArgs),
+    /// Measure prefill and decode throughput in-process.
+    Bench(BenchArgs),
+}
+
+/// How to load and run the engine.
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// A model directory in Hugging Face layout; the embedded tiny model when omitted.
+    pub model: Option<String>,
+    /// auto (follow the checkpoint), float32, bfloat16 or float16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// cpu (or auto).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Maximum context length (prompt + completion); defaults to the model's.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Maximum number of sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks and decodes together).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Bytes of KV cache (default: 1 GiB on the CPU, capped by what max_num_seqs can use).
+    #[arg(long)]
+    pub kv_cache_memory: Option<usize>,
+    /// Engine seed for requests without their own.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// The prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Seed of this request's sampling.
+    #[arg(long)]
+    pub sample_seed: Option<u64>,
+    /// Keep generating after end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print the full output (token ids, logprobs) as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Top alternatives per token in --json output.
+    #[arg(long, default_value_t = 0)]
+    pub logprobs: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_len: usize,
+    /// Prompt length of the decode measurement.
+    #[arg(long, default_value_t = 32)]
+    pub prompt_len: usize,
+    /// Tokens generated per sequence in the decode measurement.
+    #[arg(long, default_value_t = 64)]
+    pub output_len: usize,
+    /// Batch sizes of the decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub batch: Vec<usize>,
+    /// Repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_generate_flags() {
+        let c = Cli::try_parse_from([
+            "rserve",
+            "generate",
+            "m",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "3",
+            "--dtype",
+            "float32",
+        ])
+        .unwrap();
+        match c.command {
+            Command::Generate(g) => {
+                assert_eq!(g.engine.model.as_deref(), Some("m"));
+                assert_eq!(g.max_tokens, 3);
+                assert_eq!(g.engine.dtype, "float32");
+            }
+            _ => panic!("wrong subcommand"),
+        }
+    }
+}
