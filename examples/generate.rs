@@ -6,12 +6,22 @@
 use rserve_core::{Engine, EngineConfig, EngineRequest, SamplingParams};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let model = std::env::args().nth(1).unwrap_or_else(|| "tests/fixtures/models/qwen2".into());
+    let model = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "tests/fixtures/models/qwen2".into());
     let engine = Engine::start(EngineConfig::new(model))?;
     let tok = engine.info().tokenizer.clone();
     let prompt_token_ids = tok.encode("The quick brown fox", true)?;
-    let params = SamplingParams { temperature: 0.8, seed: Some(7), max_tokens: Some(24), ..Default::default() };
-    let mut stream = engine.submit(EngineRequest { prompt_token_ids, params })?;
+    let params = SamplingParams {
+        temperature: 0.8,
+        seed: Some(7),
+        max_tokens: Some(24),
+        ..Default::default()
+    };
+    let mut stream = engine.submit(EngineRequest {
+        prompt_token_ids,
+        params,
+    })?;
     while let Some(out) = stream.blocking_next() {
         print!("{}", out?.outputs[0].delta);
     }
