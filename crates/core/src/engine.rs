@@ -161,7 +161,17 @@ impl Engine {
             model_dir: loaded.dir.clone(),
             model_config: mc.clone(),
             tokenizer: Arc::new(loaded.tokenizer),
-            chat_template: loaded.chat_template.map(Arc::new),
+            chat_template: match &cfg.chat_template {
+                Some(src) => Some(Arc::new(
+                    crate::chat_template::ChatTemplate::new(
+                        src,
+                        loaded.bos_token.clone(),
+                        loaded.eos_token.clone(),
+                    )
+                    .map_err(|e| EngineError::InvalidConfig(format!("chat template: {e}")))?,
+                )),
+                None => loaded.chat_template.map(Arc::new),
+            },
             generation: loaded.generation,
             max_model_len,
             num_blocks,

@@ -39,6 +39,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     pub kv_cache: KvBudget,
     pub seed: u64,
+    /// A chat template (Jinja source) replacing the model's own.
+    pub chat_template: Option<String>,
 }
 
 impl EngineConfig {
@@ -53,6 +55,7 @@ impl EngineConfig {
             block_size: 16,
             kv_cache: KvBudget::Auto,
             seed: 0,
+            chat_template: None,
         }
     }
 }

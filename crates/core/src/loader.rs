@@ -174,6 +174,8 @@ pub struct LoadedModel {
     pub generation: GenerationDefaults,
     pub dtype: DType,
     pub hf_config: HfConfig,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
 }
 
 /// Reads and validates `config.json` without touching the weights.
@@ -207,16 +209,16 @@ pub fn load_model(
     let model = Decoder::load(dcfg, &weights, positions)?;
     let generation = generation_defaults(dir, &hf)?;
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
-    let chat_template = match source {
-        Some(crate::chat_template::TemplateSource {
-            template: Some(t),
-            bos_token,
-            eos_token,
-        }) => Some(
-            ChatTemplate::new(&t, bos_token, eos_token)
+    let (template, bos_token, eos_token) = match source {
+        Some(s) => (s.template, s.bos_token, s.eos_token),
+        None => (None, None, None),
+    };
+    let chat_template = match &template {
+        Some(t) => Some(
+            ChatTemplate::new(t, bos_token.clone(), eos_token.clone())
                 .map_err(|e| LoadError::ChatTemplate(e.to_string()))?,
         ),
-        _ => None,
+        None => None,
     };
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
@@ -226,5 +228,7 @@ pub fn load_model(
         generation,
         dtype,
         hf_config: hf,
+        bos_token,
+        eos_token,
     })
 }

@@ -14,6 +14,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
     /// Generate a completion for one prompt and print it.
     Generate(GenerateArgs),
     /// Measure prefill and decode throughput in-process.
@@ -46,9 +48,41 @@ pub struct EngineArgs {
     /// Bytes of KV cache (default: 1 GiB on the CPU, capped by what max_num_seqs can use).
     #[arg(long)]
     pub kv_cache_memory: Option<usize>,
+    /// Fraction of GPU memory for weights and KV cache (GPU builds; ignored on the CPU).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// Engine seed for requests without their own.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The model name clients use (defaults to MODEL as given).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long, env = "RSERVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// A chat template file (or inline Jinja) replacing the model's own.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Requests in flight beyond which new ones get 503 with Retry-After.
+    #[arg(long, default_value_t = 4096)]
+    pub max_pending: usize,
+    /// Largest accepted request body in bytes (larger ones get 413).
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
 }
 
 #[derive(Debug, Args)]

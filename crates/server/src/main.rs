@@ -1,8 +1,12 @@
-//! The `rserve` command: `generate` (one prompt from the command line) and `bench` (in-process
-//! throughput), all on the same engine the HTTP server and Python drive.
+//! The `rserve` command: `serve` (the OpenAI-compatible HTTP server), `generate` (one prompt from
+//! the command line) and `bench` (in-process throughput), all on the same engine.
 
 mod bench;
 mod cli;
+mod metrics;
+mod openai;
+mod routes;
+mod serve;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -90,6 +94,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     init_logging(&cli.log_level);
     match cli.command {
+        Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate(a),
         Command::Bench(a) => bench::run(a),
     }

@@ -1,0 +1,250 @@
+//! Wire requests -> validated engine inputs: sampling parameters with each endpoint's defaults,
+//! chat messages -> the chat template's input, prompts -> token ids. The single validation path
+//! for HTTP and Python; the engine only ever sees what passes here.
+
+use super::error::ApiError;
+use super::types::{ChatMessage, CommonFields, Prompt};
+use rserve_core::request::MAX_LOGPROBS;
+use rserve_core::{EngineInfo, SamplingParams};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+fn range_err(field: &str, msg: String) -> ApiError {
+    ApiError::bad_request(format!("{field}: {msg}")).with_param(field)
+}
+
+fn non_negative(field: &str, v: i64) -> Result<usize, ApiError> {
+    usize::try_from(v).map_err(|_| range_err(field, format!("must be non-negative, got {v}")))
+}
+
+/// Fills `SamplingParams` from the fields both endpoints share. `default_max_tokens` is the
+/// endpoint's default (`None`: the rest of the context). Model generation defaults apply where
+/// the request is silent.
+pub fn sampling_params(
+    c: &CommonFields,
+    info: &EngineInfo,
+    default_max_tokens: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    let g = &info.generation;
+    let mut p = SamplingParams {
+        temperature: g.temperature.unwrap_or(1.0),
+        top_p: g.top_p.unwrap_or(1.0),
+        top_k: g.top_k.unwrap_or(0),
+        repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        max_tokens: default_max_tokens,
+        ..SamplingParams::default()
+    };
+    if let Some(t) = c.temperature {
+        p.temperature = t as f32;
+    }
+    if let Some(t) = c.top_p {
+        p.top_p = t as f32;
+    }
+    if let Some(k) = c.top_k {
+        p.top_k = if k == -1 {
+            0
+        } else {
+            non_negative("top_k", k)?
+        };
+    }
+    if let Some(m) = c.min_p {
+        p.min_p = m as f32;
+    }
+    if let Some(r) = c.repetition_penalty {
+        p.repetition_penalty = r as f32;
+    }
+    if let Some(x) = c.presence_penalty {
+        p.presence_penalty = x as f32;
+    }
+    if let Some(x) = c.frequency_penalty {
+        p.frequency_penalty = x as f32;
+    }
+    if let Some(n) = c.n {
+        p.n = non_negative("n", n)?;
+    }
+    if let Some(m) = c.max_tokens {
+        if m < 1 {
+            return Err(range_err(
+                "max_tokens",
+                format!("must be at least 1, got {m}"),
+            ));
+        }
+        p.max_tokens = Some(m as usize);
+    }
+    if let Some(m) = c.min_tokens {
+        p.min_tokens = non_negative("min_tokens", m)?;
+    }
+    if let Some(s) = c.seed {
+        p.seed = Some(s as u64);
+    }
+    if let Some(stop) = c.stop.clone() {
+        p.stop = stop.into_vec();
+    }
+    if let Some(ids) = &c.stop_token_ids {
+        p.stop_token_ids = ids
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .map_err(|_| range_err("stop_token_ids", format!("invalid token id {t}")))
+            })
+            .collect::<Result<_, _>>()?;
+    }
+    if let Some(b) = &c.logit_bias {
+        let mut m = BTreeMap::new();
+        for (k, v) in b {
+            let id: u32 = k.trim().parse().map_err(|_| {
+                range_err("logit_bias", format!("keys must be token ids, got `{k}`"))
+            })?;
+            m.insert(id, *v as f32);
+        }
+        p.logit_bias = m;
+    }
+    p.ignore_eos = c.ignore_eos.unwrap_or(false);
+    p.skip_special_tokens = c.skip_special_tokens.unwrap_or(true);
+    p.include_stop_str_in_output = c.include_stop_str_in_output.unwrap_or(false);
+    Ok(p)
+}
+
+/// Checks the range of a logprobs count.
+pub fn logprobs_count(field: &str, v: i64) -> Result<usize, ApiError> {
+    let k = non_negative(field, v)?;
+    if k > MAX_LOGPROBS {
+        return Err(range_err(
+            field,
+            format!("must be at most {MAX_LOGPROBS}, got {k}"),
+        ));
+    }
+    Ok(k)
+}
+
+/// Validates the parameters against the model and turns core errors into 400s.
+pub fn validate(p: &SamplingParams, info: &EngineInfo) -> Result<(), ApiError> {
+    p.validate(info.model_config.vocab_size)
+        .map_err(|e| ApiError::bad_request(e.to_string()).with_param(e.field))
+}
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// Chat messages -> the JSON the template sees; text parts are joined, other parts refused.
+pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].role: `{}` is not one of {}",
+                m.role,
+                ROLES.join(", ")
+            ))
+            .with_param("messages"));
+        }
+        let content = match &m.content {
+            None | Some(Value::Null) => Value::Null,
+            Some(Value::String(s)) => Value::String(s.clone()),
+            Some(Value::Array(parts)) => {
+                let mut texts = Vec::new();
+                for part in parts {
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => match part.get("text").and_then(Value::as_str) {
+                            Some(t) => texts.push(t.to_string()),
+                            None => {
+                                return Err(ApiError::bad_request(format!("messages[{i}]: a text part needs a `text` string")).with_param("messages"))
+                            }
+                        },
+                        Some(other) => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}]: content parts of type `{other}` are not supported by this model"
+                            ))
+                            .with_param("messages"))
+                        }
+                        None => return Err(ApiError::bad_request(format!("messages[{i}]: content part without a type")).with_param("messages")),
+                    }
+                }
+                Value::String(texts.join("\n"))
+            }
+            Some(_) => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].content must be a string or a list of parts"
+                ))
+                .with_param("messages"))
+            }
+        };
+        let mut v = json!({"role": m.role, "content": content});
+        if let Some(n) = &m.name {
+            v["name"] = json!(n);
+        }
+        if let Some(t) = &m.tool_calls {
+            v["tool_calls"] = t.clone();
+        }
+        if let Some(t) = &m.tool_call_id {
+            v["tool_call_id"] = json!(t);
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// Renders the chat template and tokenizes the result (no extra special tokens, as vLLM does).
+pub fn chat_prompt(
+    info: &EngineInfo,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    extra: Option<&serde_json::Map<String, Value>>,
+) -> Result<(String, Vec<u32>), ApiError> {
+    let msgs = template_messages(messages)?;
+    let tpl = info.chat_template.as_ref().ok_or_else(|| {
+        ApiError::bad_request(
+            "this model has no chat template; pass --chat-template or use /v1/completions",
+        )
+    })?;
+    let text = tpl
+        .render(&msgs, add_generation_prompt, None, extra)
+        .map_err(|e| ApiError::bad_request(format!("chat template: {e}")).with_param("messages"))?;
+    let ids = info
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok((text, ids))
+}
+
+/// Token ids from the wire, checked against the vocabulary.
+pub fn token_ids(v: &[i64], info: &EngineInfo, field: &str) -> Result<Vec<u32>, ApiError> {
+    let vocab = info.model_config.vocab_size;
+    v.iter()
+        .map(|&t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|&x| (x as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "{field}: token id {t} is out of vocabulary (size {vocab})"
+                    ))
+                    .with_param(field)
+                })
+        })
+        .collect()
+}
+
+/// Every prompt of a completions request as token ids (text is tokenized with special tokens).
+pub fn completion_prompts(prompt: &Prompt, info: &EngineInfo) -> Result<Vec<Vec<u32>>, ApiError> {
+    let enc = |s: &str| -> Result<Vec<u32>, ApiError> {
+        info.tokenizer
+            .encode(s, true)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
+    };
+    let out = match prompt {
+        Prompt::Text(s) => vec![enc(s)?],
+        Prompt::Texts(v) => v.iter().map(|s| enc(s)).collect::<Result<_, _>>()?,
+        Prompt::Tokens(t) => vec![token_ids(t, info, "prompt")?],
+        Prompt::TokenLists(l) => l
+            .iter()
+            .map(|t| token_ids(t, info, "prompt"))
+            .collect::<Result<_, _>>()?,
+    };
+    if out.is_empty() || out.iter().any(Vec::is_empty) {
+        return Err(ApiError::bad_request("prompt must not be empty").with_param("prompt"));
+    }
+    Ok(out)
+}

@@ -1,0 +1,200 @@
+//! `POST /v1/chat/completions`: messages -> chat template -> engine; JSON or SSE responses in
+//! OpenAI's shape, logprobs as `choices[i].logprobs.content`.
+
+use super::stream::{sse_response, usage_json, ChunkFormat};
+use super::{parse_body, Shared};
+use crate::openai::error::ApiError;
+use crate::openai::params::{chat_prompt, logprobs_count, sampling_params, validate};
+use crate::openai::types::ChatCompletionRequest;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rserve_core::request::{CompletionOutput, TokenLogprob};
+use rserve_core::tokenizer::Tokenizer;
+use rserve_core::EngineRequest;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// A token's text for logprobs: its decoded piece, or `token_id:N` when asked for.
+pub fn token_text(tok: &Tokenizer, id: u32, as_ids: bool) -> String {
+    if as_ids {
+        return format!("token_id:{id}");
+    }
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+fn logprob_entry(tok: &Tokenizer, id: u32, lp: f32, as_ids: bool) -> Value {
+    let t = token_text(tok, id, as_ids);
+    let bytes: Vec<u8> = t.as_bytes().to_vec();
+    json!({"token": t, "logprob": lp, "bytes": bytes})
+}
+
+fn logprobs_content(tok: &Tokenizer, lps: &[TokenLogprob], as_ids: bool) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let mut e = logprob_entry(tok, l.token_id, l.logprob, as_ids);
+            e["top_logprobs"] = Value::Array(
+                l.top
+                    .iter()
+                    .map(|&(id, lp)| logprob_entry(tok, id, lp, as_ids))
+                    .collect(),
+            );
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+struct ChatFormat {
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Arc<Tokenizer>,
+    want_logprobs: bool,
+    as_ids: bool,
+}
+
+impl ChatFormat {
+    fn chunk(&self, choices: Value) -> Value {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
+    }
+}
+
+impl ChunkFormat for ChatFormat {
+    fn opening(&self, index: usize) -> Option<Value> {
+        Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
+    }
+
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionOutput,
+        new_lps: &[TokenLogprob],
+        _first: bool,
+    ) -> Value {
+        let logprobs = if self.want_logprobs {
+            logprobs_content(&self.tokenizer, new_lps, self.as_ids)
+        } else {
+            Value::Null
+        };
+        let delta = if out.delta.is_empty() && out.finish_reason.is_some() {
+            json!({})
+        } else {
+            json!({"content": out.delta})
+        };
+        self.chunk(json!([{
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason.map(|f| f.as_str()),
+            "stop_reason": out.stop_reason,
+        }]))
+    }
+
+    fn usage(&self, usage: Value) -> Value {
+        let mut c = self.chunk(json!([]));
+        c["usage"] = usage;
+        c
+    }
+}
+
+pub async fn chat_completions(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(body)?;
+    st.check_model(req.common.model.as_deref())?;
+    let engine = st.engine()?;
+    let info = engine.info().clone();
+    if let Some(rf) = &req.response_format {
+        let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind != "text" {
+            return Err(ApiError::bad_request(format!(
+                "response_format `{kind}` is not supported yet"
+            ))
+            .with_param("response_format"));
+        }
+    }
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::bad_request("tools are not supported yet").with_param("tools"));
+    }
+    let mut params = sampling_params(&req.common, &info, None)?;
+    if let Some(m) = req.max_completion_tokens {
+        if m < 1 {
+            return Err(ApiError::bad_request(format!(
+                "max_completion_tokens: must be at least 1, got {m}"
+            ))
+            .with_param("max_completion_tokens"));
+        }
+        params.max_tokens = Some(m as usize);
+    }
+    let want_logprobs = req.logprobs.unwrap_or(false);
+    match (want_logprobs, req.top_logprobs) {
+        (true, k) => params.logprobs = Some(logprobs_count("top_logprobs", k.unwrap_or(0))?),
+        (false, Some(k)) if k > 0 => {
+            return Err(
+                ApiError::bad_request("top_logprobs requires logprobs to be true")
+                    .with_param("top_logprobs"),
+            );
+        }
+        _ => {}
+    }
+    validate(&params, &info)?;
+    let add_gen =
+        req.add_generation_prompt.unwrap_or(true) && !req.continue_final_message.unwrap_or(false);
+    let (_, prompt_ids) = chat_prompt(
+        &info,
+        &req.messages,
+        add_gen,
+        req.chat_template_kwargs.as_ref(),
+    )?;
+    let n = params.n;
+    let tracked = st.submit(EngineRequest {
+        prompt_token_ids: prompt_ids,
+        params,
+    })?;
+    let fmt = ChatFormat {
+        id: format!("chatcmpl-{}", super::misc::random_id()),
+        created: super::misc::now(),
+        model: st.served_model_name.clone(),
+        tokenizer: info.tokenizer.clone(),
+        want_logprobs,
+        as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
+    };
+    if req.common.stream.unwrap_or(false) {
+        let include_usage = req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return Ok(sse_response(fmt, vec![(tracked, 0, n)], include_usage));
+    }
+    let prompt_len = tracked.prompt_len;
+    let out = tracked.finish().await?;
+    let choices: Vec<Value> = out
+        .outputs
+        .iter()
+        .map(|c| {
+            json!({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": if want_logprobs { logprobs_content(&fmt.tokenizer, c.logprobs.as_deref().unwrap_or(&[]), fmt.as_ids) } else { Value::Null },
+                "finish_reason": c.finish_reason.map(|f| f.as_str()),
+                "stop_reason": c.stop_reason,
+            })
+        })
+        .collect();
+    let completion: usize = out.num_generated_tokens();
+    Ok(Json(json!({
+        "id": fmt.id,
+        "object": "chat.completion",
+        "created": fmt.created,
+        "model": fmt.model,
+        "choices": choices,
+        "usage": usage_json(prompt_len, completion),
+    }))
+    .into_response())
+}

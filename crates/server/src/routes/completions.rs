@@ -1,0 +1,207 @@
+//! `POST /v1/completions`: one or many prompts (text or token ids), `echo`, integer `logprobs`
+//! in the legacy `{tokens, token_logprobs, top_logprobs, text_offset}` shape; JSON or SSE.
+
+use super::chat::token_text;
+use super::stream::{sse_response, usage_json, ChunkFormat, Tracked};
+use super::{parse_body, Shared};
+use crate::openai::error::ApiError;
+use crate::openai::params::{completion_prompts, logprobs_count, sampling_params, validate};
+use crate::openai::types::CompletionRequest;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use rserve_core::request::{CompletionOutput, TokenLogprob};
+use rserve_core::tokenizer::Tokenizer;
+use rserve_core::EngineRequest;
+use serde_json::{json, Map, Value};
+use std::sync::Arc;
+
+/// Legacy logprobs for a run of tokens whose text starts at `offset` (in characters).
+fn legacy_logprobs(
+    tok: &Tokenizer,
+    lps: &[Option<TokenLogprob>],
+    ids: &[u32],
+    offset: usize,
+    as_ids: bool,
+) -> Value {
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut top = Vec::new();
+    let mut offsets = Vec::new();
+    let mut at = offset;
+    for (i, &id) in ids.iter().enumerate() {
+        let text = token_text(tok, id, as_ids);
+        offsets.push(at);
+        at += text.chars().count();
+        tokens.push(Value::String(text));
+        match lps.get(i).and_then(Option::as_ref) {
+            Some(l) => {
+                token_logprobs.push(json!(l.logprob));
+                let mut m = Map::new();
+                for &(t, lp) in &l.top {
+                    m.insert(token_text(tok, t, as_ids), json!(lp));
+                }
+                top.push(Value::Object(m));
+            }
+            None => {
+                token_logprobs.push(Value::Null);
+                top.push(Value::Null);
+            }
+        }
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+struct CompletionFormat {
+    id: String,
+    created: u64,
+    model: String,
+    tokenizer: Arc<Tokenizer>,
+    logprobs: bool,
+    as_ids: bool,
+    /// Per request: its prompt text when echoing.
+    echo: Vec<Option<String>>,
+    n: usize,
+}
+
+impl ChunkFormat for CompletionFormat {
+    fn opening(&self, _index: usize) -> Option<Value> {
+        None
+    }
+
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionOutput,
+        new_lps: &[TokenLogprob],
+        first: bool,
+    ) -> Value {
+        let mut text = out.delta.clone();
+        if first {
+            if let Some(Some(p)) = self.echo.get(index / self.n.max(1)) {
+                text = format!("{p}{text}");
+            }
+        }
+        let logprobs = if self.logprobs {
+            let ids: Vec<u32> = new_lps.iter().map(|l| l.token_id).collect();
+            let lps: Vec<Option<TokenLogprob>> = new_lps.iter().cloned().map(Some).collect();
+            legacy_logprobs(&self.tokenizer, &lps, &ids, 0, self.as_ids)
+        } else {
+            Value::Null
+        };
+        json!({
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": [{
+                "index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": out.finish_reason.map(|f| f.as_str()), "stop_reason": out.stop_reason,
+            }],
+        })
+    }
+
+    fn usage(&self, usage: Value) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage})
+    }
+}
+
+pub async fn completions(
+    State(st): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body)?;
+    st.check_model(req.common.model.as_deref())?;
+    let engine = st.engine()?;
+    let info = engine.info().clone();
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad_request("suffix is not supported").with_param("suffix"));
+    }
+    if req.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::bad_request("best_of is not supported").with_param("best_of"));
+    }
+    let mut params = sampling_params(&req.common, &info, Some(16))?;
+    let echo = req.echo.unwrap_or(false);
+    if let Some(k) = req.logprobs {
+        let k = logprobs_count("logprobs", k)?;
+        params.logprobs = Some(k);
+        if echo {
+            params.prompt_logprobs = Some(k);
+        }
+    }
+    validate(&params, &info)?;
+    let prompts = completion_prompts(&req.prompt, &info)?;
+    let n = params.n;
+    let mut tracked: Vec<(Tracked, usize, usize)> = Vec::with_capacity(prompts.len());
+    let mut echo_text = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        echo_text.push(if echo {
+            Some(
+                info.tokenizer
+                    .decode(p, false)
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?,
+            )
+        } else {
+            None
+        });
+        tracked.push((
+            st.submit(EngineRequest {
+                prompt_token_ids: p.clone(),
+                params: params.clone(),
+            })?,
+            i * n,
+            n,
+        ));
+    }
+    let fmt = CompletionFormat {
+        id: format!("cmpl-{}", super::misc::random_id()),
+        created: super::misc::now(),
+        model: st.served_model_name.clone(),
+        tokenizer: info.tokenizer.clone(),
+        logprobs: params.logprobs.is_some(),
+        as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
+        echo: echo_text,
+        n,
+    };
+    if req.common.stream.unwrap_or(false) {
+        let include_usage = req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        return Ok(sse_response(fmt, tracked, include_usage));
+    }
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0usize, 0usize);
+    for (pi, (t, base, _)) in tracked.into_iter().enumerate() {
+        prompt_tokens += t.prompt_len;
+        let out = t.finish().await?;
+        completion_tokens += out.num_generated_tokens();
+        let echo_prefix = fmt.echo.get(pi).cloned().flatten();
+        for c in &out.outputs {
+            let text = format!("{}{}", echo_prefix.as_deref().unwrap_or(""), c.text);
+            let logprobs = if fmt.logprobs {
+                let mut ids = Vec::new();
+                let mut lps: Vec<Option<TokenLogprob>> = Vec::new();
+                if echo_prefix.is_some() {
+                    ids.extend(&out.prompt_token_ids);
+                    lps.extend(out.prompt_logprobs.clone().unwrap_or_default());
+                    lps.resize(ids.len(), None);
+                }
+                ids.extend(&c.token_ids);
+                lps.extend(c.logprobs.clone().unwrap_or_default().into_iter().map(Some));
+                legacy_logprobs(&fmt.tokenizer, &lps, &ids, 0, fmt.as_ids)
+            } else {
+                Value::Null
+            };
+            choices.push(json!({
+                "index": base + c.index, "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason.map(|f| f.as_str()), "stop_reason": c.stop_reason,
+            }));
+        }
+    }
+    Ok(Json(json!({
+        "id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
+        "choices": choices, "usage": usage_json(prompt_tokens, completion_tokens),
+    }))
+    .into_response())
+}

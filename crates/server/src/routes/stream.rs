@@ -1,0 +1,238 @@
+//! A request's output stream as the HTTP layer sees it: records time to first token, inter-token
+//! latency, time per output token, end-to-end latency and queue time, and holds the request's
+//! place in the pending count until it ends. Dropping it (a client that went away) aborts the
+//! request in the engine.
+
+use super::Shared;
+use rserve_core::{EngineError, OutputStream, RequestOutput};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+pub struct Tracked {
+    inner: OutputStream,
+    state: Shared,
+    start: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+    pub prompt_len: usize,
+    ended: bool,
+}
+
+impl Tracked {
+    pub fn new(inner: OutputStream, state: Shared, prompt_len: usize) -> Self {
+        state.pending.fetch_add(1, Ordering::Relaxed);
+        Self {
+            inner,
+            state,
+            start: Instant::now(),
+            first: None,
+            last: None,
+            tokens: 0,
+            prompt_len,
+            ended: false,
+        }
+    }
+
+    fn observe(&mut self, out: &RequestOutput) {
+        let now = Instant::now();
+        let n = out.num_generated_tokens();
+        let m = &self.state.metrics;
+        if n > self.tokens {
+            match self.last {
+                None => m.ttft.observe(now.duration_since(self.start).as_secs_f64()),
+                Some(prev) => m.itl.observe(now.duration_since(prev).as_secs_f64()),
+            }
+            if self.first.is_none() {
+                self.first = Some(now);
+            }
+            self.last = Some(now);
+            self.tokens = n;
+        }
+        if out.finished {
+            m.e2e.observe(now.duration_since(self.start).as_secs_f64());
+            if let Some(q) = out.queue_time {
+                m.queue.observe(q);
+            }
+            if let (Some(f), true) = (self.first, n > 1) {
+                m.tpot
+                    .observe(now.duration_since(f).as_secs_f64() / (n - 1) as f64);
+            }
+        }
+    }
+
+    /// The next output; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+        let item = self.inner.next().await;
+        match &item {
+            Some(Ok(o)) => {
+                self.observe(o);
+                if o.finished {
+                    self.end();
+                }
+            }
+            _ => self.end(),
+        }
+        item
+    }
+
+    /// Waits for the final output.
+    pub async fn finish(mut self) -> Result<RequestOutput, EngineError> {
+        let mut last = None;
+        while let Some(item) = self.next().await {
+            last = Some(item?);
+        }
+        last.ok_or(EngineError::Stopped)
+    }
+
+    fn end(&mut self) {
+        if !self.ended {
+            self.ended = true;
+            self.state.pending.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+use crate::openai::error::ApiError;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream, StreamExt};
+use rserve_core::request::{CompletionOutput, TokenLogprob};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+/// How one endpoint renders its stream chunks.
+pub trait ChunkFormat: Send + Sync + 'static {
+    /// A chunk sent once per choice before any text (chat: the role).
+    fn opening(&self, index: usize) -> Option<Value>;
+    /// A chunk carrying new text and tokens of one choice; `first` is true for its first content
+    /// chunk (completions' `echo` puts the prompt there).
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionOutput,
+        new_logprobs: &[TokenLogprob],
+        first: bool,
+    ) -> Value;
+    /// The final usage chunk.
+    fn usage(&self, usage: Value) -> Value;
+}
+
+/// Per-choice progress of a streamed request.
+#[derive(Default, Clone)]
+struct Progress {
+    logprobs_sent: usize,
+    content_sent: bool,
+    finished: bool,
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Vec<Event>> + Send>>;
+
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// `{"prompt_tokens", "completion_tokens", "total_tokens"}`.
+pub fn usage_json(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+fn one_request<F: ChunkFormat>(
+    fmt: Arc<F>,
+    tracked: Tracked,
+    base: usize,
+    n: usize,
+    generated: Arc<AtomicUsize>,
+) -> EventStream {
+    let init = (tracked, vec![Progress::default(); n], false);
+    let s = stream::unfold(init, move |(mut t, mut prog, opened)| {
+        let fmt = fmt.clone();
+        let generated = generated.clone();
+        async move {
+            let mut events = Vec::new();
+            if !opened {
+                for i in 0..prog.len() {
+                    if let Some(v) = fmt.opening(base + i) {
+                        events.push(data(&v));
+                    }
+                }
+            }
+            match t.next().await {
+                None => {
+                    if events.is_empty() {
+                        None
+                    } else {
+                        Some((events, (t, prog, true)))
+                    }
+                }
+                Some(Err(e)) => {
+                    events.push(data(&ApiError::from(e).body()));
+                    // end this request's stream after the error
+                    prog.iter_mut().for_each(|p| p.finished = true);
+                    Some((events, (t, prog, true)))
+                }
+                Some(Ok(out)) => {
+                    for (i, c) in out.outputs.iter().enumerate() {
+                        let Some(p) = prog.get_mut(i) else { continue };
+                        if p.finished {
+                            continue;
+                        }
+                        let lps = c.logprobs.as_deref().unwrap_or(&[]);
+                        let new_lps = lps.get(p.logprobs_sent..).unwrap_or(&[]);
+                        let finishing = c.finish_reason.is_some();
+                        if !c.delta.is_empty() || finishing || !new_lps.is_empty() {
+                            events.push(data(&fmt.content(base + i, c, new_lps, !p.content_sent)));
+                            p.content_sent = true;
+                            p.logprobs_sent = lps.len();
+                        }
+                        if finishing {
+                            p.finished = true;
+                            generated.fetch_add(c.token_ids.len(), Ordering::Relaxed);
+                        }
+                    }
+                    Some((events, (t, prog, true)))
+                }
+            }
+        }
+    });
+    Box::pin(s)
+}
+
+/// The SSE response for one or more requests (choices `base..base + n` each), then the usage
+/// chunk when asked for, then `[DONE]`.
+pub fn sse_response<F: ChunkFormat>(
+    fmt: F,
+    requests: Vec<(Tracked, usize, usize)>,
+    include_usage: bool,
+) -> Response {
+    let fmt = Arc::new(fmt);
+    let generated = Arc::new(AtomicUsize::new(0));
+    let prompt_tokens: usize = requests.iter().map(|(t, _, _)| t.prompt_len).sum();
+    let streams: Vec<EventStream> = requests
+        .into_iter()
+        .map(|(t, base, n)| one_request(fmt.clone(), t, base, n, generated.clone()))
+        .collect();
+    let tail_fmt = fmt.clone();
+    let tail = stream::once(async move {
+        let mut ev = Vec::new();
+        if include_usage {
+            let u = usage_json(prompt_tokens, generated.load(Ordering::Relaxed));
+            ev.push(data(&tail_fmt.usage(u)));
+        }
+        ev.push(Event::default().data("[DONE]"));
+        ev
+    });
+    let body = stream::select_all(streams)
+        .chain(tail)
+        .flat_map(|v| stream::iter(v.into_iter().map(Ok::<Event, Infallible>)));
+    Sse::new(body).into_response()
+}

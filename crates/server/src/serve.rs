@@ -1,0 +1,100 @@
+//! `rserve serve`: binds the port at once (so `/health` answers 503 while the model loads), loads
+//! the engine in the background, serves the OpenAI API, and on SIGTERM/SIGINT stops accepting,
+//! lets in-flight requests finish within a deadline, then exits.
+
+use crate::cli::ServeArgs;
+use crate::routes::{router, AppState};
+use anyhow::{Context, Result};
+use rserve_core::default_model::DEFAULT_MODEL_NAME;
+use rserve_core::Engine;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+async fn shutdown_signal(state: Arc<AppState>, grace: Duration) {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!(
+        "shutting down: finishing in-flight requests (at most {} s)",
+        grace.as_secs()
+    );
+    state.shutting_down.store(true, Ordering::Relaxed);
+    tokio::spawn(async move {
+        tokio::time::sleep(grace).await;
+        tracing::warn!("shutdown deadline reached; exiting");
+        std::process::exit(0);
+    });
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(args))
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.engine
+            .model
+            .clone()
+            .unwrap_or_else(|| DEFAULT_MODEL_NAME.to_string())
+    });
+    let api_key = args.api_key.clone().filter(|k| !k.is_empty());
+    let state = Arc::new(AppState::new(name.clone(), api_key, args.max_pending));
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!("listening on http://{addr} (model loading)");
+    let mut cfg = crate::engine_config(&args.engine)?;
+    if let Some(t) = &args.chat_template {
+        let p = std::path::Path::new(t);
+        cfg.chat_template = Some(if p.is_file() {
+            std::fs::read_to_string(p).with_context(|| format!("reading {t}"))?
+        } else {
+            t.clone()
+        });
+    }
+    let load_state = state.clone();
+    let loader = tokio::task::spawn_blocking(move || Engine::start(cfg));
+    let app = router(state.clone(), args.max_body_bytes);
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(
+        state.clone(),
+        Duration::from_secs(args.shutdown_timeout),
+    ));
+    let serving = tokio::spawn(async move { server.await });
+    let handle = loader.await.context("model loader")??;
+    let info = handle.info().clone();
+    tracing::info!(
+        "serving `{name}` ({} from {}, {:?}, max_model_len {}) on http://{addr}",
+        info.model_config.architecture,
+        info.model_dir.display(),
+        info.dtype,
+        info.max_model_len
+    );
+    eprintln!("rserve: serving `{name}` on http://{addr}");
+    let _ = load_state.engine.set(handle);
+    serving.await.context("server task")??;
+    if let Some(h) = state.engine.get() {
+        h.shutdown();
+    }
+    Ok(())
+}
