@@ -193,7 +193,7 @@ def bench_transformers(model_dir: Path, dtype: str, args) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(cores())
+    torch.set_num_threads(args.torch_threads or cores())
     log(f"transformers: loading {model_dir} as {dtype} (attn {args.attn_implementation})")
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
@@ -357,6 +357,8 @@ def table(dtype: str, hf: dict | None, rs: dict | None, args, env: dict) -> str:
         f"transformers {env['transformers']} · dtype {dtype} · threads: torch {hf_threads}, "
         f"rserve {rs_threads} · attn {args.attn_implementation} · model {env['model']}"
     )
+    if env.get("omp_wait_policy"):
+        head += f" · OMP_WAIT_POLICY={env['omp_wait_policy']}"
 
     def dec(res, b):
         if not res:
@@ -393,6 +395,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", default="1,8", help="decode batch sizes, comma-separated")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--torch-threads", type=int, default=0, help="torch threads (default: all cores)"
+    )
     p.add_argument("--attn-implementation", default="eager", help="transformers attention")
     p.add_argument("--rserve", default=str(REPO / "target" / "release" / "rserve"))
     p.add_argument(
@@ -443,6 +448,7 @@ def main(argv=None) -> int:
         "model": "tiny" if args.tiny else "Qwen2.5-0.5B shape",
         "model_dir": str(model_dir),
         "loadavg_start": loadavg(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     results = {"env": env, "args": {k: v for k, v in vars(args).items()}, "runs": []}
     tables = []

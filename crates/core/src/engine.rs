@@ -26,7 +26,6 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
 
 struct Completion {
     seq: Option<SeqId>,
@@ -42,7 +41,7 @@ struct Completion {
 
 struct RequestState {
     req: EngineRequest,
-    tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+    tx: flume::Sender<Result<RequestOutput, EngineError>>,
     completions: Vec<Completion>,
     prompt_logprobs: Vec<Option<TokenLogprob>>,
     arrival: Instant,
@@ -263,7 +262,7 @@ impl Engine {
         &mut self,
         id: RequestId,
         req: EngineRequest,
-        tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+        tx: flume::Sender<Result<RequestOutput, EngineError>>,
     ) {
         let p = &req.params;
         let prompt_len = req.prompt_token_ids.len();

@@ -15,7 +15,7 @@ use candle_core::DType;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use std::time::Duration;
 
 /// How much memory the KV cache gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +156,7 @@ pub(crate) enum Command {
     Submit {
         id: RequestId,
         req: Box<EngineRequest>,
-        tx: UnboundedSender<Result<RequestOutput, EngineError>>,
+        tx: flume::Sender<Result<RequestOutput, EngineError>>,
     },
     Abort(RequestId),
     Check(mpsc::Sender<Vec<String>>),
@@ -234,7 +234,7 @@ impl EngineHandle {
     pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
         self.validate(&req)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = unbounded_channel();
+        let (tx, rx) = flume::unbounded();
         self.tx
             .send(Command::Submit {
                 id,
@@ -273,7 +273,7 @@ impl EngineHandle {
 /// Outputs of one request, in order; the last has `finished == true`.
 pub struct OutputStream {
     id: RequestId,
-    rx: UnboundedReceiver<Result<RequestOutput, EngineError>>,
+    rx: flume::Receiver<Result<RequestOutput, EngineError>>,
     tx: mpsc::Sender<Command>,
     done: bool,
 }
@@ -300,7 +300,7 @@ impl OutputStream {
         if self.done {
             return None;
         }
-        let item = self.rx.recv().await;
+        let item = self.rx.recv_async().await.ok();
         self.see(item)
     }
 
@@ -309,8 +309,29 @@ impl OutputStream {
         if self.done {
             return None;
         }
-        let item = self.rx.blocking_recv();
+        let item = self.rx.recv().ok();
         self.see(item)
+    }
+
+    /// The next output, waiting at most `timeout` (blocking): `Err(())` on timeout.
+    #[allow(clippy::result_unit_err)]
+    pub fn next_timeout(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<Result<RequestOutput, EngineError>>, ()> {
+        if self.done {
+            return Ok(None);
+        }
+        match self.rx.recv_timeout(timeout) {
+            Ok(item) => Ok(self.see(Some(item))),
+            Err(flume::RecvTimeoutError::Timeout) => Err(()),
+            Err(flume::RecvTimeoutError::Disconnected) => Ok(self.see(None)),
+        }
+    }
+
+    /// Aborts the request (its final output still arrives, with finish reason `abort`).
+    pub fn abort(&self) {
+        let _ = self.tx.send(Command::Abort(self.id));
     }
 
     /// Waits (blocking) for the final output.

@@ -6,6 +6,7 @@ pub mod chat_template;
 pub mod default_model;
 pub mod engine;
 mod engine_types;
+pub mod hub;
 pub mod kv_cache;
 pub mod loader;
 pub mod model_runner;

@@ -18,8 +18,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Generate a completion for one prompt and print it.
     Generate(GenerateArgs),
-    /// Measure prefill and decode throughput in-process.
-    Bench(BenchArgs),
+    /// Benchmarks: `bench serve` (load against an OpenAI-compatible server) or in-process throughput.
+    Bench(BenchCommand),
 }
 
 /// How to load and run the engine.
@@ -113,6 +113,54 @@ pub struct GenerateArgs {
     /// Top alternatives per token in --json output.
     #[arg(long, default_value_t = 0)]
     pub logprobs: usize,
+}
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchCommand {
+    #[command(subcommand)]
+    pub serve: Option<BenchSub>,
+    #[command(flatten)]
+    pub local: BenchArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchSub {
+    /// Load an OpenAI-compatible server like `vllm bench serve` and report latency percentiles.
+    Serve(BenchServeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchServeArgs {
+    /// The server's OpenAI base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8000/v1")]
+    pub base_url: String,
+    /// The model name to request.
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, default_value_t = 100)]
+    pub num_prompts: usize,
+    #[arg(long, default_value_t = 16)]
+    pub max_concurrency: usize,
+    #[arg(long, default_value_t = 1024)]
+    pub random_input_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub random_output_len: usize,
+    /// Requests per second (Poisson arrivals); all at once when omitted.
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Random prompt token ids are drawn from [min, max).
+    #[arg(long, default_value_t = 20)]
+    pub token_id_min: u32,
+    #[arg(long, default_value_t = 900)]
+    pub token_id_max: u32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -4,6 +4,7 @@
 
 use super::error::ApiError;
 use super::types::{ChatMessage, CommonFields, Prompt};
+use rserve_core::loader::GenerationDefaults;
 use rserve_core::request::MAX_LOGPROBS;
 use rserve_core::{EngineInfo, SamplingParams};
 use serde_json::{json, Value};
@@ -25,7 +26,15 @@ pub fn sampling_params(
     info: &EngineInfo,
     default_max_tokens: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
-    let g = &info.generation;
+    sampling_params_with(c, &info.generation, default_max_tokens)
+}
+
+/// [`sampling_params`] with explicit generation defaults (no engine needed).
+pub fn sampling_params_with(
+    c: &CommonFields,
+    g: &GenerationDefaults,
+    default_max_tokens: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
     let mut p = SamplingParams {
         temperature: g.temperature.unwrap_or(1.0),
         top_p: g.top_p.unwrap_or(1.0),
@@ -119,8 +128,44 @@ pub fn logprobs_count(field: &str, v: i64) -> Result<usize, ApiError> {
 
 /// Validates the parameters against the model and turns core errors into 400s.
 pub fn validate(p: &SamplingParams, info: &EngineInfo) -> Result<(), ApiError> {
-    p.validate(info.model_config.vocab_size)
+    validate_for_vocab(p, info.model_config.vocab_size)
+}
+
+/// [`validate`] for a given vocabulary size.
+pub fn validate_for_vocab(p: &SamplingParams, vocab: usize) -> Result<(), ApiError> {
+    p.validate(vocab)
         .map_err(|e| ApiError::bad_request(e.to_string()).with_param(e.field))
+}
+
+/// The offline (Python) parameter set: the shared fields plus integer `logprobs` and
+/// `prompt_logprobs`, as `rserve.SamplingParams` sends them.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct OfflineParams {
+    #[serde(flatten)]
+    pub common: CommonFields,
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub prompt_logprobs: Option<i64>,
+}
+
+/// Parses and validates offline parameters (vocabulary checks need `vocab`).
+pub fn offline_params(
+    json: &str,
+    g: &GenerationDefaults,
+    vocab: usize,
+) -> Result<SamplingParams, ApiError> {
+    let o: OfflineParams = serde_json::from_str(json)
+        .map_err(|e| ApiError::bad_request(format!("invalid sampling parameters: {e}")))?;
+    let mut p = sampling_params_with(&o.common, g, Some(16))?;
+    if let Some(k) = o.logprobs {
+        p.logprobs = Some(logprobs_count("logprobs", k)?);
+    }
+    if let Some(k) = o.prompt_logprobs {
+        p.prompt_logprobs = Some(logprobs_count("prompt_logprobs", k)?);
+    }
+    validate_for_vocab(&p, vocab)?;
+    Ok(p)
 }
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];

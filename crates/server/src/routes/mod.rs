@@ -145,3 +145,6 @@ pub fn router(state: Shared, max_body: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+//! rserve-server: every way into the engine. The `rserve` command (`serve`: the OpenAI-compatible
+//! HTTP server; `generate`: one prompt from the command line; `bench`: throughput and load
+//! measurements) and, behind the `python` feature, the `rserve._core` Python module. Both run the
+//! same code: the wheel's console script calls [`main_with_args`].
+
+pub mod bench;
+pub mod bench_serve;
+pub mod cli;
+pub mod metrics;
+pub mod openai;
+#[cfg(feature = "python")]
+mod python;
+pub mod routes;
+pub mod serve;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use cli::{Cli, Command, EngineArgs, GenerateArgs};
+use rserve_core::default_model::ensure_default_model;
+use rserve_core::{Engine, EngineConfig, EngineRequest, KvBudget, SamplingParams};
+use std::io::Write;
+use std::path::PathBuf;
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!(
+            "rserve={level},rserve_core={level},rserve_server={level}"
+        ))
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves MODEL (a directory, or the embedded default when absent) into an engine config.
+pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
+    let dir: PathBuf = match &args.model {
+        Some(m) => rserve_core::hub::resolve_model(m)?,
+        None => ensure_default_model().context("preparing the embedded default model")?,
+    };
+    let mut cfg = EngineConfig::new(dir);
+    cfg.dtype = args.dtype.clone();
+    cfg.device = args.device.clone();
+    cfg.max_model_len = args.max_model_len;
+    cfg.max_num_seqs = args.max_num_seqs;
+    cfg.max_num_batched_tokens = args.max_num_batched_tokens;
+    cfg.block_size = args.block_size;
+    cfg.seed = args.seed;
+    if let Some(b) = args.kv_cache_memory {
+        cfg.kv_cache = KvBudget::Bytes(b);
+    }
+    Ok(cfg)
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let handle = Engine::start(engine_config(&args.engine)?)?;
+    let info = handle.info().clone();
+    let prompt_ids = info.tokenizer.encode(&args.prompt, true)?;
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.sample_seed,
+        max_tokens: Some(args.max_tokens),
+        ignore_eos: args.ignore_eos,
+        logprobs: args.json.then_some(args.logprobs),
+        ..SamplingParams::default()
+    };
+    let mut stream = handle.submit(EngineRequest {
+        prompt_token_ids: prompt_ids,
+        params,
+    })?;
+    let mut last = None;
+    let mut stdout = std::io::stdout();
+    while let Some(out) = stream.blocking_next() {
+        let out = out?;
+        if !args.json {
+            write!(stdout, "{}", out.outputs[0].delta)?;
+            stdout.flush()?;
+        }
+        last = Some(out);
+    }
+    let out = last.context("the engine returned no output")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!();
+    }
+    handle.shutdown();
+    Ok(())
+}
+
+/// Parses `args` (the first is the program name) and runs the command.
+pub fn main_with_args<I, T>(args: I) -> Result<()>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            // --help and --version are not errors
+            let code = e.exit_code();
+            let _ = e.print();
+            if code == 0 {
+                return Ok(());
+            }
+            anyhow::bail!("invalid arguments");
+        }
+    };
+    init_logging(&cli.log_level);
+    match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Generate(a) => generate(a),
+        Command::Bench(b) => match b.serve {
+            Some(cli::BenchSub::Serve(a)) => bench_serve::run(a),
+            None => bench::run(b.local),
+        },
+    }
+}

@@ -1,0 +1,254 @@
+//! `rserve._core`: the engine for Python, in-process. `Engine` wraps the same [`EngineHandle`]
+//! the HTTP server drives; `RequestStream` iterates a request's outputs (as JSON of
+//! `RequestOutput`) with the GIL released, checking for Ctrl-C while it waits. Parameters are
+//! parsed by the server's own code (`openai::params`), so Python and HTTP accept and reject the
+//! same input; user errors become `ValueError`.
+
+use crate::openai::error::ApiError;
+use crate::openai::params::{chat_prompt, offline_params};
+use crate::openai::types::ChatMessage;
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
+use pyo3::prelude::*;
+use rserve_core::loader::GenerationDefaults;
+use rserve_core::{
+    Engine, EngineConfig, EngineError, EngineHandle, EngineRequest, KvBudget, OutputStream,
+};
+use std::sync::Mutex;
+use std::time::Duration;
+
+fn value_err(e: ApiError) -> PyErr {
+    PyValueError::new_err(e.message)
+}
+
+fn engine_err(e: EngineError) -> PyErr {
+    if e.is_user_error() {
+        PyValueError::new_err(e.to_string())
+    } else {
+        PyRuntimeError::new_err(e.to_string())
+    }
+}
+
+/// The package version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// Validates sampling parameters (JSON) with the server's parser; returns them unchanged.
+#[pyfunction]
+fn check_params(params_json: &str) -> PyResult<String> {
+    offline_params(
+        params_json,
+        &GenerationDefaults::default(),
+        u32::MAX as usize,
+    )
+    .map_err(value_err)?;
+    Ok(params_json.to_string())
+}
+
+/// Runs the `rserve` command line in-process (e.g. `["serve", MODEL, "--port", "8000"]`).
+#[pyfunction]
+fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
+    let mut args = vec!["rserve".to_string()];
+    args.extend(argv);
+    py.detach(|| crate::main_with_args(args))
+        .map_err(|e| PyRuntimeError::new_err(format!("{e:#}")))
+}
+
+#[pyclass(frozen, name = "Engine", module = "rserve._core")]
+struct PyEngine {
+    handle: EngineHandle,
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = 2048, block_size = 16, kv_cache_memory = None, seed = 0, chat_template = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        model: String,
+        dtype: String,
+        device: String,
+        max_model_len: Option<usize>,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        block_size: usize,
+        kv_cache_memory: Option<usize>,
+        seed: u64,
+        chat_template: Option<String>,
+    ) -> PyResult<Self> {
+        let mut cfg = EngineConfig::new(model);
+        cfg.dtype = dtype;
+        cfg.device = device;
+        cfg.max_model_len = max_model_len;
+        cfg.max_num_seqs = max_num_seqs;
+        cfg.max_num_batched_tokens = max_num_batched_tokens;
+        cfg.block_size = block_size;
+        cfg.seed = seed;
+        cfg.chat_template = chat_template;
+        if let Some(b) = kv_cache_memory {
+            cfg.kv_cache = KvBudget::Bytes(b);
+        }
+        let handle = py.detach(|| Engine::start(cfg)).map_err(|e| match e {
+            EngineError::InvalidConfig(m) => PyValueError::new_err(m),
+            other => PyRuntimeError::new_err(other.to_string()),
+        })?;
+        Ok(Self { handle })
+    }
+
+    #[getter]
+    fn model_dir(&self) -> String {
+        self.handle.info().model_dir.display().to_string()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.handle.info().max_model_len
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.handle.info().model_config.vocab_size
+    }
+
+    #[pyo3(signature = (text, add_special_tokens = true))]
+    fn encode(&self, text: &str, add_special_tokens: bool) -> PyResult<Vec<u32>> {
+        self.handle
+            .info()
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    #[pyo3(signature = (ids, skip_special_tokens = true))]
+    fn decode(&self, ids: Vec<u32>, skip_special_tokens: bool) -> PyResult<String> {
+        self.handle
+            .info()
+            .tokenizer
+            .decode(&ids, skip_special_tokens)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    #[pyo3(signature = (messages_json, add_generation_prompt = true))]
+    fn chat_prompt(&self, messages_json: &str, add_generation_prompt: bool) -> PyResult<Vec<u32>> {
+        let msgs: Vec<ChatMessage> = serde_json::from_str(messages_json)
+            .map_err(|e| PyValueError::new_err(format!("invalid messages: {e}")))?;
+        Ok(
+            chat_prompt(self.handle.info(), &msgs, add_generation_prompt, None)
+                .map_err(value_err)?
+                .1,
+        )
+    }
+
+    /// Submits a prompt (text or token ids) with sampling parameters (JSON).
+    fn submit(&self, prompt: &Bound<'_, PyAny>, params_json: &str) -> PyResult<PyRequestStream> {
+        let info = self.handle.info();
+        let ids: Vec<u32> = if let Ok(text) = prompt.extract::<String>() {
+            info.tokenizer
+                .encode(&text, true)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?
+        } else {
+            prompt.extract::<Vec<u32>>().map_err(|_| {
+                PyValueError::new_err("prompt must be a string or a list of token ids")
+            })?
+        };
+        let params = offline_params(params_json, &info.generation, info.model_config.vocab_size)
+            .map_err(value_err)?;
+        let stream = self
+            .handle
+            .submit(EngineRequest {
+                prompt_token_ids: ids,
+                params,
+            })
+            .map_err(engine_err)?;
+        Ok(PyRequestStream {
+            id: stream.request_id().0,
+            inner: Mutex::new(Some(stream)),
+        })
+    }
+
+    fn shutdown(&self) {
+        self.handle.shutdown();
+    }
+}
+
+#[pyclass(frozen, name = "RequestStream", module = "rserve._core")]
+struct PyRequestStream {
+    id: u64,
+    inner: Mutex<Option<OutputStream>>,
+}
+
+impl PyRequestStream {
+    /// One wait of at most `timeout`: Ok(Some(json)), Ok(None) on timeout, StopIteration at the end.
+    fn wait_once(&self, py: Python<'_>, timeout: Duration) -> PyResult<Option<String>> {
+        let r = py.detach(|| {
+            let mut g = self
+                .inner
+                .lock()
+                .map_err(|_| PyRuntimeError::new_err("stream lock poisoned"))?;
+            match g.as_mut() {
+                None => Ok(Ok(None)),
+                Some(s) => Ok(s.next_timeout(timeout)),
+            }
+        })?;
+        match r {
+            Err(()) => Ok(None),
+            Ok(None) => {
+                if let Ok(mut g) = self.inner.lock() {
+                    g.take();
+                }
+                Err(PyStopIteration::new_err(()))
+            }
+            Ok(Some(Err(e))) => Err(engine_err(e)),
+            Ok(Some(Ok(out))) => serde_json::to_string(&out)
+                .map(Some)
+                .map_err(|e| PyRuntimeError::new_err(e.to_string())),
+        }
+    }
+}
+
+#[pymethods]
+impl PyRequestStream {
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.id
+    }
+
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<String> {
+        loop {
+            if let Some(s) = self.wait_once(py, Duration::from_millis(100))? {
+                return Ok(s);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    fn next_timeout(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<String>> {
+        let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+        self.wait_once(py, t)
+    }
+
+    fn abort(&self) {
+        if let Ok(g) = self.inner.lock() {
+            if let Some(s) = g.as_ref() {
+                s.abort();
+            }
+        }
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(check_params, m)?)?;
+    m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_class::<PyEngine>()?;
+    m.add_class::<PyRequestStream>()?;
+    Ok(())
+}

@@ -1,0 +1,68 @@
+"""The native engine (Rust). Use `rserve.LLM` rather than this module directly."""
+
+from __future__ import annotations
+
+def version() -> str:
+    """The version of the native module."""
+
+def check_params(params_json: str) -> str:
+    """Validates sampling parameters (a JSON object) with the HTTP server's parser and range
+    checks; raises ValueError("field: message") when invalid; returns the JSON unchanged."""
+
+def serve(argv: list[str]) -> None:
+    """Runs the `rserve` command line in-process (e.g. ["serve", MODEL, "--port", "8000"]) with
+    the GIL released; returns when the command ends."""
+
+class Engine:
+    """A loaded model plus its scheduler, running in native threads."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        chat_template: str | None = None,
+    ) -> None:
+        """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
+        the file and reason) when loading fails."""
+
+    @property
+    def model_dir(self) -> str: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def chat_prompt(self, messages_json: str, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation (JSON list of {"role", "content"}) rendered with the chat
+        template; ValueError on bad messages or template errors."""
+
+    def submit(self, prompt: str | list[int], params_json: str) -> RequestStream:
+        """Starts a request. Text prompts are tokenized with special tokens. ValueError for invalid
+        parameters, an empty prompt or one over the context length."""
+
+    def shutdown(self) -> None: ...
+
+class RequestStream:
+    """The outputs of one request, as JSON snapshots of `RequestOutput`; the last is finished."""
+
+    @property
+    def request_id(self) -> int: ...
+    def __iter__(self) -> RequestStream: ...
+    def __next__(self) -> str:
+        """The next snapshot (waits with the GIL released; Ctrl-C raises KeyboardInterrupt)."""
+
+    def next_timeout(self, timeout_s: float) -> str | None:
+        """The next snapshot, or None when nothing arrived within `timeout_s`; raises
+        StopIteration after the final one."""
+
+    def abort(self) -> None:
+        """Aborts the request (also done when the object is dropped unfinished)."""

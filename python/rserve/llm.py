@@ -1,0 +1,545 @@
+"""`LLM`: the engine in-process, with vLLM's offline API (`generate`, `chat`) plus sync and async
+streaming iterators that abort their request when dropped.
+
+All engine work happens in native threads; every blocking wait releases the GIL, so several
+Python threads (or asyncio tasks, through `astream`) can drive one `LLM` at once and their
+requests are batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Generator, Union, cast
+
+from rserve.types import CompletionOutput, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from rserve._core import Engine, RequestStream
+
+__all__ = ["LLM", "resolve_model", "is_hub_id", "HUB_ALLOW_PATTERNS"]
+
+#: A prompt: text (tokenized with the model's special tokens) or token ids.
+Prompt = Union[str, Sequence[int]]
+#: One chat conversation: a list of {"role", "content"} messages.
+Conversation = Sequence[Mapping[str, Any]]
+ParamsArg = Union[SamplingParams, Mapping[str, Any], None]
+
+#: Files fetched from the hub: configs, weights, tokenizer files and chat templates.
+HUB_ALLOW_PATTERNS: list[str] = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+_HUB_PART = re.compile(r"^[A-Za-z0-9_.-]+$")
+_POLL_S = 0.05  # how long one async poll waits in a worker thread
+_DRAIN_MAX = 64  # outputs one poll hands back at most
+_EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+_ENGINE_KWARGS = frozenset({"max_num_batched_tokens", "block_size", "chat_template"})
+
+
+# ------------------------------------------------------------------------------------------------
+# model resolution
+# ------------------------------------------------------------------------------------------------
+
+
+def is_hub_id(spec: str) -> bool:
+    """True for `org/name` (optionally `@revision`), the hub ids the server also accepts."""
+    repo = spec.split("@", 1)[0]
+    parts = repo.split("/")
+    return len(parts) == 2 and all(p not in (".", "..") and _HUB_PART.match(p) for p in parts)
+
+
+def resolve_model(
+    model: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    token: str | None = None,
+) -> str:
+    """A local model directory as is, or a hub id (`org/name[@revision]`) resolved to its snapshot
+    directory in the Hugging Face cache, downloading what is missing (with progress bars).
+
+    Honours `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `HF_TOKEN`.
+    """
+    spec = os.fspath(model)
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    if not is_hub_id(spec):
+        raise FileNotFoundError(
+            f"model `{spec}` is neither a local directory nor a Hugging Face hub id (org/name)"
+        )
+    repo_id, _, rev = spec.partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ImportError(
+            f"loading `{spec}` from the Hugging Face hub needs huggingface_hub "
+            "(pip install huggingface-hub), or pass a local model directory"
+        ) from e
+    return str(
+        snapshot_download(
+            repo_id,
+            revision=revision or rev or None,
+            cache_dir=download_dir,
+            token=token,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# output assembly
+# ------------------------------------------------------------------------------------------------
+
+
+class _Assembler:
+    """Merges the snapshots of one request into `RequestOutput`s with every completion present."""
+
+    def __init__(self, prompt: str | None, n: int) -> None:
+        self.prompt = prompt
+        self.n = n
+        self.request_id = -1
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: Any = None
+        self.queue_time: float | None = None
+        self.outputs: dict[int, dict[str, Any]] = {}
+        self.finished = False
+
+    def update(self, raw: str) -> RequestOutput:
+        """Takes one snapshot (JSON from the engine); returns the merged state with its deltas."""
+        data = json.loads(raw)
+        self.request_id = data["request_id"]
+        self.prompt_token_ids = data.get("prompt_token_ids") or self.prompt_token_ids
+        if data.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = data["prompt_logprobs"]
+        if data.get("queue_time") is not None:
+            self.queue_time = data["queue_time"]
+        self.finished = bool(data.get("finished"))
+        fresh = set()
+        for out in data.get("outputs") or []:
+            self.outputs[out["index"]] = out
+            fresh.add(out["index"])
+        return self._build(lambda i, o: o.get("delta", "") if i in fresh else "")
+
+    def result(self) -> RequestOutput:
+        """The merged state as a final result (each `delta` is the whole text)."""
+        return self._build(lambda i, o: o.get("text", ""))
+
+    def _build(self, delta_of: Any) -> RequestOutput:
+        count = max([self.n, *(i + 1 for i in self.outputs)])
+        outputs = []
+        for i in range(count):
+            o = self.outputs.get(i)
+            if o is None:
+                outputs.append(CompletionOutput(index=i))
+            else:
+                outputs.append(CompletionOutput.model_validate({**o, "delta": delta_of(i, o)}))
+        return RequestOutput.model_validate(
+            {
+                "request_id": self.request_id,
+                "prompt": self.prompt,
+                "prompt_token_ids": self.prompt_token_ids,
+                "prompt_logprobs": self.prompt_logprobs,
+                "outputs": outputs,
+                "finished": self.finished,
+                "queue_time": self.queue_time,
+            }
+        )
+
+
+def _abort_quietly(stream: RequestStream) -> None:
+    """Aborts a request during cleanup without masking the error being handled."""
+    try:
+        stream.abort()
+    except Exception:  # noqa: BLE001 - cleanup must not replace the original exception
+        pass
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The worker threads that wait on native streams for `astream` (created on first use)."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rserve-astream")
+        return _EXECUTOR
+
+
+_END = object()
+
+
+def _poll(stream: RequestStream) -> list[Any]:
+    """In a worker: waits up to `_POLL_S` for an output, then drains what else is ready.
+    Returns JSON strings, ending with `_END` once the stream is over."""
+    got: list[Any] = []
+    try:
+        first = stream.next_timeout(_POLL_S)
+        if first is None:
+            return got
+        got.append(first)
+        while len(got) < _DRAIN_MAX:
+            more = stream.next_timeout(0.0)
+            if more is None:
+                break
+            got.append(more)
+    except StopIteration:
+        got.append(_END)
+    return got
+
+
+# ------------------------------------------------------------------------------------------------
+# LLM
+# ------------------------------------------------------------------------------------------------
+
+
+class LLM:
+    """An engine loaded in this process (vLLM's offline API).
+
+    `model` is a local directory in Hugging Face layout or a hub id (`org/name`), downloaded into
+    the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
+    `block_size`, `chat_template` (a file or inline Jinja replacing the model's template).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+        *,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        hf_token: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - _ENGINE_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unsupported arguments: {', '.join(unknown)} "
+                f"(supported extras: {', '.join(sorted(_ENGINE_KWARGS))})"
+            )
+        template = kwargs.get("chat_template")
+        if isinstance(template, (str, os.PathLike)) and os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                kwargs["chat_template"] = f.read()
+        model_dir = resolve_model(model, revision=revision, download_dir=download_dir, token=hf_token)
+        from rserve._core import Engine
+
+        self.model = os.fspath(model)
+        self._engine: Engine = Engine(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_cache_memory,
+            seed=seed,
+            **kwargs,
+        )
+
+    # -- facts and tokenizer ---------------------------------------------------------------------
+
+    @property
+    def model_dir(self) -> str:
+        """The directory the weights were loaded from."""
+        return self._engine.model_dir
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length (prompt plus completion) in tokens."""
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with the model's special tokens unless told otherwise)."""
+        return self._engine.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self._engine.decode(list(ids), skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Conversation, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of one conversation rendered with the model's chat template."""
+        return self._engine.chat_prompt(_messages_json(messages), add_generation_prompt)
+
+    # -- offline API -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Mapping[str, Any] | Sequence[Prompt | Mapping[str, Any]],
+        sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+    ) -> list[RequestOutput]:
+        """Completes each prompt; returns one `RequestOutput` per prompt, in input order.
+
+        `prompts` is a string, a list of strings, a list of token ids (one prompt), a list of
+        token-id lists, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dicts.
+        `sampling_params` is one `SamplingParams` for all or a list with one per prompt; without
+        it the model's generation defaults apply. All prompts are submitted before any result is
+        awaited, so they are batched together.
+        """
+        items = _normalize_prompts(prompts)
+        params = _per_prompt(sampling_params, len(items))
+        return self._run([(p, p if isinstance(p, str) else None) for p in items], params)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answers one conversation (a list of messages) or each of a list of conversations.
+
+        Each conversation is rendered with the model's chat template; `prompt` in the results is
+        the rendered text.
+        """
+        if _is_conversation(messages):
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = list(cast(Sequence[Conversation], messages))
+        params = _per_prompt(sampling_params, len(conversations))
+        jobs: list[tuple[Prompt, str | None]] = []
+        for conv in conversations:
+            ids = self.apply_chat_template(conv, add_generation_prompt)
+            jobs.append((ids, self._engine.decode(ids, False)))
+        return self._run(jobs, params)
+
+    def _run(
+        self, jobs: list[tuple[Prompt, str | None]], params: list[SamplingParams | None]
+    ) -> list[RequestOutput]:
+        """Submits every job, then collects each to its end (aborting the rest on any error)."""
+        started: list[tuple[RequestStream, _Assembler]] = []
+        done = 0
+        try:
+            for (prompt, text), p in zip(jobs, params):
+                started.append(self._submit(prompt, text, p))
+            results = []
+            for stream, asm in started:
+                for raw in stream:
+                    asm.update(raw)
+                done += 1
+                results.append(asm.result())
+            return results
+        finally:
+            for stream, _ in started[done:]:
+                _abort_quietly(stream)
+
+    def _submit(
+        self, prompt: Prompt, text: str | None, params: SamplingParams | None
+    ) -> tuple[RequestStream, _Assembler]:
+        """Starts one request; returns its native stream and an assembler for its outputs."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            native: str | list[int] = prompt
+        else:
+            native = list(prompt)
+            if not native:
+                raise ValueError("prompt: must not be empty")
+        if params is None:
+            params_json, n = "{}", 1
+        else:
+            fill = None
+            if params.max_tokens is None:
+                ids = native if isinstance(native, list) else self.encode(native)
+                fill = max(1, self.max_model_len - len(ids))
+            params_json, n = params.to_engine_json(fill), params.n
+        stream = self._engine.submit(native, params_json)
+        return stream, _Assembler(text, n)
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    def stream(
+        self, prompt: Prompt, sampling_params: ParamsArg = None
+    ) -> Generator[RequestOutput, None, None]:
+        """Streams one prompt: yields `RequestOutput`s whose `outputs[i].text` grows (with the new
+        part in `delta`); the last has `finished=True`. The request is submitted at once (so bad
+        input raises here); leaving the loop early aborts it.
+        """
+        params = _as_params(sampling_params)
+        stream, asm = self._submit(_normalize_one(prompt), _text_of(prompt), params)
+        return _iterate(stream, asm)
+
+    async def astream(
+        self, prompt: Prompt, sampling_params: ParamsArg = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`stream` for asyncio: never blocks the event loop (waits happen in worker threads);
+        cancelling the consuming task, or closing the iterator early, aborts the request.
+        """
+        params = _as_params(sampling_params)
+        loop = asyncio.get_running_loop()
+        submitted: Future[tuple[RequestStream, _Assembler]] = _executor().submit(
+            self._submit, _normalize_one(prompt), _text_of(prompt), params
+        )
+        try:
+            stream, asm = await asyncio.wrap_future(submitted, loop=loop)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_abort_submitted)
+            raise
+        finished = False
+        pending: Future[list[Any]] | None = None
+        try:
+            while not finished:
+                pending = _executor().submit(_poll, stream)
+                batch = await asyncio.wrap_future(pending, loop=loop)
+                pending = None
+                for raw in batch:
+                    if raw is _END:
+                        finished = True
+                        break
+                    out = asm.update(raw)
+                    finished = out.finished
+                    yield out
+        finally:
+            if not finished:
+                if pending is not None and not pending.done():
+                    # A worker is inside the stream's wait; abort once it is out.
+                    pending.add_done_callback(lambda _f: _abort_quietly(stream))
+                else:
+                    _abort_quietly(stream)
+
+    async def agenerate(self, prompt: Prompt, sampling_params: ParamsArg = None) -> RequestOutput:
+        """Completes one prompt without blocking the event loop; returns the final output."""
+        last: RequestOutput | None = None
+        async for out in self.astream(prompt, sampling_params):
+            last = out
+        if last is None:
+            raise RuntimeError("the engine ended the request without an output")
+        return _finalize(last)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops the engine; requests still running end."""
+        self._engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"LLM(model={self.model!r}, max_model_len={self.max_model_len})"
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _iterate(stream: RequestStream, asm: _Assembler) -> Generator[RequestOutput, None, None]:
+    finished = False
+    try:
+        for raw in stream:
+            out = asm.update(raw)
+            finished = out.finished
+            yield out
+        finished = True
+    finally:
+        if not finished:
+            _abort_quietly(stream)
+
+
+def _abort_submitted(f: Future[tuple[RequestStream, _Assembler]]) -> None:
+    """Aborts a request whose submission finished after its caller was cancelled."""
+    if not f.cancelled() and f.exception() is None:
+        _abort_quietly(f.result()[0])
+
+
+def _finalize(out: RequestOutput) -> RequestOutput:
+    """A streamed snapshot as a final result: each `delta` becomes the whole text."""
+    return out.model_copy(
+        update={"outputs": [o.model_copy(update={"delta": o.text}) for o in out.outputs]}
+    )
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
+
+
+def _normalize_one(p: object) -> Prompt:
+    """One prompt as text or a list of token ids."""
+    if isinstance(p, str):
+        return p
+    if isinstance(p, Mapping):
+        if "prompt_token_ids" in p:
+            return _normalize_one(list(p["prompt_token_ids"]))
+        if "prompt" in p:
+            return _normalize_one(p["prompt"])
+        raise TypeError("a prompt dict needs `prompt` or `prompt_token_ids`")
+    if _is_token_ids(p):
+        return list(cast(Sequence[int], p))
+    raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+
+
+def _text_of(p: object) -> str | None:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, Mapping) and "prompt_token_ids" not in p:
+        text = p.get("prompt")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _normalize_prompts(prompts: object) -> list[Prompt]:
+    """`generate`'s prompt argument as a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return [_normalize_one(prompts)]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string or a list, got {type(prompts).__name__}")
+    if len(prompts) and _is_token_ids(prompts):
+        return [list(prompts)]
+    return [_normalize_one(p) for p in prompts]
+
+
+def _as_params(p: ParamsArg) -> SamplingParams | None:
+    if p is None or isinstance(p, SamplingParams):
+        return p
+    if isinstance(p, Mapping):
+        return SamplingParams(**p)
+    raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+
+
+def _per_prompt(params: ParamsArg | Sequence[ParamsArg], count: int) -> list[SamplingParams | None]:
+    """One parameter set per prompt."""
+    if params is None or isinstance(params, (SamplingParams, Mapping)):
+        return [_as_params(params)] * count
+    items = list(params)
+    if len(items) != count:
+        raise ValueError(
+            f"sampling_params: got {len(items)} parameter sets for {count} prompts; "
+            "pass one SamplingParams or one per prompt"
+        )
+    return [_as_params(p) for p in items]
+
+
+def _is_conversation(x: object) -> bool:
+    """True for one conversation (a list of message dicts), False for a list of them."""
+    if not isinstance(x, Sequence) or isinstance(x, (str, bytes)):
+        raise TypeError("messages must be a list of message dicts or a list of such lists")
+    return len(x) == 0 or isinstance(x[0], Mapping)
+
+
+def _jsonable(o: object) -> Any:
+    dump = getattr(o, "model_dump", None)
+    if callable(dump):
+        return dump(exclude_none=True)
+    raise TypeError(f"cannot send a {type(o).__name__} as part of a chat message")
+
+
+def _messages_json(messages: Conversation) -> str:
+    return json.dumps(list(messages), default=_jsonable)

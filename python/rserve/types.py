@@ -1,0 +1,120 @@
+"""Public data types: sampling parameters in, request outputs back (vLLM's names and defaults).
+
+`SamplingParams` checks ranges twice: pydantic field constraints give early, precise errors, and
+a final validator hands the whole set to the native parser (`rserve._core.check_params`), the same
+code the HTTP server runs, so Python and HTTP accept and reject exactly the same input.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["SamplingParams", "Logprob", "CompletionOutput", "RequestOutput"]
+
+
+def _check_params_natively(params_json: str) -> None:
+    """Runs the server's parameter parser; raises ValueError("field: message") when invalid."""
+    try:
+        from rserve import _core
+    except ImportError as e:  # a broken install: the native module ships in every wheel
+        raise ImportError(
+            "rserve's native module (rserve._core) is not available; reinstall rserve "
+            "or build it with `maturin develop --release`"
+        ) from e
+    _core.check_params(params_json)
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling and stopping parameters (vLLM's fields and defaults).
+
+    Invalid values raise `ValueError` (a pydantic `ValidationError`) naming the field.
+    `max_tokens=None` means "up to the end of the context".
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    n: int = Field(default=1, ge=1, le=128, description="Number of completions returned for the prompt.")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(default=0, ge=-1, description="0 or -1 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Minimum probability relative to the top token.")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="1 disables.")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]]] = Field(
+        default=None, description="Token id -> bias in [-100, 100]."
+    )
+    seed: Optional[int] = Field(
+        default=None, ge=-(2**63), le=2**63 - 1, description="Seed of this request's random stream."
+    )
+    max_tokens: Optional[int] = Field(default=16, ge=1, description="None: up to the end of the context.")
+    min_tokens: int = Field(default=0, ge=0)
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Top alternatives per generated token.")
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Top alternatives per prompt token.")
+
+    @model_validator(mode="after")
+    def _check_with_engine(self) -> SamplingParams:
+        _check_params_natively(self.model_dump_json(exclude_none=True))
+        return self
+
+    def to_engine_json(self, max_tokens: Optional[int] = None) -> str:
+        """The JSON the engine receives; `max_tokens` fills in when the field is None."""
+        data: Dict[str, Any] = self.model_dump(mode="json", exclude_none=True)
+        if self.max_tokens is None and max_tokens is not None:
+            data["max_tokens"] = max_tokens
+        return json.dumps(data, separators=(",", ":"))
+
+
+class _Output(BaseModel):
+    """Base of the output types: tolerant of fields newer engines add."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Logprob(_Output):
+    """The log-probability of one token plus the top alternatives `(token_id, logprob)` there."""
+
+    token_id: int
+    logprob: float
+    top: List[Tuple[int, float]] = Field(default_factory=list)
+
+
+class CompletionOutput(_Output):
+    """One completion of a request.
+
+    `text` and `token_ids` are cumulative. `delta` is the text added since the previous snapshot
+    of a stream; in the results of `generate`/`chat` it is the whole text.
+    """
+
+    index: int
+    text: str = ""
+    delta: str = ""
+    token_ids: List[int] = Field(default_factory=list)
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[List[Logprob]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+    def finished(self) -> bool:
+        """True once the completion has ended (stop, length or abort)."""
+        return self.finish_reason is not None
+
+
+class RequestOutput(_Output):
+    """The state of one request: its prompt and its `n` completions."""
+
+    request_id: int
+    prompt: Optional[str] = None
+    prompt_token_ids: List[int] = Field(default_factory=list)
+    prompt_logprobs: Optional[List[Optional[Logprob]]] = None
+    outputs: List[CompletionOutput] = Field(default_factory=list)
+    finished: bool = False
+    queue_time: Optional[float] = None
