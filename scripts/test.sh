@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
-# The test command: formatting, lints and every Rust test of the workspace.
+# The test command: formatting, lints, every Rust test, then the black-box Python suites (HTTP via
+# the official openai client, the in-process Python package) against freshly built artifacts.
+# Installs what it needs itself (Python packages into .venv-test); needs Rust and Python 3.9+.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
-if ! command -v cargo >/dev/null; then
-    echo "cargo is required (https://rustup.rs)" >&2
-    exit 1
-fi
+command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
+
+echo "== cargo fmt / clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+
+echo "== cargo test"
 cargo test --workspace
+
+echo "== build the rserve binary"
+cargo build -p rserve-server --bin rserve
+export RSERVE_BIN="$PWD/target/debug/rserve"
+
+echo "== Python environment"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv-test/bin/python ]; then
+    "$PY" -m venv .venv-test
+fi
+VPY="$PWD/.venv-test/bin/python"
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+"$VPY" -m pip install -q -r tests/requirements.txt maturin
+echo "== build the Python extension"
+( unset CONDA_PREFIX; VIRTUAL_ENV="$PWD/.venv-test" PATH="$PWD/.venv-test/bin:$PATH" maturin develop -q )
+
+echo "== pytest"
+"$VPY" -m pytest tests -q

@@ -272,23 +272,29 @@ pub fn token_ids(v: &[i64], info: &EngineInfo, field: &str) -> Result<Vec<u32>, 
         .collect()
 }
 
-/// Every prompt of a completions request as token ids (text is tokenized with special tokens).
-pub fn completion_prompts(prompt: &Prompt, info: &EngineInfo) -> Result<Vec<Vec<u32>>, ApiError> {
-    let enc = |s: &str| -> Result<Vec<u32>, ApiError> {
-        info.tokenizer
+/// Every prompt of a completions request as token ids (text is tokenized with special tokens),
+/// with its original text when it was given as text.
+pub fn completion_prompts(
+    prompt: &Prompt,
+    info: &EngineInfo,
+) -> Result<Vec<(Vec<u32>, Option<String>)>, ApiError> {
+    let enc = |s: &str| -> Result<(Vec<u32>, Option<String>), ApiError> {
+        let ids = info
+            .tokenizer
             .encode(s, true)
-            .map_err(|e| ApiError::bad_request(e.to_string()))
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok((ids, Some(s.to_string())))
     };
-    let out = match prompt {
+    let out: Vec<(Vec<u32>, Option<String>)> = match prompt {
         Prompt::Text(s) => vec![enc(s)?],
         Prompt::Texts(v) => v.iter().map(|s| enc(s)).collect::<Result<_, _>>()?,
-        Prompt::Tokens(t) => vec![token_ids(t, info, "prompt")?],
+        Prompt::Tokens(t) => vec![(token_ids(t, info, "prompt")?, None)],
         Prompt::TokenLists(l) => l
             .iter()
-            .map(|t| token_ids(t, info, "prompt"))
-            .collect::<Result<_, _>>()?,
+            .map(|t| Ok((token_ids(t, info, "prompt")?, None)))
+            .collect::<Result<_, ApiError>>()?,
     };
-    if out.is_empty() || out.iter().any(Vec::is_empty) {
+    if out.is_empty() || out.iter().any(|(ids, _)| ids.is_empty()) {
         return Err(ApiError::bad_request("prompt must not be empty").with_param("prompt"));
     }
     Ok(out)

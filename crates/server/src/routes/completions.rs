@@ -133,19 +133,19 @@ pub async fn completions(
     let n = params.n;
     let mut tracked: Vec<(Tracked, usize, usize)> = Vec::with_capacity(prompts.len());
     let mut echo_text = Vec::with_capacity(prompts.len());
-    for (i, p) in prompts.iter().enumerate() {
-        echo_text.push(if echo {
-            Some(
+    for (i, (p, text)) in prompts.into_iter().enumerate() {
+        echo_text.push(match (echo, text) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t),
+            (true, None) => Some(
                 info.tokenizer
-                    .decode(p, false)
+                    .decode(&p, false)
                     .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            )
-        } else {
-            None
+            ),
         });
         tracked.push((
             st.submit(EngineRequest {
-                prompt_token_ids: p.clone(),
+                prompt_token_ids: p,
                 params: params.clone(),
             })?,
             i * n,
