@@ -571,7 +571,7 @@ impl Engine {
                     finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));
                 }
                 Ok(_) => {}
-                Err(e) => tracing::warn!("detokenizer: {e}"),
+                Err(e) => tracing::debug!("detokenizer: {e}"),
             }
         }
         let total = st.req.prompt_token_ids.len() + n_out;

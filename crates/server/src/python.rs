@@ -182,7 +182,7 @@ struct PyRequestStream {
 impl PyRequestStream {
     /// One wait of at most `timeout`: Ok(Some(json)), Ok(None) on timeout, StopIteration at the end.
     fn wait_once(&self, py: Python<'_>, timeout: Duration) -> PyResult<Option<String>> {
-        let r = py.detach(|| {
+        let r = py.detach(|| -> PyResult<_> {
             let mut g = self
                 .inner
                 .lock()

@@ -272,20 +272,23 @@ pub fn token_ids(v: &[i64], info: &EngineInfo, field: &str) -> Result<Vec<u32>, 
         .collect()
 }
 
+/// A prompt as token ids, with its original text when it was given as text.
+pub type PromptInput = (Vec<u32>, Option<String>);
+
 /// Every prompt of a completions request as token ids (text is tokenized with special tokens),
 /// with its original text when it was given as text.
 pub fn completion_prompts(
     prompt: &Prompt,
     info: &EngineInfo,
-) -> Result<Vec<(Vec<u32>, Option<String>)>, ApiError> {
-    let enc = |s: &str| -> Result<(Vec<u32>, Option<String>), ApiError> {
+) -> Result<Vec<PromptInput>, ApiError> {
+    let enc = |s: &str| -> Result<PromptInput, ApiError> {
         let ids = info
             .tokenizer
             .encode(s, true)
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         Ok((ids, Some(s.to_string())))
     };
-    let out: Vec<(Vec<u32>, Option<String>)> = match prompt {
+    let out: Vec<PromptInput> = match prompt {
         Prompt::Text(s) => vec![enc(s)?],
         Prompt::Texts(v) => v.iter().map(|s| enc(s)).collect::<Result<_, _>>()?,
         Prompt::Tokens(t) => vec![(token_ids(t, info, "prompt")?, None)],
