@@ -17,20 +17,19 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import sysconfig
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+from support.rserve_process import RserveProcess, binary_path, running  # noqa: E402
+
 PYTHON_SRC = REPO_ROOT / "python"
 MODELS = REPO_ROOT / "tests" / "fixtures" / "models"
 QWEN2 = MODELS / "qwen2"
@@ -38,7 +37,6 @@ SERVED_MODEL_NAME = "tiny-qwen"
 MAX_MODEL_LEN = 256
 HUB_REPO = "acme/tiny"
 HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
-LOG_TAIL_CHARS = 6000
 
 # Without an installed package, test the source tree (where `maturin develop` puts the native module).
 _FROM_SOURCE = importlib.util.find_spec("rserve") is None
@@ -122,115 +120,26 @@ def console_command() -> list[str]:
 
 
 def _binary() -> Path | None:
-    env = os.environ.get("RSERVE_BIN")
-    path = Path(env) if env else REPO_ROOT / "target" / "release" / "rserve"
-    if not path.is_absolute():
-        path = (Path.cwd() / path).resolve()
+    path = binary_path()
     return path if path.is_file() else None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """One `rserve serve` process (binary or console script) on a free port, logging to a file."""
-
-    def __init__(self, name: str, command: list[str], log_dir: Path, extra_args: list[str] | None = None):
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model_name = SERVED_MODEL_NAME
-        self.log_path = log_dir / f"rserve-{name}.log"
-        self.args = [
-            *command,
-            "serve",
-            str(QWEN2),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--served-model-name",
-            SERVED_MODEL_NAME,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--seed",
-            "0",
-            *(extra_args or []),
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float) -> None:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                cwd=REPO_ROOT,
-                env=child_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                self._fail(f"exited with code {code} before becoming healthy")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-                    last = f"GET /health -> {r.status}"
-            except urllib.error.HTTPError as e:
-                last = f"GET /health -> {e.code}"
-            except (urllib.error.URLError, OSError) as e:
-                last = f"GET /health -> {type(e).__name__}"
-            time.sleep(0.1)
-        self._fail(f"not healthy after {timeout:.0f} s ({last})")
-
-    def _fail(self, why: str) -> None:
-        self.stop()
-        pytest.fail(
-            f"rserve ({self.name}) {why}\ncommand: {' '.join(self.args)}\n"
-            f"--- log ({self.log_path}) ---\n{self.log_tail()}",
-            pytrace=False,
-        )
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return "(no log)"
-        text = data[-chars:].decode("utf-8", errors="replace")
-        return ("...\n" + text if len(data) > chars else text) or "(empty)"
-
-
-def _startup_timeout() -> float:
-    return float(os.environ.get("RSERVE_STARTUP_TIMEOUT", "60"))
-
-
-def _serve(name: str, command: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(name, command, tmp_path_factory.mktemp(f"rserve-{name}"))
-    try:
-        srv.start(_startup_timeout())
-        yield srv
-    finally:
-        srv.stop()
+def _serve(name: str, command: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RserveProcess]:
+    """`rserve serve` of the qwen2 fixture run through `command`, with the environment of `child_env()`."""
+    srv = RserveProcess(
+        name,
+        command,
+        QWEN2,
+        tmp_path_factory.mktemp(f"rserve-{name}"),
+        served_model_name=SERVED_MODEL_NAME,
+        max_model_len=MAX_MODEL_LEN,
+        env=child_env(),
+    )
+    yield from running(srv)
 
 
 @pytest.fixture(scope="session")
-def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RserveProcess]:
     """The HTTP server to compare against: the Rust binary, or the console script without one."""
     binary = _binary()
     if binary is None and CORE_ERROR:
@@ -239,7 +148,7 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 
 @pytest.fixture(scope="session")
-def script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RserveProcess]:
     """`rserve serve` run through the Python package's console script."""
     if CORE_ERROR:
         pytest.skip(CORE_SKIP_REASON)

@@ -163,7 +163,8 @@ impl PyEngine {
             })
             .map_err(engine_err)?;
         Ok(PyRequestStream {
-            id: stream.request_id().0,
+            id: stream.request_id(),
+            engine: self.handle.clone(),
             inner: Mutex::new(Some(stream)),
         })
     }
@@ -175,7 +176,9 @@ impl PyEngine {
 
 #[pyclass(frozen, name = "RequestStream", module = "rserve._core")]
 struct PyRequestStream {
-    id: u64,
+    id: RequestId,
+    /// Aborts go straight to the engine, never through the stream's lock (held while waiting).
+    engine: EngineHandle,
     inner: Mutex<Option<OutputStream>>,
 }
 
@@ -212,7 +215,7 @@ impl PyRequestStream {
 impl PyRequestStream {
     #[getter]
     fn request_id(&self) -> u64 {
-        self.id
+        self.id.0
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -234,11 +237,7 @@ impl PyRequestStream {
     }
 
     fn abort(&self) {
-        if let Ok(g) = self.inner.lock() {
-            if let Some(s) = g.as_ref() {
-                s.abort();
-            }
-        }
+        self.engine.abort(self.id);
     }
 }
 

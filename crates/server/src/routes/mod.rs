@@ -114,6 +114,8 @@ async fn require_key(
             .and_then(|v| v.strip_prefix("Bearer "))
             .is_some_and(|k| k.trim() == key);
         if !ok {
+            // read the body so the connection stays usable for the client's next request
+            let _ = axum::body::to_bytes(req.into_body(), 1 << 20).await;
             return Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "Unauthorized: a valid API key is required",
