@@ -31,6 +31,24 @@ struct PagedAttention {
     params: PagedAttentionParams,
 }
 
+/// `q . k` with eight independent partial sums so the compiler can use SIMD lanes.
+#[inline(always)]
+fn dot<T: Elem>(q: &[f32], k: &[T]) -> f32 {
+    let n = q.len().min(k.len());
+    let body = n / 8 * 8;
+    let mut acc = [0f32; 8];
+    for (qc, kc) in q[..body].chunks_exact(8).zip(k[..body].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += qc[i] * kc[i].to_f32();
+        }
+    }
+    let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]);
+    for i in body..n {
+        s += q[i] * k[i].to_f32();
+    }
+    s
+}
+
 /// One query row's sequence facts.
 #[derive(Clone, Copy)]
 struct RowInfo {
@@ -118,8 +136,7 @@ impl PagedAttention {
             for j in lo..=r.pos {
                 let block = table[j / bs] as usize;
                 let base = ((block * bs + j % bs) * kvh + kv_head) * d;
-                let k = &kc[base..base + d];
-                let s: f32 = qv.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum();
+                let s = dot(&qv, &kc[base..base + d]);
                 let v = &vc[base..base + d];
                 if s > m {
                     let c = (m - s).exp();
