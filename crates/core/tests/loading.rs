@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used)]
 //! Loading checkpoints: dtypes, and a clear typed error (never a panic) for every way a model
 //! directory can be broken.
 
