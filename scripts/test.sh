@@ -10,6 +10,7 @@ command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&
 echo "== cargo fmt / clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy -p rserve-server --features python --lib -- -D warnings
 
 echo "== cargo test"
 cargo test --workspace

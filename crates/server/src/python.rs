@@ -10,6 +10,7 @@ use crate::openai::types::ChatMessage;
 use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use rserve_core::loader::GenerationDefaults;
+use rserve_core::RequestId;
 use rserve_core::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineRequest, KvBudget, OutputStream,
 };
