@@ -51,6 +51,24 @@ impl SchedulerOutput {
     pub fn is_empty(&self) -> bool {
         self.scheduled.is_empty()
     }
+
+    /// Records `num_new` of a sequence's `remaining` uncomputed tokens and its block copies.
+    fn add(
+        &mut self,
+        seq_id: SeqId,
+        num_computed: usize,
+        num_new: usize,
+        remaining: usize,
+        copies: Vec<(BlockId, BlockId)>,
+    ) {
+        self.block_copies.extend(copies);
+        self.scheduled.push(ScheduledSeq {
+            seq_id,
+            num_computed,
+            num_new,
+            samples: num_new == remaining,
+        });
+    }
 }
 
 /// The scheduler.
@@ -144,13 +162,7 @@ impl Scheduler {
             if self_preempted {
                 break;
             }
-            out.block_copies.extend(copies);
-            out.scheduled.push(ScheduledSeq {
-                seq_id: id,
-                num_computed,
-                num_new,
-                samples: num_new == remaining,
-            });
+            out.add(id, num_computed, num_new, remaining, copies);
             budget -= num_new;
             i += 1;
         }
@@ -174,13 +186,7 @@ impl Scheduler {
                 if let Some(s) = self.seqs.get_mut(&id) {
                     s.status = SeqStatus::Running;
                 }
-                out.block_copies.extend(copies);
-                out.scheduled.push(ScheduledSeq {
-                    seq_id: id,
-                    num_computed,
-                    num_new,
-                    samples: num_new == remaining,
-                });
+                out.add(id, num_computed, num_new, remaining, copies);
                 budget -= num_new;
             }
         }

@@ -118,46 +118,50 @@ impl PagedAttention {
         }
         let mut out = vec![T::from_f32(0.0); num_tokens * num_heads * d];
         let p = self.params;
-        out.par_chunks_mut(d).enumerate().for_each(|(row_head, o)| {
-            let (t, h) = (row_head / num_heads, row_head % num_heads);
-            let r = rows[t];
-            let kv_head = h / group;
-            let qv: Vec<f32> = q[(t * num_heads + h) * d..(t * num_heads + h + 1) * d]
-                .iter()
-                .map(|x| x.to_f32() * p.scale)
-                .collect();
-            let lo = p
-                .sliding_window
-                .map_or(0, |w| (r.pos + 1).saturating_sub(w));
-            let mut m = f32::NEG_INFINITY;
-            let mut l = 0f32;
-            let mut acc = vec![0f32; d];
-            let table = &self.block_tables[r.seq * self.width..(r.seq + 1) * self.width];
-            for j in lo..=r.pos {
-                let block = table[j / bs] as usize;
-                let base = ((block * bs + j % bs) * kvh + kv_head) * d;
-                let s = dot(&qv, &kc[base..base + d]);
-                let v = &vc[base..base + d];
-                if s > m {
-                    let c = (m - s).exp();
-                    l = l * c + 1.0;
-                    for (a, vv) in acc.iter_mut().zip(v) {
-                        *a = *a * c + vv.to_f32();
-                    }
-                    m = s;
-                } else {
-                    let e = (s - m).exp();
-                    l += e;
-                    for (a, vv) in acc.iter_mut().zip(v) {
-                        *a += e * vv.to_f32();
+        // per-thread scratch (scaled query, accumulator), reused across rows
+        let scratch = || (vec![0f32; d], vec![0f32; d]);
+        out.par_chunks_mut(d)
+            .enumerate()
+            .for_each_init(scratch, |(qv, acc), (row_head, o)| {
+                let (t, h) = (row_head / num_heads, row_head % num_heads);
+                let r = rows[t];
+                let kv_head = h / group;
+                let q_row = &q[(t * num_heads + h) * d..(t * num_heads + h + 1) * d];
+                for (a, x) in qv.iter_mut().zip(q_row) {
+                    *a = x.to_f32() * p.scale;
+                }
+                acc.fill(0.0);
+                let lo = p
+                    .sliding_window
+                    .map_or(0, |w| (r.pos + 1).saturating_sub(w));
+                let mut m = f32::NEG_INFINITY;
+                let mut l = 0f32;
+                let table = &self.block_tables[r.seq * self.width..(r.seq + 1) * self.width];
+                for j in lo..=r.pos {
+                    let block = table[j / bs] as usize;
+                    let base = ((block * bs + j % bs) * kvh + kv_head) * d;
+                    let s = dot(qv, &kc[base..base + d]);
+                    let v = &vc[base..base + d];
+                    if s > m {
+                        let c = (m - s).exp();
+                        l = l * c + 1.0;
+                        for (a, vv) in acc.iter_mut().zip(v) {
+                            *a = *a * c + vv.to_f32();
+                        }
+                        m = s;
+                    } else {
+                        let e = (s - m).exp();
+                        l += e;
+                        for (a, vv) in acc.iter_mut().zip(v) {
+                            *a += e * vv.to_f32();
+                        }
                     }
                 }
-            }
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-            for (o, a) in o.iter_mut().zip(acc) {
-                *o = T::from_f32(a * inv);
-            }
-        });
+                let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+                for (o, a) in o.iter_mut().zip(acc.iter()) {
+                    *o = T::from_f32(a * inv);
+                }
+            });
         Ok(out)
     }
 
