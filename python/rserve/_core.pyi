@@ -27,6 +27,7 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         chat_template: str | None = None,
     ) -> None:

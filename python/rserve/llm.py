@@ -38,7 +38,9 @@ _POLL_S = 0.05  # how long one async poll waits in a worker thread
 _DRAIN_MAX = 64  # outputs one poll hands back at most
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
-_ENGINE_KWARGS = frozenset({"max_num_batched_tokens", "block_size", "chat_template"})
+_ENGINE_KWARGS = frozenset(
+    {"max_num_batched_tokens", "block_size", "chat_template", "gpu_memory_utilization"}
+)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -67,14 +67,64 @@ pub struct Engine {
     seed_rng: SeqRng,
 }
 
-/// Picks the CPU or a CUDA device from a `--device` value.
-pub fn parse_device(name: &str) -> Result<Device, EngineError> {
-    match name {
-        "cpu" | "auto" => Ok(Device::Cpu),
-        other => Err(EngineError::InvalidConfig(format!(
-            "device `{other}` is not available in this build (use cpu)"
-        ))),
-    }
+pub use crate::device::parse_device;
+
+/// Bytes of KV cache a GPU can hold: `gpu_memory_utilization` of the card, less what is in use
+/// after loading (weights, context, other processes) and the activation peak of a forward pass over
+/// `max_num_batched_tokens` tokens, measured on the pool's high-water mark.
+#[cfg(feature = "cuda")]
+fn gpu_kv_budget(
+    cfg: &EngineConfig,
+    loaded: &LoadedModel,
+    device: &Device,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
+    use crate::device::gpu;
+    let Device::Cuda(dev) = device else {
+        return Err(EngineError::InvalidConfig("not a CUDA device".into()));
+    };
+    let err = |e: String| EngineError::Model(format!("sizing the KV cache: {e}"));
+    let before = gpu::memory(dev).map_err(err)?;
+    gpu::reset_peak(dev).map_err(err)?;
+    let tokens = cfg.max_num_batched_tokens.min(max_model_len.max(1));
+    let rows = cfg.max_num_seqs.min(tokens);
+    let scratch = crate::model_runner::profile_forward(
+        loaded.model.as_ref(),
+        loaded.dtype,
+        device,
+        tokens,
+        rows,
+        cfg.block_size,
+    )
+    .map_err(|e| err(e.to_string()))?;
+    let peak = gpu::peak(dev)
+        .map_err(err)?
+        .saturating_sub(before.pool_used + scratch);
+    let in_use = before.total - before.free;
+    let allowed = (before.total as f64 * cfg.gpu_memory_utilization) as usize;
+    let budget = allowed.saturating_sub(in_use + peak);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading, activation peak {:.2} GiB for {tokens} tokens; KV cache budget {:.2} GiB at utilization {}",
+        gib(before.total),
+        gib(in_use),
+        gib(peak),
+        gib(budget),
+        cfg.gpu_memory_utilization
+    );
+    Ok(budget)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_kv_budget(
+    _cfg: &EngineConfig,
+    _loaded: &LoadedModel,
+    _device: &Device,
+    _max_model_len: usize,
+) -> Result<usize, EngineError> {
+    Err(EngineError::InvalidConfig(
+        "this build has no GPU support".into(),
+    ))
 }
 
 impl Engine {
@@ -122,9 +172,19 @@ impl Engine {
             kv_dtype,
         );
         let useful = cfg.max_num_seqs * max_model_len.div_ceil(cfg.block_size);
+        if !(cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0) {
+            return Err(EngineError::InvalidConfig(format!(
+                "gpu_memory_utilization must be in (0, 1], got {}",
+                cfg.gpu_memory_utilization
+            )));
+        }
         let num_blocks = match cfg.kv_cache {
             KvBudget::Bytes(b) => b / per_block,
             KvBudget::Blocks(n) => n,
+            KvBudget::Auto if !device.is_cpu() => {
+                let budget = gpu_kv_budget(&cfg, &loaded, &device, max_model_len)?;
+                (budget / per_block).min(useful)
+            }
             KvBudget::Auto => ((1usize << 30) / per_block).min(useful),
         };
         if num_blocks == 0 {
@@ -178,6 +238,10 @@ impl Engine {
             dtype: loaded.dtype,
         });
         let stats = Arc::new(EngineStats::default());
+        // the engine thread runs on its own stream: everything queued here must be done first
+        device
+            .synchronize()
+            .map_err(|e| EngineError::Model(e.to_string()))?;
         let runner = ModelRunner::new(loaded.model, kv, device);
         let engine = Engine {
             info: info.clone(),
@@ -378,9 +442,8 @@ impl Engine {
         let result = self
             .runner
             .prepare(&self.scheduler, &out, wants)
-            .and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)))
-            .and_then(|(logits, rows)| Ok((logits.to_vec2::<f32>()?, rows)));
-        let (mut logits, rows) = match result {
+            .and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)));
+        let (logits, rows) = match result {
             Ok(x) => x,
             Err(e) => {
                 tracing::error!("forward pass failed: {e}");
@@ -390,6 +453,37 @@ impl Engine {
         };
         self.scheduler.complete_step(&out);
         let mut touched: Vec<RequestId> = Vec::new();
+        if self.device_greedy_applies(&rows) {
+            match device_greedy(&logits) {
+                Ok(picked) => {
+                    for (row, tl) in rows.iter().zip(picked) {
+                        if let LogitRow::Sample(seq) = *row {
+                            if let Some(rid) = self.on_token(seq, tl) {
+                                if !touched.contains(&rid) {
+                                    touched.push(rid);
+                                }
+                            }
+                        }
+                    }
+                    for rid in touched {
+                        self.emit(rid);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("sampling on the device failed: {e}");
+                    self.fail_all(EngineError::Model(e.to_string()));
+                }
+            }
+            return;
+        }
+        let mut logits = match logits.to_vec2::<f32>() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("reading logits failed: {e}");
+                self.fail_all(EngineError::Model(e.to_string()));
+                return;
+            }
+        };
         // prompt logprobs
         for (row, kind) in logits.iter().zip(&rows) {
             if let LogitRow::PromptLogprob { seq, pos } = *kind {
@@ -459,6 +553,39 @@ impl Engine {
         for rid in touched {
             self.emit(rid);
         }
+    }
+
+    /// Whether this step's tokens can be picked on the device: a GPU, every row a plain greedy
+    /// sample (no logprobs, penalties, biases, suppressed ids or pending forks), so only the chosen
+    /// ids and their log-probs cross to the host.
+    fn device_greedy_applies(&self, rows: &[LogitRow]) -> bool {
+        if self.runner.device().is_cpu() || rows.is_empty() {
+            return false;
+        }
+        rows.iter().all(|row| {
+            let LogitRow::Sample(seq) = *row else {
+                return false;
+            };
+            let Some(s) = self.scheduler.seq(seq) else {
+                return false;
+            };
+            let Some(st) = self
+                .seq_owner
+                .get(&seq)
+                .and_then(|(rid, _)| self.requests.get(rid))
+            else {
+                return false;
+            };
+            let p = &st.req.params;
+            s.pending_forks == 0
+                && p.is_greedy()
+                && p.logprobs.is_none()
+                && p.logit_bias.is_empty()
+                && p.repetition_penalty == 1.0
+                && p.presence_penalty == 0.0
+                && p.frequency_penalty == 0.0
+                && s.num_output_tokens() >= p.min_tokens
+        })
     }
 
     fn sample_jobs(
@@ -635,4 +762,23 @@ impl Engine {
             self.abort(rid);
         }
     }
+}
+
+/// Arg-max of each row of `logits` (`[rows, vocab]` f32, on the device) and its log-probability,
+/// computed on the device; ties go to the lowest id, as on the host.
+fn device_greedy(logits: &candle_core::Tensor) -> candle_core::Result<Vec<TokenLogprob>> {
+    use candle_core::D;
+    let ids = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+    let max = logits.max_keepdim(D::Minus1)?;
+    let lse = logits.broadcast_sub(&max)?.exp()?.sum(D::Minus1)?.log()?;
+    let lps = (lse.neg()?).to_vec1::<f32>()?;
+    Ok(ids
+        .into_iter()
+        .zip(lps)
+        .map(|(token_id, logprob)| TokenLogprob {
+            token_id,
+            logprob,
+            top: Vec::new(),
+        })
+        .collect())
 }

@@ -20,7 +20,8 @@ use std::time::Duration;
 /// How much memory the KV cache gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvBudget {
-    /// 1 GiB on the CPU, never more than `max_num_seqs` full-length sequences need.
+    /// 1 GiB on the CPU; on a GPU what `gpu_memory_utilization` leaves after the weights and the
+    /// measured activation peak. Never more than `max_num_seqs` full-length sequences need.
     Auto,
     Bytes(usize),
     Blocks(usize),
@@ -38,6 +39,8 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
     pub kv_cache: KvBudget,
+    /// Fraction of GPU memory rserve may use in all (weights, activations, KV cache).
+    pub gpu_memory_utilization: f64,
     pub seed: u64,
     /// A chat template (Jinja source) replacing the model's own.
     pub chat_template: Option<String>,
@@ -48,12 +51,13 @@ impl EngineConfig {
         Self {
             model: model.into(),
             dtype: "auto".into(),
-            device: "cpu".into(),
+            device: "auto".into(),
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
             block_size: 16,
             kv_cache: KvBudget::Auto,
+            gpu_memory_utilization: 0.9,
             seed: 0,
             chat_template: None,
         }

@@ -4,6 +4,7 @@
 
 pub mod chat_template;
 pub mod default_model;
+pub mod device;
 pub mod engine;
 mod engine_types;
 pub mod hub;

@@ -11,17 +11,17 @@ use crate::models::Model;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::SeqId;
 use candle_core::{Device, Result, Tensor};
+use rserve_kernels::AttentionMetadata;
+use std::sync::Arc;
 
 /// The device-side description of one step's tokens.
 #[derive(Debug, Clone)]
 pub struct ForwardBatch {
-    pub input_ids: Tensor,       // [num_tokens] u32
-    pub positions: Tensor,       // [num_tokens] u32
-    pub slot_mapping: Tensor,    // [num_tokens] i64
-    pub block_tables: Tensor,    // [num_seqs, max_blocks] u32
-    pub seq_lens: Tensor,        // [num_seqs] u32
-    pub query_start_loc: Tensor, // [num_seqs + 1] u32
-    pub logits_indices: Tensor,  // [num_logit_rows] u32
+    pub input_ids: Tensor,      // [num_tokens] u32
+    pub positions: Tensor,      // [num_tokens] u32
+    pub logits_indices: Tensor, // [num_logit_rows] u32
+    /// Slot mapping, block tables, sequence lengths and query starts, shared by every layer.
+    pub attn: Arc<AttentionMetadata>,
 }
 
 /// What one row of the returned logits is for.
@@ -51,6 +51,10 @@ impl ModelRunner {
 
     pub fn kv(&self) -> &KvCache {
         &self.kv
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Builds the batch for `out`. `wants_prompt_logprobs(seq)` says whether a sequence asked for
@@ -124,11 +128,10 @@ impl ModelRunner {
         let batch = ForwardBatch {
             input_ids: Tensor::from_vec(input_ids, t, d)?,
             positions: Tensor::from_vec(positions, t, d)?,
-            slot_mapping: Tensor::from_vec(slots, t, d)?,
-            block_tables: Tensor::from_vec(tables, (n, width), d)?,
-            seq_lens: Tensor::from_vec(seq_lens, n, d)?,
-            query_start_loc: Tensor::from_vec(qsl, n + 1, d)?,
             logits_indices: Tensor::from_vec(logit_idx.clone(), logit_idx.len(), d)?,
+            attn: Arc::new(AttentionMetadata::new(
+                slots, tables, width, seq_lens, qsl, d,
+            )?),
         };
         Ok((batch, rows))
     }
@@ -145,4 +148,58 @@ impl ModelRunner {
         }
         self.model.forward(batch, &self.kv)
     }
+}
+
+/// Runs one forward pass over a synthetic prompt of `tokens` tokens with `rows` logit rows, on a
+/// scratch cache just large enough, to measure the activation peak; returns the scratch cache's
+/// bytes (to be subtracted from the peak).
+pub fn profile_forward(
+    model: &dyn Model,
+    dtype: candle_core::DType,
+    device: &Device,
+    tokens: usize,
+    rows: usize,
+    block_size: usize,
+) -> Result<usize> {
+    let mc = model.config();
+    let blocks = tokens.div_ceil(block_size).max(1);
+    let kv = KvCache::new(
+        mc.num_layers,
+        blocks,
+        block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
+    )?;
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| i % mc.vocab_size as u32)
+        .collect();
+    let positions: Vec<u32> = (0..tokens as u32).collect();
+    let logit_rows: Vec<u32> = (tokens - rows.min(tokens)..tokens)
+        .map(|i| i as u32)
+        .collect();
+    let batch = ForwardBatch {
+        input_ids: Tensor::from_vec(ids, tokens, device)?,
+        positions: Tensor::from_vec(positions, tokens, device)?,
+        logits_indices: Tensor::from_vec(logit_rows.clone(), logit_rows.len(), device)?,
+        attn: Arc::new(AttentionMetadata::new(
+            (0..tokens as i64).collect(),
+            (0..blocks as u32).collect(),
+            blocks,
+            vec![tokens as u32],
+            vec![0, tokens as u32],
+            device,
+        )?),
+    };
+    let logits = model.forward(&batch, &kv)?;
+    drop(logits);
+    device.synchronize()?;
+    Ok(KvCache::bytes_per_block(
+        mc.num_layers,
+        block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        dtype,
+    ) * blocks)
 }

@@ -5,8 +5,11 @@ use rserve_core::{Engine, EngineConfig, EngineHandle, KvBudget};
 use serde::Deserialize;
 use std::path::PathBuf;
 
+/// The repository root: `RSERVE_REPO` (test binaries run from another checkout), else the source tree.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    std::env::var_os("RSERVE_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
 pub fn fixture_model(name: &str) -> PathBuf {
@@ -39,8 +42,22 @@ pub fn golden(name: &str) -> Golden {
     serde_json::from_str(&text).expect("golden parses")
 }
 
+/// The device the engine tests run on: `RSERVE_TEST_DEVICE` (default `cpu`; `cuda` on a GPU build).
+pub fn test_device() -> String {
+    std::env::var("RSERVE_TEST_DEVICE").unwrap_or_else(|_| "cpu".into())
+}
+
+/// Tolerance of logprob comparisons with the goldens: `RSERVE_TEST_TOL`, default 1e-4.
+pub fn tolerance() -> f32 {
+    std::env::var("RSERVE_TEST_TOL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1e-4)
+}
+
 pub fn start(name: &str, f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
     let mut cfg = EngineConfig::new(fixture_model(name));
+    cfg.device = test_device();
     cfg.kv_cache = KvBudget::Blocks(256);
     f(&mut cfg);
     Engine::start(cfg).expect("engine starts")

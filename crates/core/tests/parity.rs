@@ -7,9 +7,8 @@ mod common;
 use common::*;
 use rserve_core::{EngineRequest, SamplingParams};
 
-const TOL: f32 = 1e-4;
-
 fn check_model(name: &str) {
+    let tol = tolerance();
     let g = golden(name);
     assert_eq!(g.model, name);
     let h = start(name, |_| {});
@@ -41,7 +40,7 @@ fn check_model(name: &str) {
         let lps = o.logprobs.as_ref().expect("logprobs");
         for (i, (got, want)) in lps.iter().zip(&case.logprobs).enumerate() {
             assert!(
-                (got.logprob - want).abs() < TOL,
+                (got.logprob - want).abs() < tol,
                 "{name} step {i}: logprob {} vs {want}",
                 got.logprob
             );
@@ -56,7 +55,7 @@ fn check_model(name: &str) {
                     assert_eq!(gt, wt, "{name} step {i} top-{k}");
                 }
                 assert!(
-                    (gl - wl).abs() < TOL,
+                    (gl - wl).abs() < tol,
                     "{name} step {i} top-{k}: {gl} vs {wl}"
                 );
             }
@@ -69,7 +68,7 @@ fn check_model(name: &str) {
                 (Some(g), Some(w)) => {
                     assert_eq!(g.token_id, case.prompt[i]);
                     assert!(
-                        (g.logprob - w).abs() < TOL,
+                        (g.logprob - w).abs() < tol,
                         "{name} prompt pos {i}: {} vs {w}",
                         g.logprob
                     );

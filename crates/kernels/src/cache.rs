@@ -4,16 +4,17 @@
 //! Invariants: a slot is `block * block_size + offset`; a negative slot means "do not write" (padding);
 //! a slot past the cache is an error, never an out-of-bounds write.
 
-use crate::elem::{contiguous_range, host_ints, Elem};
+use crate::elem::{contiguous_range, for_kernel, Elem};
+use crate::metadata::AttentionMetadata;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use half::{bf16, f16};
 
-struct WriteSlots {
-    slots: Vec<i64>,
+struct WriteSlots<'a> {
+    meta: &'a AttentionMetadata,
 }
 
-impl WriteSlots {
+impl WriteSlots<'_> {
     fn run<T: Elem>(
         &self,
         dst: &mut CpuStorage,
@@ -32,14 +33,14 @@ impl WriteSlots {
         let src = &src[sa..sb];
         let dst = T::slice_mut(dst).ok_or_else(|| candle_core::Error::Msg("cache dtype".into()))?;
         let dst = &mut dst[da..db];
-        if src.len() != self.slots.len() * row {
+        if src.len() != self.meta.slots.len() * row {
             candle_core::bail!(
                 "slot_mapping has {} entries for {} rows",
-                self.slots.len(),
+                self.meta.slots.len(),
                 src.len() / row.max(1)
             );
         }
-        for (t, &slot) in self.slots.iter().enumerate() {
+        for (t, &slot) in self.meta.slots.iter().enumerate() {
             if slot < 0 {
                 continue;
             }
@@ -53,7 +54,7 @@ impl WriteSlots {
     }
 }
 
-impl InplaceOp2 for WriteSlots {
+impl InplaceOp2 for WriteSlots<'_> {
     fn name(&self) -> &'static str {
         "reshape-and-cache"
     }
@@ -72,16 +73,95 @@ impl InplaceOp2 for WriteSlots {
             dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        match dst.dtype() {
+            DType::F32 => self.cuda_run::<f32>(dst, dst_l, src, src_l),
+            DType::BF16 => self.cuda_run::<bf16>(dst, dst_l, src, src_l),
+            DType::F16 => self.cuda_run::<f16>(dst, dst_l, src, src_l),
+            dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl WriteSlots<'_> {
+    fn cuda_run<T>(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        use crate::cuda::{cuda_slice, dtype_suffix, function, token_rows};
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+
+        let dims = dst_l.dims();
+        let row = dims[2] * dims[3];
+        let n = self.meta.num_tokens();
+        if src_l.shape().elem_count() != n * row {
+            candle_core::bail!(
+                "slot_mapping has {n} entries for {} rows",
+                src_l.shape().elem_count() / row.max(1)
+            );
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if !dst_l.is_contiguous() || dst_l.start_offset() != 0 {
+            candle_core::bail!("reshape_and_cache: the cache must be a whole contiguous tensor");
+        }
+        let dev = dst.device().clone();
+        let (src_view, src_stride) = token_rows::<T>(src, src_l, "new k/v")?;
+        let arrays = self.meta.device_arrays()?;
+        let (sg, _) = arrays.slots.storage_and_layout();
+        let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
+        let cache = dst.as_cuda_slice_mut::<T>()?;
+        let func = function(
+            &dev,
+            &format!("reshape_and_cache_{}", dtype_suffix(T::DTYPE)?),
+        )?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        let row_i = row as i32;
+        b.arg(cache)
+            .arg(&src_view)
+            .arg(slots)
+            .arg(&row_i)
+            .arg(&src_stride);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (row.next_multiple_of(32).min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `reshape_and_cache_<dtype>` in csrc/cache.cu; slots were validated
+        // against the cache size on the host.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
 }
 
 /// Writes `key`/`value` (`[num_tokens, kv_heads, head_dim]`) into `k_cache`/`v_cache`
-/// (`[num_blocks, block_size, kv_heads, head_dim]`) at `slot_mapping` (`[num_tokens]`).
+/// (`[num_blocks, block_size, kv_heads, head_dim]`) at the metadata's slots.
 pub fn reshape_and_cache(
     key: &Tensor,
     value: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    slot_mapping: &Tensor,
+    meta: &AttentionMetadata,
 ) -> Result<()> {
     let (_, kvh, d) = key.dims3()?;
     let cd = k_cache.dims4()?;
@@ -93,10 +173,13 @@ pub fn reshape_and_cache(
             k_cache.shape()
         );
     }
-    let slots = host_ints(slot_mapping, "slot_mapping")?;
-    let op = WriteSlots { slots };
-    k_cache.inplace_op2(&key.contiguous()?, &op)?;
-    v_cache.inplace_op2(&value.contiguous()?, &op)
+    let total = (cd.0 * cd.1) as i64;
+    if let Some(&bad) = meta.slots.iter().find(|&&s| s >= total) {
+        candle_core::bail!("slot {bad} outside the cache ({total} slots)");
+    }
+    let op = WriteSlots { meta };
+    k_cache.inplace_op2(&for_kernel(key)?, &op)?;
+    v_cache.inplace_op2(&for_kernel(value)?, &op)
 }
 
 struct CopyBlocks {
@@ -139,6 +222,60 @@ impl candle_core::InplaceOp1 for CopyBlocks {
             dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        use crate::cuda::{dtype_suffix, function};
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+
+        let dims = l.dims();
+        let per_block = dims[1] * dims[2] * dims[3];
+        if !l.is_contiguous() || l.start_offset() != 0 {
+            candle_core::bail!("copy_blocks: the cache must be a whole contiguous tensor");
+        }
+        let mut flat = Vec::with_capacity(2 * self.pairs.len());
+        for &(src, dst) in &self.pairs {
+            if src >= dims[0] || dst >= dims[0] {
+                candle_core::bail!(
+                    "copy_blocks: block {src} -> {dst} outside {} blocks",
+                    dims[0]
+                );
+            }
+            flat.extend([src as u32, dst as u32]);
+        }
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let pairs = stream.clone_htod(&flat).w()?;
+        let name = format!("copy_blocks_{}", dtype_suffix(s.dtype())?);
+        let func = function(&dev, &name)?;
+        let per_block_i = per_block as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                self.pairs.len() as u32,
+                per_block.div_ceil(256 * 8).max(1) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        macro_rules! launch {
+            ($t:ty) => {{
+                let cache = s.as_cuda_slice_mut::<$t>()?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(cache).arg(&pairs).arg(&per_block_i);
+                // SAFETY: matches `copy_blocks_<dtype>` in csrc/cache.cu; block ids checked above.
+                unsafe { b.launch(cfg) }.w()?;
+            }};
+        }
+        match s.dtype() {
+            DType::F32 => launch!(f32),
+            DType::BF16 => launch!(bf16),
+            DType::F16 => launch!(f16),
+            dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
+        }
+        Ok(())
+    }
 }
 
 /// Copies whole blocks `src -> dst` within one cache tensor (copy-on-write of shared blocks).
@@ -149,47 +286,4 @@ pub fn copy_blocks(cache: &Tensor, pairs: &[(usize, usize)]) -> Result<()> {
     cache.inplace_op1(&CopyBlocks {
         pairs: pairs.to_vec(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    #[test]
-    fn writes_rows_at_slots_and_skips_negative() -> Result<()> {
-        let dev = Device::Cpu;
-        let kc = Tensor::zeros((3, 2, 1, 2), DType::F32, &dev)?;
-        let vc = Tensor::zeros((3, 2, 1, 2), DType::F32, &dev)?;
-        let k = Tensor::new(&[[[1f32, 2.]], [[3., 4.]], [[5., 6.]]], &dev)?;
-        let v = (&k * 10.0)?;
-        let slots = Tensor::new(&[5i64, -1, 0], &dev)?;
-        reshape_and_cache(&k, &v, &kc, &vc, &slots)?;
-        let kv = kc.flatten_all()?.to_vec1::<f32>()?;
-        assert_eq!(kv, vec![5., 6., 0., 0., 0., 0., 0., 0., 0., 0., 1., 2.]);
-        assert_eq!(vc.flatten_all()?.to_vec1::<f32>()?[10], 10.0);
-        Ok(())
-    }
-
-    #[test]
-    fn out_of_range_slot_is_an_error() -> Result<()> {
-        let dev = Device::Cpu;
-        let kc = Tensor::zeros((1, 2, 1, 2), DType::F32, &dev)?;
-        let k = Tensor::zeros((1, 1, 2), DType::F32, &dev)?;
-        let slots = Tensor::new(&[2i64], &dev)?;
-        assert!(reshape_and_cache(&k, &k, &kc, &kc.clone(), &slots).is_err());
-        Ok(())
-    }
-
-    #[test]
-    fn copies_blocks() -> Result<()> {
-        let dev = Device::Cpu;
-        let c = Tensor::arange(0f32, 8., &dev)?.reshape((4, 1, 1, 2))?;
-        copy_blocks(&c, &[(1, 3)])?;
-        assert_eq!(
-            c.flatten_all()?.to_vec1::<f32>()?,
-            vec![0., 1., 2., 3., 4., 5., 2., 3.]
-        );
-        Ok(())
-    }
 }

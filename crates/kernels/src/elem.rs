@@ -97,3 +97,19 @@ pub fn with_cpu<R>(
         _ => Err(candle_core::Error::Msg(format!("{what}: not a CPU tensor"))),
     }
 }
+
+/// Whether a `[tokens, heads, dim]` tensor has each token's heads contiguous (rows may be strided).
+pub fn token_rows_contiguous(t: &Tensor) -> bool {
+    let (dims, stride) = (t.dims(), t.stride());
+    dims.len() == 3 && stride[2] == 1 && stride[1] == dims[2]
+}
+
+/// `t` itself where a GPU kernel can read it as strided token rows, else a contiguous copy (the CPU
+/// kernels read contiguous tensors only).
+pub fn for_kernel(t: &Tensor) -> Result<Tensor> {
+    if !t.device().is_cpu() && token_rows_contiguous(t) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}

@@ -1,4 +1,5 @@
-//! Tensor kernels of rserve: the paged-attention family and the cache writes that feed it.
+//! Tensor kernels of rserve: the paged-attention family, the cache writes that feed it, and the
+//! fused element-wise ops of the decoder layer.
 //!
 //! This crate knows tensors and nothing of requests. Every op here has a CPU implementation that is
 //! also the reference the CUDA kernels are tested against; callers pass candle tensors and get candle
@@ -7,14 +8,21 @@
 //! Shapes used throughout:
 //! - `q`: `[num_tokens, num_heads, head_dim]` (all scheduled tokens of a step, flattened)
 //! - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`
+//! - [`AttentionMetadata`] carries the step's layout, once per step for every layer:
 //! - `block_tables`: `[num_seqs, max_blocks_per_seq]` u32
 //! - `seq_lens`: `[num_seqs]` u32, the context length of each sequence after this step's tokens
 //! - `query_start_loc`: `[num_seqs + 1]` u32, cumulative query token counts
 //! - `slot_mapping`: `[num_tokens]` i64, flat cache slot (`block * block_size + offset`) per token, -1 to skip
 
 pub mod cache;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod elem;
+pub mod fused;
+pub mod metadata;
 pub mod paged_attention;
 
 pub use cache::{copy_blocks, reshape_and_cache};
-pub use paged_attention::{paged_attention, PagedAttentionParams};
+pub use fused::{add_rms_norm, rotary_qk_, silu_and_mul};
+pub use metadata::AttentionMetadata;
+pub use paged_attention::{paged_attention, reference_attention, PagedAttentionParams};

@@ -6,7 +6,8 @@
 //! `[max(0, pos + 1 - window), pos]`. The CPU path is a flash-style loop (online softmax, no score
 //! matrix) that accumulates in f32; it is also the reference for the CUDA kernels.
 
-use crate::elem::{host_ints, typed, with_cpu, Elem};
+use crate::elem::{for_kernel, typed, with_cpu, Elem};
+use crate::metadata::AttentionMetadata;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
@@ -21,13 +22,10 @@ pub struct PagedAttentionParams {
     pub sliding_window: Option<usize>,
 }
 
-struct PagedAttention {
-    k_cache: Tensor,        // [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: Tensor,        // [num_blocks, block_size, kv_heads, head_dim]
-    block_tables: Vec<i64>, // [num_seqs, width]
-    width: usize,
-    seq_lens: Vec<i64>,        // [num_seqs]
-    query_start_loc: Vec<i64>, // [num_seqs + 1]
+struct PagedAttention<'a> {
+    k_cache: &'a Tensor, // [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: &'a Tensor, // [num_blocks, block_size, kv_heads, head_dim]
+    meta: &'a AttentionMetadata,
     params: PagedAttentionParams,
 }
 
@@ -56,33 +54,22 @@ struct RowInfo {
     pos: usize,
 }
 
-impl PagedAttention {
-    fn rows(&self, num_tokens: usize) -> Result<Vec<RowInfo>> {
-        let num_seqs = self.seq_lens.len();
-        let mut rows = Vec::with_capacity(num_tokens);
-        for s in 0..num_seqs {
-            let (a, b) = (self.query_start_loc[s], self.query_start_loc[s + 1]);
-            let ctx = self.seq_lens[s];
-            let q_len = b - a;
-            if a < 0 || q_len < 0 || q_len > ctx {
-                candle_core::bail!(
-                    "paged_attention: bad sequence {s}: query [{a}, {b}), context {ctx}"
-                );
-            }
-            for i in 0..q_len {
+impl PagedAttention<'_> {
+    /// Sequence and position of every query token (metadata was validated on construction).
+    fn rows(&self) -> Vec<RowInfo> {
+        let m = self.meta;
+        let mut rows = Vec::with_capacity(m.num_tokens());
+        for s in 0..m.num_seqs() {
+            let (a, b) = (m.query_start_loc[s], m.query_start_loc[s + 1]);
+            let ctx = m.seq_lens[s];
+            for i in 0..b - a {
                 rows.push(RowInfo {
                     seq: s,
-                    pos: (ctx - q_len + i) as usize,
+                    pos: (ctx - (b - a) + i) as usize,
                 });
             }
         }
-        if rows.len() != num_tokens {
-            candle_core::bail!(
-                "paged_attention: query_start_loc covers {} tokens, q has {num_tokens}",
-                rows.len()
-            );
-        }
-        Ok(rows)
+        rows
     }
 
     fn run<T: Elem>(
@@ -94,28 +81,10 @@ impl PagedAttention {
         c_dims: &[usize],
     ) -> Result<Vec<T>> {
         let (num_tokens, num_heads, d) = (q_dims[0], q_dims[1], q_dims[2]);
-        let (num_blocks, bs, kvh) = (c_dims[0], c_dims[1], c_dims[2]);
-        if c_dims[3] != d || kvh == 0 || num_heads % kvh != 0 {
-            candle_core::bail!("paged_attention: q {q_dims:?} vs cache {c_dims:?}");
-        }
+        let (bs, kvh) = (c_dims[1], c_dims[2]);
         let group = num_heads / kvh;
-        let rows = self.rows(num_tokens)?;
-        for r in &rows {
-            let needed = r.pos / bs + 1;
-            if needed > self.width {
-                candle_core::bail!(
-                    "paged_attention: position {} needs {needed} blocks, table has {}",
-                    r.pos,
-                    self.width
-                );
-            }
-            for j in 0..needed {
-                let b = self.block_tables[r.seq * self.width + j];
-                if b < 0 || b as usize >= num_blocks {
-                    candle_core::bail!("paged_attention: block id {b} outside the cache");
-                }
-            }
-        }
+        let rows = self.rows();
+        let width = self.meta.width;
         let mut out = vec![T::from_f32(0.0); num_tokens * num_heads * d];
         let p = self.params;
         // per-thread scratch (scaled query, accumulator), reused across rows
@@ -136,7 +105,7 @@ impl PagedAttention {
                     .map_or(0, |w| (r.pos + 1).saturating_sub(w));
                 let mut m = f32::NEG_INFINITY;
                 let mut l = 0f32;
-                let table = &self.block_tables[r.seq * self.width..(r.seq + 1) * self.width];
+                let table = &self.meta.block_tables[r.seq * width..(r.seq + 1) * width];
                 for j in lo..=r.pos {
                     let block = table[j / bs] as usize;
                     let base = ((block * bs + j % bs) * kvh + kv_head) * d;
@@ -167,9 +136,9 @@ impl PagedAttention {
 
     fn dispatch<T: Elem>(&self, q: &CpuStorage, ql: &Layout) -> Result<(CpuStorage, Shape)> {
         let q_s = typed::<T>(q, ql, "q")?;
-        let out = with_cpu(&self.k_cache, "k_cache", |ks, kl| {
+        let out = with_cpu(self.k_cache, "k_cache", |ks, kl| {
             let kc = typed::<T>(ks, kl, "k_cache")?;
-            with_cpu(&self.v_cache, "v_cache", |vs, vl| {
+            with_cpu(self.v_cache, "v_cache", |vs, vl| {
                 let vc = typed::<T>(vs, vl, "v_cache")?;
                 self.run(q_s, ql.dims(), kc, vc, kl.dims())
             })
@@ -178,7 +147,7 @@ impl PagedAttention {
     }
 }
 
-impl CustomOp1 for PagedAttention {
+impl CustomOp1 for PagedAttention<'_> {
     fn name(&self) -> &'static str {
         "paged-attention"
     }
@@ -191,6 +160,158 @@ impl CustomOp1 for PagedAttention {
             dt => candle_core::bail!("paged_attention: unsupported dtype {dt:?}"),
         }
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        match q.dtype() {
+            DType::F32 => self.cuda_run::<f32>(q, ql),
+            DType::BF16 => self.cuda_run::<bf16>(q, ql),
+            DType::F16 => self.cuda_run::<f16>(q, ql),
+            dt => candle_core::bail!("paged_attention: unsupported dtype {dt:?}"),
+        }
+    }
+}
+
+/// How the CUDA kernel tiles one call (see `csrc/paged_attention.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchPlan {
+    pub heads_per_cta: usize,
+    pub queries_per_cta: usize,
+    pub rows_cap: usize,
+    pub tile_keys: usize,
+    pub shared_bytes: usize,
+    /// CTAs per work item: KV heads times head chunks.
+    pub grid_y: usize,
+}
+
+impl LaunchPlan {
+    /// Rows (query, head pairs) per CTA hold at most 4096 query floats and 16 accumulator slots per
+    /// thread; a K/V tile holds at most 8 KiB per cache. Head dims must be even and at most 256.
+    pub fn new(
+        num_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        elem_bytes: usize,
+    ) -> Result<Self> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 256 {
+            candle_core::bail!(
+                "paged_attention on CUDA: head_dim {head_dim} (must be even, <= 256)"
+            );
+        }
+        if kv_heads == 0 || !num_heads.is_multiple_of(kv_heads) {
+            candle_core::bail!("paged_attention: {num_heads} heads over {kv_heads} KV heads");
+        }
+        let groups = 128 / (head_dim / 2);
+        let rows_cap = (4096 / head_dim).min(16 * groups).min(64);
+        let group = num_heads / kv_heads;
+        let heads_per_cta = group.min(rows_cap);
+        let queries_per_cta = (rows_cap / heads_per_cta).max(1);
+        let tile_keys = (8192 / (head_dim * elem_bytes)).clamp(8, 32);
+        let pad = if elem_bytes == 4 { 1 } else { 2 };
+        let shared_bytes = 4 * (rows_cap * head_dim + rows_cap * (tile_keys + 1) + 3 * rows_cap)
+            + 2 * tile_keys * (head_dim + pad) * elem_bytes;
+        Ok(Self {
+            heads_per_cta,
+            queries_per_cta,
+            rows_cap,
+            tile_keys,
+            shared_bytes,
+            grid_y: kv_heads * group.div_ceil(heads_per_cta),
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PagedAttention<'_> {
+    fn cuda_run<T>(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+            + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+    {
+        use crate::cuda::{cuda_slice, dtype_suffix, function, token_rows};
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+
+        let dims = ql.dims();
+        let (num_tokens, num_heads, d) = (dims[0], dims[1], dims[2]);
+        let (_, bs, kvh, _) = self.k_cache.dims4()?;
+        let plan = LaunchPlan::new(num_heads, kvh, d, std::mem::size_of::<T>())?;
+        let dev = q.device().clone();
+        let mut out = dev.alloc_zeros::<T>(num_tokens * num_heads * d)?;
+        let (work, num_work) = self.meta.work_items(plan.queries_per_cta)?;
+        if num_work > 0 {
+            let arrays = self.meta.device_arrays()?;
+            let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;
+            let (kg, kl) = self.k_cache.storage_and_layout();
+            let (vg, vl) = self.v_cache.storage_and_layout();
+            if !(kl.is_contiguous() && vl.is_contiguous())
+                || kl.start_offset() != 0
+                || vl.start_offset() != 0
+            {
+                candle_core::bail!("paged_attention: caches must be whole contiguous tensors");
+            }
+            let (tg, _) = arrays.block_tables.storage_and_layout();
+            let (lg, _) = arrays.seq_lens.storage_and_layout();
+            let (sg, _) = arrays.query_start_loc.storage_and_layout();
+            let (wg, _) = work.storage_and_layout();
+            let kc = cuda_slice::<T>(&kg, "k_cache")?;
+            let vc = cuda_slice::<T>(&vg, "v_cache")?;
+            let tables = cuda_slice::<u32>(&tg, "block_tables")?;
+            let lens = cuda_slice::<u32>(&lg, "seq_lens")?;
+            let starts = cuda_slice::<u32>(&sg, "query_start_loc")?;
+            let items = cuda_slice::<u32>(&wg, "work")?;
+            let func = function(
+                &dev,
+                &format!("paged_attention_{}", dtype_suffix(T::DTYPE)?),
+            )?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            let ints = [
+                self.meta.width,
+                num_heads,
+                kvh,
+                d,
+                bs,
+                plan.heads_per_cta,
+                plan.queries_per_cta,
+                plan.rows_cap,
+                plan.tile_keys,
+            ]
+            .map(|v| v as i32);
+            let window = self.params.sliding_window.map_or(0, |w| w as i32);
+            b.arg(&mut out)
+                .arg(&q_view)
+                .arg(kc)
+                .arg(vc)
+                .arg(tables)
+                .arg(lens)
+                .arg(starts)
+                .arg(items);
+            for v in &ints {
+                b.arg(v);
+            }
+            b.arg(&self.params.scale).arg(&window).arg(&q_stride);
+            let cfg = LaunchConfig {
+                grid_dim: (num_work as u32, plan.grid_y as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: plan.shared_bytes as u32,
+            };
+            // SAFETY: argument order and types match `paged_attention_<dtype>` in
+            // csrc/paged_attention.cu; the metadata was validated against the cache shape.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)))
+    }
 }
 
 /// Attention of `q` (`[num_tokens, num_heads, head_dim]`) over the paged cache; returns
@@ -199,35 +320,35 @@ pub fn paged_attention(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
-    block_tables: &Tensor,
-    seq_lens: &Tensor,
-    query_start_loc: &Tensor,
+    meta: &AttentionMetadata,
     params: &PagedAttentionParams,
 ) -> Result<Tensor> {
-    q.dims3()?;
-    if k_cache.dims4()? != v_cache.dims4()? {
+    let (num_tokens, num_heads, d) = q.dims3()?;
+    let (num_blocks, bs, kvh, cd) = k_cache.dims4()?;
+    if v_cache.dims4()? != (num_blocks, bs, kvh, cd) {
         candle_core::bail!("paged_attention: k/v cache shapes differ");
     }
-    let (num_seqs, width) = block_tables.dims2()?;
-    let seq_lens = host_ints(seq_lens, "seq_lens")?;
-    let query_start_loc = host_ints(query_start_loc, "query_start_loc")?;
-    if seq_lens.len() != num_seqs || query_start_loc.len() != num_seqs + 1 {
+    if cd != d || kvh == 0 || num_heads % kvh != 0 {
         candle_core::bail!(
-            "paged_attention: {num_seqs} block tables, {} seq_lens, {} query_start_loc",
-            seq_lens.len(),
-            query_start_loc.len()
+            "paged_attention: q {:?} vs cache {:?}",
+            q.shape(),
+            k_cache.shape()
         );
     }
+    if num_tokens != meta.num_tokens() {
+        candle_core::bail!(
+            "paged_attention: q has {num_tokens} tokens, metadata {}",
+            meta.num_tokens()
+        );
+    }
+    meta.validate(num_blocks, bs)?;
     let op = PagedAttention {
-        k_cache: k_cache.clone(),
-        v_cache: v_cache.clone(),
-        block_tables: host_ints(block_tables, "block_tables")?,
-        width,
-        seq_lens,
-        query_start_loc,
+        k_cache,
+        v_cache,
+        meta,
         params: *params,
     };
-    q.contiguous()?.apply_op1_no_bwd(&op)
+    for_kernel(q)?.apply_op1_no_bwd(&op)
 }
 
 /// Plain dense causal attention for one sequence, the textbook formula with candle ops:
@@ -267,155 +388,4 @@ pub fn reference_attention(
     let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?)?.exp()?;
     let probs = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
     probs.matmul(&v)?.transpose(0, 1)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cache::reshape_and_cache;
-    use candle_core::Device;
-
-    /// Lays out each sequence's dense K/V into shuffled cache blocks and checks the paged result
-    /// against dense reference attention, sequence by sequence.
-    #[allow(clippy::too_many_arguments)]
-    fn check(
-        dtype: DType,
-        heads: usize,
-        kvh: usize,
-        d: usize,
-        bs: usize,
-        seqs: &[(usize, usize)],
-        window: Option<usize>,
-        tol: f32,
-    ) -> Result<()> {
-        let dev = Device::Cpu;
-        let num_blocks = 64;
-        let kc = Tensor::zeros((num_blocks, bs, kvh, d), dtype, &dev)?;
-        let vc = Tensor::zeros((num_blocks, bs, kvh, d), dtype, &dev)?;
-        let width = seqs
-            .iter()
-            .map(|&(_, ctx)| ctx.div_ceil(bs))
-            .max()
-            .unwrap_or(1);
-        // a fixed scramble of block ids, distinct across sequences
-        let mut next = 0usize;
-        let mut tables = vec![0u32; seqs.len() * width];
-        let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
-        let mut qsl = vec![0u32];
-        for (s, &(q_len, ctx)) in seqs.iter().enumerate() {
-            for j in 0..ctx.div_ceil(bs) {
-                tables[s * width + j] = ((next * 37 + 11) % num_blocks) as u32;
-                next += 1;
-            }
-            let k = Tensor::randn(0f32, 1., (ctx, kvh, d), &dev)?.to_dtype(dtype)?;
-            let v = Tensor::randn(0f32, 1., (ctx, kvh, d), &dev)?.to_dtype(dtype)?;
-            let slots: Vec<i64> = (0..ctx)
-                .map(|p| (tables[s * width + p / bs] as usize * bs + p % bs) as i64)
-                .collect();
-            reshape_and_cache(&k, &v, &kc, &vc, &Tensor::new(slots.as_slice(), &dev)?)?;
-            qs.push(Tensor::randn(0f32, 1., (q_len, heads, d), &dev)?.to_dtype(dtype)?);
-            ks.push(k);
-            vs.push(v);
-            qsl.push(qsl[s] + q_len as u32);
-        }
-        let q = Tensor::cat(&qs, 0)?;
-        let params = PagedAttentionParams {
-            scale: 1.0 / (d as f32).sqrt(),
-            sliding_window: window,
-        };
-        let lens: Vec<u32> = seqs.iter().map(|&(_, c)| c as u32).collect();
-        let out = paged_attention(
-            &q,
-            &kc,
-            &vc,
-            &Tensor::from_vec(tables, (seqs.len(), width), &dev)?,
-            &Tensor::new(lens.as_slice(), &dev)?,
-            &Tensor::new(qsl.as_slice(), &dev)?,
-            &params,
-        )?;
-        assert_eq!(out.dims(), q.dims());
-        for s in 0..seqs.len() {
-            let got = out
-                .narrow(0, qsl[s] as usize, seqs[s].0)?
-                .to_dtype(DType::F32)?;
-            let want = reference_attention(&qs[s], &ks[s], &vs[s], &params)?;
-            let err = (got - want)?
-                .abs()?
-                .flatten_all()?
-                .max(0)?
-                .to_scalar::<f32>()?;
-            assert!(err < tol, "seq {s}: max abs error {err} (dtype {dtype:?})");
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn mixed_decode_and_prefill_f32() -> Result<()> {
-        check(
-            DType::F32,
-            4,
-            2,
-            16,
-            16,
-            &[(1, 1), (1, 37), (20, 20), (5, 50), (1, 16)],
-            None,
-            1e-5,
-        )
-    }
-
-    #[test]
-    fn mqa_block32_head64() -> Result<()> {
-        check(DType::F32, 8, 1, 64, 32, &[(3, 70), (1, 33)], None, 1e-5)
-    }
-
-    #[test]
-    fn sliding_window() -> Result<()> {
-        check(
-            DType::F32,
-            4,
-            4,
-            8,
-            16,
-            &[(12, 40), (1, 9), (1, 3)],
-            Some(8),
-            1e-5,
-        )
-    }
-
-    #[test]
-    fn half_precision() -> Result<()> {
-        check(DType::BF16, 4, 2, 32, 16, &[(7, 30), (1, 45)], None, 2e-2)?;
-        check(
-            DType::F16,
-            4,
-            2,
-            32,
-            16,
-            &[(7, 30), (1, 45)],
-            Some(10),
-            5e-3,
-        )
-    }
-
-    #[test]
-    fn rejects_block_outside_cache() -> Result<()> {
-        let dev = Device::Cpu;
-        let c = Tensor::zeros((2, 4, 1, 4), DType::F32, &dev)?;
-        let q = Tensor::zeros((1, 1, 4), DType::F32, &dev)?;
-        let p = PagedAttentionParams {
-            scale: 1.0,
-            sliding_window: None,
-        };
-        let r = paged_attention(
-            &q,
-            &c,
-            &c,
-            &Tensor::new(&[[7u32]], &dev)?,
-            &Tensor::new(&[1u32], &dev)?,
-            &Tensor::new(&[0u32, 1], &dev)?,
-            &p,
-        );
-        assert!(r.is_err());
-        Ok(())
-    }
 }

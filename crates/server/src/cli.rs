@@ -30,7 +30,8 @@ pub struct EngineArgs {
     /// auto (follow the checkpoint), float32, bfloat16 or float16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
-    /// cpu (or auto).
+    /// auto (the first GPU when this build has CUDA and one is present, else the CPU), cpu, cuda
+    /// or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Maximum context length (prompt + completion); defaults to the model's.
@@ -45,10 +46,12 @@ pub struct EngineArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Bytes of KV cache (default: 1 GiB on the CPU, capped by what max_num_seqs can use).
+    /// Bytes of KV cache (default: 1 GiB on the CPU; on a GPU what --gpu-memory-utilization leaves
+    /// after the weights and the measured activation peak; capped by what max_num_seqs can use).
     #[arg(long)]
     pub kv_cache_memory: Option<usize>,
-    /// Fraction of GPU memory for weights and KV cache (GPU builds; ignored on the CPU).
+    /// Fraction of GPU memory rserve may use for weights, activations and KV cache (ignored on the
+    /// CPU).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
     /// Engine seed for requests without their own.

@@ -47,6 +47,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.max_num_batched_tokens = args.max_num_batched_tokens;
     cfg.block_size = args.block_size;
     cfg.seed = args.seed;
+    cfg.gpu_memory_utilization = args.gpu_memory_utilization;
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }

@@ -64,7 +64,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = 2048, block_size = 16, kv_cache_memory = None, seed = 0, chat_template = None))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = 2048, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -76,6 +76,7 @@ impl PyEngine {
         max_num_batched_tokens: usize,
         block_size: usize,
         kv_cache_memory: Option<usize>,
+        gpu_memory_utilization: f64,
         seed: u64,
         chat_template: Option<String>,
     ) -> PyResult<Self> {
@@ -84,6 +85,7 @@ impl PyEngine {
         cfg.device = device;
         cfg.max_model_len = max_model_len;
         cfg.max_num_seqs = max_num_seqs;
+        cfg.gpu_memory_utilization = gpu_memory_utilization;
         cfg.max_num_batched_tokens = max_num_batched_tokens;
         cfg.block_size = block_size;
         cfg.seed = seed;

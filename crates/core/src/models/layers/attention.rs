@@ -29,9 +29,7 @@ pub struct AttentionSpec {
 
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv_proj: Linear, // [(heads + 2 * kv_heads) * head_dim, hidden]: q rows, k rows, v rows
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -51,9 +49,15 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q_proj: Linear::load(&w.pp("q_proj"), h, q_out, spec.qkv_bias)?,
-            k_proj: Linear::load(&w.pp("k_proj"), h, kv_out, spec.qkv_bias)?,
-            v_proj: Linear::load(&w.pp("v_proj"), h, kv_out, spec.qkv_bias)?,
+            qkv_proj: Linear::load_fused(
+                &[
+                    (&w.pp("q_proj"), q_out),
+                    (&w.pp("k_proj"), kv_out),
+                    (&w.pp("v_proj"), kv_out),
+                ],
+                h,
+                spec.qkv_bias,
+            )?,
             o_proj: Linear::load(&w.pp("o_proj"), q_out, h, spec.o_bias)?,
             q_norm,
             k_norm,
@@ -61,54 +65,39 @@ impl Attention {
         })
     }
 
-    /// `x`: `[num_tokens, hidden]`; `cos`/`sin`: `[num_tokens, head_dim / 2]`;
-    /// `cache`: this layer's (k, v), each `[num_blocks, block_size, kv_heads, head_dim]`.
+    /// `x`: `[num_tokens, hidden]`; `cache`: this layer's (k, v), each
+    /// `[num_blocks, block_size, kv_heads, head_dim]`.
     pub fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rotary: &RotaryEmbedding,
         batch: &ForwardBatch,
         cache: &(Tensor, Tensor),
     ) -> Result<Tensor> {
         let s = &self.spec;
         let t = x.dim(0)?;
-        let q = self
-            .q_proj
+        let (h, kvh) = (s.num_heads, s.num_kv_heads);
+        // [T, heads + 2 * kv_heads, head_dim]
+        let mut qkv = self
+            .qkv_proj
             .forward(x)?
-            .reshape((t, s.num_heads, s.head_dim))?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape((t, s.num_kv_heads, s.head_dim))?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape((t, s.num_kv_heads, s.head_dim))?;
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
-        };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
-        };
-        let q = RotaryEmbedding::apply(&q, cos, sin)?;
-        let k = RotaryEmbedding::apply(&k, cos, sin)?;
-        reshape_and_cache(&k, &v, &cache.0, &cache.1, &batch.slot_mapping)?;
+            .reshape((t, h + 2 * kvh, s.head_dim))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            let q = qn.forward(&qkv.narrow(1, 0, h)?)?;
+            let k = kn.forward(&qkv.narrow(1, h, kvh)?)?;
+            qkv = Tensor::cat(&[q, k, qkv.narrow(1, h + kvh, kvh)?], 1)?;
+        }
+        let qkv = qkv.contiguous()?;
+        rotary.rotate_(&qkv, &batch.positions, h + kvh)?;
+        let q = qkv.narrow(1, 0, h)?;
+        let k = qkv.narrow(1, h, kvh)?;
+        let v = qkv.narrow(1, h + kvh, kvh)?;
+        reshape_and_cache(&k, &v, &cache.0, &cache.1, &batch.attn)?;
         let params = PagedAttentionParams {
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             sliding_window: s.sliding_window,
         };
-        let o = paged_attention(
-            &q,
-            &cache.0,
-            &cache.1,
-            &batch.block_tables,
-            &batch.seq_lens,
-            &batch.query_start_loc,
-            &params,
-        )?;
+        let o = paged_attention(&q, &cache.0, &cache.1, &batch.attn, &params)?;
         self.o_proj
             .forward(&o.reshape((t, s.num_heads * s.head_dim))?)
     }

@@ -130,15 +130,27 @@ impl Model for Decoder {
     }
 
     fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
-        let mut x = self.embed_tokens.index_select(&batch.input_ids, 0)?; // [T, hidden]
-        let (cos, sin) = self.rotary.gather(&batch.positions)?;
+        // the residual stream and the last sub-layer's output, added lazily by the next norm
+        let mut residual = self.embed_tokens.index_select(&batch.input_ids, 0)?; // [T, hidden]
+        let mut out: Option<Tensor> = None;
         for (layer, cache) in self.layers.iter().zip(&kv.layers) {
-            let h = layer.input_layernorm.forward(&x)?;
-            let h = layer.self_attn.forward(&h, &cos, &sin, batch, cache)?;
-            x = (x + h)?;
-            let h = layer.post_attention_layernorm.forward(&x)?;
-            x = (&x + layer.mlp.forward(&h)?)?;
+            let h = match out.take() {
+                None => layer.input_layernorm.forward(&residual)?,
+                Some(o) => {
+                    let (sum, normed) = layer.input_layernorm.forward_add(&o, &residual)?;
+                    residual = sum;
+                    normed
+                }
+            };
+            let a = layer.self_attn.forward(&h, &self.rotary, batch, cache)?;
+            let (sum, h) = layer.post_attention_layernorm.forward_add(&a, &residual)?;
+            residual = sum;
+            out = Some(layer.mlp.forward(&h)?);
         }
+        let x = match out {
+            Some(o) => (o + residual)?,
+            None => residual,
+        };
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
         x.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)

@@ -31,6 +31,37 @@ impl Linear {
         Ok(Self { weight, bias })
     }
 
+    /// Several projections of the same input as one: the weights (and biases) of `parts` (each a
+    /// prefix and its output width) stacked along the output dimension, in order.
+    pub fn load_fused(
+        parts: &[(&Weights, usize)],
+        in_dim: usize,
+        bias: bool,
+    ) -> std::result::Result<Self, LoadError> {
+        let loaded = parts
+            .iter()
+            .map(|(w, out)| Self::load(w, in_dim, *out, bias))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        if loaded.len() == 1 {
+            return Ok(loaded.into_iter().next().expect("one part"));
+        }
+        let fuse = |ts: Vec<&Tensor>| {
+            Tensor::cat(&ts, 0).map_err(|e| LoadError::Tensor {
+                name: "fused projection".into(),
+                reason: e.to_string(),
+            })
+        };
+        let weight = fuse(loaded.iter().map(|l| &l.weight).collect())?;
+        let bias = if bias {
+            Some(fuse(
+                loaded.iter().filter_map(|l| l.bias.as_ref()).collect(),
+            )?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }

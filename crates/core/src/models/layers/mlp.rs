@@ -1,4 +1,5 @@
-//! The gated MLP of Llama-family models: `down(silu(gate(x)) * up(x))`.
+//! The gated MLP of Llama-family models: `down(silu(gate(x)) * up(x))`, with gate and up as one
+//! projection and SiLU-and-multiply as one op.
 
 use super::linear::Linear;
 use crate::loader::LoadError;
@@ -7,8 +8,7 @@ use candle_core::{Result, Tensor};
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up_proj: Linear, // [2 * intermediate, hidden]: gate rows, then up rows
     down_proj: Linear,
 }
 
@@ -20,15 +20,21 @@ impl Mlp {
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
         Ok(Self {
-            gate_proj: Linear::load(&w.pp("gate_proj"), hidden, intermediate, bias)?,
-            up_proj: Linear::load(&w.pp("up_proj"), hidden, intermediate, bias)?,
+            gate_up_proj: Linear::load_fused(
+                &[
+                    (&w.pp("gate_proj"), intermediate),
+                    (&w.pp("up_proj"), intermediate),
+                ],
+                hidden,
+                bias,
+            )?,
             down_proj: Linear::load(&w.pp("down_proj"), intermediate, hidden, bias)?,
         })
     }
 
     /// `x`: `[num_tokens, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(g * self.up_proj.forward(x)?)?)
+        let h = rserve_kernels::silu_and_mul(&self.gate_up_proj.forward(x)?)?;
+        self.down_proj.forward(&h)
     }
 }

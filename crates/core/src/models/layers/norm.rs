@@ -22,4 +22,9 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
     }
+
+    /// `(x + residual, norm(x + residual))` in one op on GPUs.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        rserve_kernels::add_rms_norm(x, residual, &self.weight, f64::from(self.eps))
+    }
 }

@@ -92,18 +92,10 @@ impl RotaryEmbedding {
         Ok(Self { cos, sin })
     }
 
-    /// Gathers the tables for `positions` (`[num_tokens]` u32): `(cos, sin)`, each `[num_tokens, head_dim / 2]`.
-    pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((
-            self.cos.index_select(positions, 0)?,
-            self.sin.index_select(positions, 0)?,
-        ))
-    }
-
-    /// Rotates `x` (`[num_tokens, heads, head_dim]`) with gathered tables.
-    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let x = x.unsqueeze(0)?.contiguous()?;
-        candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)
+    /// Rotates, in place, the first `rotated_heads` heads of `qkv` (`[num_tokens, heads, head_dim]`,
+    /// contiguous) at `positions` (`[num_tokens]` u32).
+    pub fn rotate_(&self, qkv: &Tensor, positions: &Tensor, rotated_heads: usize) -> Result<()> {
+        rserve_kernels::rotary_qk_(qkv, positions, &self.cos, &self.sin, rotated_heads)
     }
 }
 
@@ -143,10 +135,8 @@ mod tests {
         };
         let r = RotaryEmbedding::new(4, 8, &cfg, DType::F32, &dev)?;
         let x = Tensor::new(&[[[1f32, 2., 3., 4.]]], &dev)?; // [1 token, 1 head, 4]
-        let (c, s) = r.gather(&Tensor::new(&[3u32], &dev)?)?;
-        let y = RotaryEmbedding::apply(&x, &c, &s)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        r.rotate_(&x, &Tensor::new(&[3u32], &dev)?, 1)?;
+        let y = x.flatten_all()?.to_vec1::<f32>()?;
         let f = inv_freq(4, &cfg);
         let (a0, a1) = (3.0 * f[0], 3.0 * f[1]);
         let want = [

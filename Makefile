@@ -1,0 +1,33 @@
+# Builds with CUDA (sm_90: H100/H200) on any Linux machine, GPU or not. The toolchain comes from
+# PyPI into ~/.cache/rserve/cuda-13.0 (scripts/cuda-toolchain.sh); nothing is installed system-wide.
+#   make cuda         target/cuda/release/rserve and the wheel in target/cuda/wheels
+#   make gpu-bundle   the binary and the CUDA test binaries in target/gpu-bundle, for scripts/gpu/check.sh
+#   make cuda-check   compile-check the cuda feature (what CI runs)
+SHELL := /bin/bash
+CUDA_ENV = eval "$$(scripts/cuda-toolchain.sh)" && export CARGO_TARGET_DIR=$(CURDIR)/target/cuda
+BUNDLE := target/gpu-bundle
+
+.PHONY: cuda cuda-binary cuda-wheel cuda-check gpu-bundle
+
+cuda: cuda-binary cuda-wheel
+
+cuda-binary:
+	$(CUDA_ENV) && cargo build --release -p rserve-server --features cuda
+
+cuda-wheel:
+	$(CUDA_ENV) && python3 -m pip install -q 'maturin>=1.7,<2' && \
+	  maturin build --release --features python,cuda -o target/cuda/wheels
+
+cuda-check:
+	$(CUDA_ENV) && cargo check --workspace --tests --features rserve-server/cuda
+
+gpu-bundle: cuda-binary
+	$(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
+	  --test paged_attention --test fused --test parity --test batching --message-format=json 2>/dev/null \
+	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
+	  >target/cuda/test-binaries.txt
+	rm -rf $(BUNDLE) && mkdir -p $(BUNDLE)
+	cp target/cuda/release/rserve $(BUNDLE)/
+	while read -r exe; do name=$$(basename "$$exe"); cp "$$exe" "$(BUNDLE)/$${name%-*}"; done <target/cuda/test-binaries.txt
+	strip $(BUNDLE)/*
+	ls -la $(BUNDLE)

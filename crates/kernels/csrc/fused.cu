@@ -1,0 +1,85 @@
+// Fused element-wise kernels of the decoder layer: SiLU-and-multiply, residual-add + RMSNorm, and
+// rotary embedding of the q and k heads of a fused qkv tensor, in place. All compute in f32.
+#include "common.cuh"
+
+// out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [tokens, 2 * I], out: [tokens, I].
+template <typename T>
+__device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu, long n, int inter) {
+  for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+    const long row = idx / inter;
+    const int c = idx % inter;
+    const float g = to_f32(gu[row * 2 * inter + c]);
+    const float u = to_f32(gu[row * 2 * inter + inter + c]);
+    out[idx] = from_f32<T>(g / (1.f + __expf(-g)) * u);
+  }
+}
+
+// One CTA per row. out: [2, tokens, H]: the sum x + residual (rounded to T), then its RMS norm
+// times the weight.
+template <typename T>
+__device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
+                                  const T* __restrict__ w, int tokens, int hidden, float eps) {
+  __shared__ float partial[32];
+  const long row = blockIdx.x;
+  T* sum = out + row * hidden;
+  T* norm = out + ((long)tokens + row) * hidden;
+  const T* xr = x + row * hidden;
+  const T* rr = res + row * hidden;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const T s = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
+    sum[i] = s;
+    const float v = to_f32(s);
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = rsqrtf(v / hidden + eps);
+  }
+  __syncthreads();
+  const float inv = partial[0];
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    norm[i] = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
+  }
+}
+
+// One CTA per token. qkv: [tokens, heads + 2 * kv_heads, D] (rows `row_stride` apart); the first
+// heads + kv_heads heads (q then k) are rotated in place with cos/sin: [max_positions, D / 2]
+// (the "rotate half" layout of Hugging Face Llama).
+template <typename T>
+__device__ void rotary_qk_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
+                               const T* __restrict__ cos, const T* __restrict__ sin, int rotated_heads,
+                               int head_dim, long row_stride) {
+  const int half = head_dim / 2;
+  const long pos = positions[blockIdx.x];
+  T* row = qkv + (long)blockIdx.x * row_stride;
+  const T* c = cos + pos * half;
+  const T* s = sin + pos * half;
+  for (int i = threadIdx.x; i < rotated_heads * half; i += blockDim.x) {
+    const int h = i / half, j = i % half;
+    T* p = row + (long)h * head_dim;
+    const float x1 = to_f32(p[j]), x2 = to_f32(p[j + half]);
+    const float cj = to_f32(c[j]), sj = to_f32(s[j]);
+    p[j] = from_f32<T>(x1 * cj - x2 * sj);
+    p[j + half] = from_f32<T>(x2 * cj + x1 * sj);
+  }
+}
+
+#define FUSED_OPS(T, NAME)                                                                         \
+  extern "C" __global__ void silu_and_mul_##NAME(T* out, const T* gu, long n, int inter) {         \
+    silu_and_mul_impl<T>(out, gu, n, inter);                                                       \
+  }                                                                                                \
+  extern "C" __global__ void add_rms_norm_##NAME(T* out, const T* x, const T* res, const T* w,     \
+                                                 int tokens, int hidden, float eps) {              \
+    add_rms_norm_impl<T>(out, x, res, w, tokens, hidden, eps);                                     \
+  }                                                                                                \
+  extern "C" __global__ void rotary_qk_##NAME(T* qkv, const uint32_t* positions, const T* cos,     \
+                                              const T* sin, int rotated_heads, int head_dim,       \
+                                              long row_stride) {                                   \
+    rotary_qk_impl<T>(qkv, positions, cos, sin, rotated_heads, head_dim, row_stride);              \
+  }
+RSERVE_FOR_DTYPES(FUSED_OPS)

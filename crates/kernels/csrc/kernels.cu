@@ -1,0 +1,4 @@
+// The one translation unit built into rserve's kernel image (SASS for sm_90a plus PTX).
+#include "paged_attention.cu"
+#include "cache.cu"
+#include "fused.cu"

@@ -1,0 +1,383 @@
+//! Fused element-wise ops of the decoder layer. On the CPU each is the plain candle composition
+//! (which is also the reference the CUDA kernels are tested against); on CUDA each is one kernel
+//! from `csrc/fused.cu`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{DType, Result, Tensor};
+
+/// `silu(gate) * up` for `gate_up` = `[tokens, 2 * inter]` (gate columns first): `[tokens, inter]`.
+pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
+    let (_, two_i) = gate_up.dims2()?;
+    if two_i % 2 != 0 {
+        candle_core::bail!("silu_and_mul: odd width {two_i}");
+    }
+    match gate_up.device() {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => gate_up.contiguous()?.apply_op1_no_bwd(&cuda::SiluAndMul),
+        _ => silu_and_mul_reference(gate_up),
+    }
+}
+
+/// The candle composition of [`silu_and_mul`].
+pub fn silu_and_mul_reference(gate_up: &Tensor) -> Result<Tensor> {
+    let inter = gate_up.dim(1)? / 2;
+    let g = candle_nn::ops::silu(&gate_up.narrow(1, 0, inter)?)?;
+    g * gate_up.narrow(1, inter, inter)?
+}
+
+/// `sum = x + residual` and `rms_norm(sum) * weight`, both `[tokens, hidden]` in `x`'s dtype.
+pub fn add_rms_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let (t, h) = x.dims2()?;
+    if residual.dims2()? != (t, h) || weight.dims1()? != h {
+        candle_core::bail!(
+            "add_rms_norm: x {:?}, residual {:?}, weight {:?}",
+            x.shape(),
+            residual.shape(),
+            weight.shape()
+        );
+    }
+    match x.device() {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => {
+            let out = x.contiguous()?.apply_op3_no_bwd(
+                &residual.contiguous()?,
+                &weight.contiguous()?,
+                &cuda::AddRmsNorm { eps: eps as f32 },
+            )?;
+            Ok((out.get(0)?, out.get(1)?))
+        }
+        _ => add_rms_norm_reference(x, residual, weight, eps),
+    }
+}
+
+/// The candle composition of [`add_rms_norm`] (RMS statistics in f32).
+pub fn add_rms_norm_reference(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let sum = (x + residual)?;
+    let normed = candle_nn::ops::rms_norm(&sum, weight, eps as f32)?;
+    Ok((sum, normed))
+}
+
+/// Rotates, in place, the first `rotated_heads` heads (q then k) of `qkv` (`[tokens, heads, dim]`,
+/// contiguous) by `positions` (`[tokens]` u32) with `cos`/`sin` tables (`[max_positions, dim / 2]`,
+/// `qkv`'s dtype), in the "rotate half" layout.
+pub fn rotary_qk_(
+    qkv: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotated_heads: usize,
+) -> Result<()> {
+    let (t, heads, d) = qkv.dims3()?;
+    let (max_pos, half) = cos.dims2()?;
+    if rotated_heads > heads || half * 2 != d || sin.dims2()? != (max_pos, half) {
+        candle_core::bail!(
+            "rotary_qk: qkv {:?}, cos {:?}, {rotated_heads} rotated heads",
+            qkv.shape(),
+            cos.shape()
+        );
+    }
+    if positions.dims1()? != t || !qkv.is_contiguous() {
+        candle_core::bail!("rotary_qk: positions must be [tokens] and qkv contiguous");
+    }
+    let pos = positions.to_dtype(DType::U32)?;
+    let host: Vec<u32> = if qkv.device().is_cpu() {
+        pos.to_vec1()?
+    } else {
+        Vec::new()
+    };
+    if host.iter().any(|&p| p as usize >= max_pos) {
+        candle_core::bail!("rotary_qk: a position is past the table ({max_pos})");
+    }
+    qkv.inplace_op1(&Rotary {
+        positions: &pos,
+        host_positions: host,
+        cos,
+        sin,
+        rotated_heads,
+    })
+}
+
+struct Rotary<'a> {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    positions: &'a Tensor,
+    host_positions: Vec<u32>,
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    rotated_heads: usize,
+}
+
+impl Rotary<'_> {
+    fn cpu_run<T: crate::elem::Elem>(
+        &self,
+        s: &mut candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> Result<()> {
+        use crate::elem::{typed, with_cpu};
+        let dims = l.dims();
+        let (heads, d) = (dims[1], dims[2]);
+        let half = d / 2;
+        let (a, b) = crate::elem::contiguous_range(l, "qkv")?;
+        let data = T::slice_mut(s).ok_or_else(|| candle_core::Error::Msg("qkv dtype".into()))?;
+        let data = &mut data[a..b];
+        with_cpu(self.cos, "cos", |cs, cl| {
+            let cos = typed::<T>(cs, cl, "cos")?;
+            with_cpu(self.sin, "sin", |ss, sl| {
+                let sin = typed::<T>(ss, sl, "sin")?;
+                for (t, &p) in self.host_positions.iter().enumerate() {
+                    let (c, sn) = (
+                        &cos[p as usize * half..(p as usize + 1) * half],
+                        &sin[p as usize * half..(p as usize + 1) * half],
+                    );
+                    let row = &mut data[t * heads * d..(t + 1) * heads * d];
+                    for h in 0..self.rotated_heads {
+                        let head = &mut row[h * d..(h + 1) * d];
+                        for j in 0..half {
+                            let (x1, x2) = (head[j].to_f32(), head[j + half].to_f32());
+                            let (cj, sj) = (c[j].to_f32(), sn[j].to_f32());
+                            head[j] = T::from_f32(x1 * cj - x2 * sj);
+                            head[j + half] = T::from_f32(x2 * cj + x1 * sj);
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+}
+
+impl candle_core::InplaceOp1 for Rotary<'_> {
+    fn name(&self) -> &'static str {
+        "rotary-qk"
+    }
+
+    fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> Result<()> {
+        match s.dtype() {
+            DType::F32 => self.cpu_run::<f32>(s, l),
+            DType::BF16 => self.cpu_run::<half::bf16>(s, l),
+            DType::F16 => self.cpu_run::<half::f16>(s, l),
+            dt => candle_core::bail!("rotary_qk: unsupported dtype {dt:?}"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> Result<()> {
+        cuda::rotary(self, s, l)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::Rotary;
+    use crate::cuda::{cuda_slice, dtype_suffix, function};
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
+    use half::{bf16, f16};
+
+    fn contiguous<'a, T: CudaDType>(
+        s: &'a CudaStorage,
+        l: &Layout,
+        what: &str,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+        crate::cuda::view::<T>(s, l, what)
+    }
+
+    macro_rules! by_dtype {
+        ($dt:expr, $f:ident, $($arg:expr),*) => {
+            match $dt {
+                DType::F32 => $f::<f32>($($arg),*),
+                DType::BF16 => $f::<bf16>($($arg),*),
+                DType::F16 => $f::<f16>($($arg),*),
+                dt => candle_core::bail!("unsupported dtype {dt:?}"),
+            }
+        };
+    }
+
+    pub struct SiluAndMul;
+
+    fn silu_and_mul<T: CudaDType + WithDType + DeviceRepr>(
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (t, two_i) = (l.dims()[0], l.dims()[1]);
+        let inter = two_i / 2;
+        let dev = s.device().clone();
+        let input = contiguous::<T>(s, l, "gate_up")?;
+        // SAFETY: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(t * inter) }?;
+        let n = (t * inter) as i64;
+        if n > 0 {
+            let func = function(&dev, &format!("silu_and_mul_{}", dtype_suffix(T::DTYPE)?))?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            let inter_i = inter as i32;
+            b.arg(&mut out).arg(&input).arg(&n).arg(&inter_i);
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u64).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `silu_and_mul_<dtype>` in csrc/fused.cu.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((T::wrap_cuda_slice(out, dev), Shape::from((t, inter))))
+    }
+
+    impl candle_core::CustomOp1 for SiluAndMul {
+        fn name(&self) -> &'static str {
+            "silu-and-mul"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("silu_and_mul: the CPU path is silu_and_mul_reference")
+        }
+
+        fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            by_dtype!(s.dtype(), silu_and_mul, s, l)
+        }
+    }
+
+    pub struct AddRmsNorm {
+        pub eps: f32,
+    }
+
+    fn add_rms_norm<T: CudaDType + WithDType + DeviceRepr>(
+        eps: f32,
+        x: (&CudaStorage, &Layout),
+        r: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        let (t, h) = (x.1.dims()[0], x.1.dims()[1]);
+        let dev = x.0.device().clone();
+        let xv = contiguous::<T>(x.0, x.1, "x")?;
+        let rv = contiguous::<T>(r.0, r.1, "residual")?;
+        let wv = contiguous::<T>(w.0, w.1, "weight")?;
+        // SAFETY: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(2 * t * h) }?;
+        if t > 0 {
+            let func = function(&dev, &format!("add_rms_norm_{}", dtype_suffix(T::DTYPE)?))?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            let (ti, hi) = (t as i32, h as i32);
+            b.arg(&mut out)
+                .arg(&xv)
+                .arg(&rv)
+                .arg(&wv)
+                .arg(&ti)
+                .arg(&hi)
+                .arg(&eps);
+            let cfg = LaunchConfig {
+                grid_dim: (t as u32, 1, 1),
+                block_dim: (h.next_multiple_of(32).clamp(32, 1024) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((T::wrap_cuda_slice(out, dev), Shape::from((2, t, h))))
+    }
+
+    impl candle_core::CustomOp3 for AddRmsNorm {
+        fn name(&self) -> &'static str {
+            "add-rms-norm"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("add_rms_norm: the CPU path is add_rms_norm_reference")
+        }
+
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            r: &CudaStorage,
+            rl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            if r.dtype() != x.dtype() || w.dtype() != x.dtype() {
+                candle_core::bail!("add_rms_norm: dtypes differ");
+            }
+            by_dtype!(x.dtype(), add_rms_norm, self.eps, (x, xl), (r, rl), (w, wl))
+        }
+    }
+
+    fn rotary_typed<T: CudaDType + WithDType + DeviceRepr>(
+        op: &Rotary<'_>,
+        s: &mut CudaStorage,
+        l: &Layout,
+    ) -> Result<()> {
+        let dims = l.dims();
+        let (t, heads, d) = (dims[0], dims[1], dims[2]);
+        if t == 0 {
+            return Ok(());
+        }
+        if l.start_offset() != 0 {
+            candle_core::bail!("rotary_qk: qkv must start at offset 0");
+        }
+        let dev = s.device().clone();
+        let (pg, _) = op.positions.storage_and_layout();
+        let (cg, cl) = op.cos.storage_and_layout();
+        let (sg, sl) = op.sin.storage_and_layout();
+        if cl.start_offset() != 0 || sl.start_offset() != 0 {
+            candle_core::bail!("rotary_qk: tables must start at offset 0");
+        }
+        let positions = cuda_slice::<u32>(&pg, "positions")?;
+        let cos = cuda_slice::<T>(&cg, "cos")?;
+        let sin = cuda_slice::<T>(&sg, "sin")?;
+        let qkv = s.as_cuda_slice_mut::<T>()?;
+        let func = function(&dev, &format!("rotary_qk_{}", dtype_suffix(T::DTYPE)?))?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        let (rh, hd, stride) = (op.rotated_heads as i32, d as i32, (heads * d) as i64);
+        b.arg(qkv)
+            .arg(positions)
+            .arg(cos)
+            .arg(sin)
+            .arg(&rh)
+            .arg(&hd)
+            .arg(&stride);
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (
+                (op.rotated_heads * d / 2)
+                    .next_multiple_of(32)
+                    .clamp(32, 512) as u32,
+                1,
+                1,
+            ),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu; positions index tables of
+        // max_positions rows (the model never schedules a position past max_model_len).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    pub(super) fn rotary(op: &Rotary<'_>, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+        by_dtype!(s.dtype(), rotary_typed, op, s, l)
+    }
+}

@@ -1,0 +1,157 @@
+//! One step's layout of query tokens over the paged cache, built once per step and shared by every
+//! layer: host vectors (for the CPU kernels and for validation) and, on a GPU, the same arrays as
+//! device tensors, uploaded once.
+
+use candle_core::{Device, Result, Tensor};
+use std::sync::Mutex;
+
+/// Where each query token of a step sits and which cache blocks each sequence owns.
+#[derive(Debug)]
+pub struct AttentionMetadata {
+    /// `[num_tokens]` flat cache slot of each token (`block * block_size + offset`), -1 to skip.
+    pub slots: Vec<i64>,
+    /// `[num_seqs, width]` block ids; entries past a sequence's blocks are unused.
+    pub block_tables: Vec<u32>,
+    pub width: usize,
+    /// `[num_seqs]` context length of each sequence after this step's tokens.
+    pub seq_lens: Vec<u32>,
+    /// `[num_seqs + 1]` cumulative query token counts.
+    pub query_start_loc: Vec<u32>,
+    device: Device,
+    /// The arrays above on `device` (only for non-CPU devices).
+    dev: Option<DeviceArrays>,
+    /// Work lists of the GPU attention kernel, by tokens per work item (at most a few per step).
+    work: Mutex<Vec<(usize, Tensor)>>,
+}
+
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct DeviceArrays {
+    pub slots: Tensor,           // [num_tokens] i64
+    pub block_tables: Tensor,    // [num_seqs, width] u32
+    pub seq_lens: Tensor,        // [num_seqs] u32
+    pub query_start_loc: Tensor, // [num_seqs + 1] u32
+}
+
+impl AttentionMetadata {
+    /// Checks the arrays against each other and uploads them when `device` is not the CPU.
+    pub fn new(
+        slots: Vec<i64>,
+        block_tables: Vec<u32>,
+        width: usize,
+        seq_lens: Vec<u32>,
+        query_start_loc: Vec<u32>,
+        device: &Device,
+    ) -> Result<Self> {
+        let n = seq_lens.len();
+        if query_start_loc.len() != n + 1 || block_tables.len() != n * width || width == 0 {
+            candle_core::bail!(
+                "attention metadata: {n} seq_lens, {} query_start_loc, {} table entries for width {width}",
+                query_start_loc.len(),
+                block_tables.len()
+            );
+        }
+        if query_start_loc[0] != 0 || query_start_loc[n] as usize != slots.len() {
+            candle_core::bail!(
+                "attention metadata: query_start_loc must run from 0 to {} tokens",
+                slots.len()
+            );
+        }
+        for s in 0..n {
+            let (a, b) = (query_start_loc[s], query_start_loc[s + 1]);
+            if b < a || b - a > seq_lens[s] {
+                candle_core::bail!(
+                    "attention metadata: sequence {s} has queries [{a}, {b}) and context {}",
+                    seq_lens[s]
+                );
+            }
+        }
+        let dev = if device.is_cpu() {
+            None
+        } else {
+            Some(DeviceArrays {
+                slots: Tensor::new(slots.as_slice(), device)?,
+                block_tables: Tensor::from_slice(&block_tables, (n, width), device)?,
+                seq_lens: Tensor::new(seq_lens.as_slice(), device)?,
+                query_start_loc: Tensor::new(query_start_loc.as_slice(), device)?,
+            })
+        };
+        Ok(Self {
+            slots,
+            block_tables,
+            width,
+            seq_lens,
+            query_start_loc,
+            device: device.clone(),
+            dev,
+            work: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn device_arrays(&self) -> Result<&DeviceArrays> {
+        self.dev
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("attention metadata lives on the CPU".into()))
+    }
+
+    /// Checks that every block a query needs is in the table and inside a cache of `num_blocks`
+    /// blocks of `block_size`, and that every slot is inside the cache.
+    pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
+        let total = (num_blocks * block_size) as i64;
+        if let Some(&bad) = self.slots.iter().find(|&&s| s >= total) {
+            candle_core::bail!("slot {bad} outside the cache ({total} slots)");
+        }
+        for (s, &ctx) in self.seq_lens.iter().enumerate() {
+            let needed = (ctx as usize).div_ceil(block_size);
+            if needed > self.width {
+                candle_core::bail!(
+                    "sequence {s}: context {ctx} needs {needed} blocks, table has {}",
+                    self.width
+                );
+            }
+            let row = &self.block_tables[s * self.width..s * self.width + needed];
+            if let Some(&b) = row.iter().find(|&&b| b as usize >= num_blocks) {
+                candle_core::bail!("block id {b} outside the cache ({num_blocks} blocks)");
+            }
+        }
+        Ok(())
+    }
+
+    /// `[num_work, 2]` u32 (sequence, first query index) covering every query token in runs of at
+    /// most `per_item`; built on first use for each `per_item` and kept for the rest of the step.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn work_items(&self, per_item: usize) -> Result<(Tensor, usize)> {
+        let mut cache = self
+            .work
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("work list lock poisoned".into()))?;
+        if let Some((_, t)) = cache.iter().find(|(k, _)| *k == per_item) {
+            return Ok((t.clone(), t.dim(0)?));
+        }
+        let mut items = Vec::new();
+        for s in 0..self.num_seqs() {
+            let q_len = (self.query_start_loc[s + 1] - self.query_start_loc[s]) as usize;
+            for start in (0..q_len).step_by(per_item.max(1)) {
+                items.push(s as u32);
+                items.push(start as u32);
+            }
+        }
+        let count = items.len() / 2;
+        let t = Tensor::from_vec(items, (count, 2), &self.device)?;
+        cache.push((per_item, t.clone()));
+        Ok((t, count))
+    }
+}

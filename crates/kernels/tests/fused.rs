@@ -1,0 +1,143 @@
+//! The fused decoder ops against their candle compositions: rotary embedding in place vs candle's
+//! `rope_thd`, and on CUDA each kernel vs the CPU reference, for f32, bf16 and f16.
+#![allow(clippy::unwrap_used)]
+
+use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::rotary_qk_;
+
+fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()
+}
+
+/// Tables like the model's: `[max_pos, d / 2]` cos and sin of `pos * inv_freq`.
+fn tables(max_pos: usize, d: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let half = d / 2;
+    let (mut c, mut s) = (vec![], vec![]);
+    for p in 0..max_pos {
+        for i in 0..half {
+            let a = p as f32 / 10000f32.powf(2.0 * i as f32 / d as f32);
+            c.push(a.cos());
+            s.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(c, (max_pos, half), dev)?.to_dtype(dtype)?,
+        Tensor::from_vec(s, (max_pos, half), dev)?.to_dtype(dtype)?,
+    ))
+}
+
+/// Rotates q and k of a random qkv on `dev` and compares with candle's `rope_thd` on the CPU.
+fn rotary_case(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
+    let (t, h, kvh, d, max_pos) = (7, 4, 2, 64, 50);
+    let cpu = Device::Cpu;
+    let qkv = Tensor::randn(0f32, 1., (t, h + 2 * kvh, d), &cpu)?.to_dtype(dtype)?;
+    let positions = Tensor::new(&[0u32, 1, 5, 9, 17, 33, 49], &cpu)?;
+    let (cos, sin) = tables(max_pos, d, dtype, &cpu)?;
+    let want = {
+        let c = cos.index_select(&positions, 0)?;
+        let s = sin.index_select(&positions, 0)?;
+        let rot = |x: Tensor| -> Result<Tensor> {
+            candle_nn::rotary_emb::rope_thd(&x.contiguous()?.unsqueeze(0)?, &c, &s)?.squeeze(0)
+        };
+        Tensor::cat(
+            &[
+                rot(qkv.narrow(1, 0, h)?)?,
+                rot(qkv.narrow(1, h, kvh)?)?,
+                qkv.narrow(1, h + kvh, kvh)?,
+            ],
+            1,
+        )?
+    };
+    let got = qkv.to_device(dev)?.contiguous()?;
+    let (dc, ds) = (cos.to_device(dev)?, sin.to_device(dev)?);
+    rotary_qk_(&got, &positions.to_device(dev)?, &dc, &ds, h + kvh)?;
+    let err = max_err(&got.to_device(&cpu)?, &want)?;
+    assert!(err <= tol, "{dtype:?} on {dev:?}: max error {err}");
+    Ok(())
+}
+
+#[test]
+fn cpu_rotary_matches_rope_thd() -> Result<()> {
+    rotary_case(&Device::Cpu, DType::F32, 1e-6)?;
+    rotary_case(&Device::Cpu, DType::BF16, 2e-2)?;
+    rotary_case(&Device::Cpu, DType::F16, 4e-3)
+}
+
+#[test]
+fn rotary_rejects_bad_shapes() -> Result<()> {
+    let dev = Device::Cpu;
+    let (cos, sin) = tables(8, 8, DType::F32, &dev)?;
+    let qkv = Tensor::zeros((2, 3, 8), DType::F32, &dev)?;
+    let pos = Tensor::new(&[0u32, 9], &dev)?; // past the table
+    assert!(rotary_qk_(&qkv, &pos, &cos, &sin, 2).is_err());
+    let pos = Tensor::new(&[0u32, 1], &dev)?;
+    assert!(rotary_qk_(&qkv, &pos, &cos, &sin, 4).is_err()); // more heads than there are
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use rserve_kernels::fused::{add_rms_norm_reference, silu_and_mul_reference};
+    use rserve_kernels::{add_rms_norm, silu_and_mul};
+
+    fn gpu() -> Device {
+        Device::new_cuda(0).expect("a CUDA device")
+    }
+
+    const CASES: [(DType, f32); 3] = [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)];
+
+    #[test]
+    fn cuda_rotary_matches_rope_thd() -> Result<()> {
+        for (dtype, tol) in CASES {
+            rotary_case(&gpu(), dtype, tol.max(1e-5))?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_silu_and_mul_matches_reference() -> Result<()> {
+        let dev = gpu();
+        for (dtype, tol) in CASES {
+            for (t, inter) in [(1, 8), (5, 14336), (300, 18944)] {
+                let gu = Tensor::randn(0f32, 2., (t, 2 * inter), &Device::Cpu)?.to_dtype(dtype)?;
+                let want = silu_and_mul_reference(&gu)?;
+                let got = silu_and_mul(&gu.to_device(&dev)?)?.to_device(&Device::Cpu)?;
+                assert_eq!(got.dims(), &[t, inter]);
+                let err = max_err(&got, &want)?;
+                assert!(err <= tol * 4.0, "{dtype:?} {t}x{inter}: {err}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_add_rms_norm_matches_reference() -> Result<()> {
+        let dev = gpu();
+        for (dtype, tol) in CASES {
+            for (t, hidden) in [(1, 64), (3, 4096), (257, 3584)] {
+                let cpu = Device::Cpu;
+                let x = Tensor::randn(0f32, 1., (t, hidden), &cpu)?.to_dtype(dtype)?;
+                let r = Tensor::randn(0f32, 1., (t, hidden), &cpu)?.to_dtype(dtype)?;
+                let w = Tensor::randn(1f32, 0.1, hidden, &cpu)?.to_dtype(dtype)?;
+                let (ws, wn) = add_rms_norm_reference(&x, &r, &w, 1e-5)?;
+                let (gs, gn) = add_rms_norm(
+                    &x.to_device(&dev)?,
+                    &r.to_device(&dev)?,
+                    &w.to_device(&dev)?,
+                    1e-5,
+                )?;
+                assert!(gs.is_contiguous() && gn.is_contiguous());
+                let es = max_err(&gs.to_device(&cpu)?, &ws)?;
+                let en = max_err(&gn.to_device(&cpu)?, &wn)?;
+                assert!(es <= tol * 4.0, "{dtype:?} sum: {es}");
+                assert!(en <= tol * 4.0, "{dtype:?} norm: {en}");
+            }
+        }
+        Ok(())
+    }
+}

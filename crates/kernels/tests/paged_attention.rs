@@ -1,0 +1,349 @@
+//! Paged attention against dense reference attention: each sequence's K/V is written into scrambled
+//! cache blocks, then decode tokens, whole prompts and prompt chunks are attended in one call and
+//! compared, sequence by sequence, with the textbook formula computed in f32 on the CPU.
+//! The same cases run on the CPU kernel always and on the CUDA kernel with the `cuda` feature.
+#![allow(clippy::unwrap_used)]
+
+use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::{
+    copy_blocks, paged_attention, reference_attention, reshape_and_cache, AttentionMetadata,
+    PagedAttentionParams,
+};
+
+/// One case: heads, KV heads, head dim, block size, (query tokens, context) per sequence.
+struct Case<'a> {
+    dtype: DType,
+    heads: usize,
+    kvh: usize,
+    d: usize,
+    bs: usize,
+    seqs: &'a [(usize, usize)],
+    window: Option<usize>,
+    tol: f32,
+    /// Compare only this many last query rows of each sequence (long prompts).
+    last_rows: Option<usize>,
+}
+
+fn check(dev: &Device, c: &Case) -> Result<()> {
+    let cpu = Device::Cpu;
+    let num_blocks = c
+        .seqs
+        .iter()
+        .map(|&(_, ctx)| ctx.div_ceil(c.bs))
+        .sum::<usize>()
+        .max(1)
+        * 2
+        + 3;
+    let kc = Tensor::zeros((num_blocks, c.bs, c.kvh, c.d), c.dtype, dev)?;
+    let vc = Tensor::zeros((num_blocks, c.bs, c.kvh, c.d), c.dtype, dev)?;
+    let width = c
+        .seqs
+        .iter()
+        .map(|&(_, ctx)| ctx.div_ceil(c.bs))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    // a fixed scramble of block ids, distinct across sequences
+    let mut next = 0usize;
+    let mut tables = vec![0u32; c.seqs.len() * width];
+    let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
+    let (mut qsl, mut all_slots, mut ctx_qsl) = (vec![0u32], vec![], vec![0u32]);
+    for (s, &(q_len, ctx)) in c.seqs.iter().enumerate() {
+        for j in 0..ctx.div_ceil(c.bs) {
+            tables[s * width + j] = ((next * 37 + 11) % num_blocks) as u32;
+            next += 1;
+        }
+        ks.push(Tensor::randn(0f32, 1., (ctx, c.kvh, c.d), &cpu)?.to_dtype(c.dtype)?);
+        vs.push(Tensor::randn(0f32, 1., (ctx, c.kvh, c.d), &cpu)?.to_dtype(c.dtype)?);
+        all_slots.extend(
+            (0..ctx).map(|p| (tables[s * width + p / c.bs] as usize * c.bs + p % c.bs) as i64),
+        );
+        qs.push(Tensor::randn(0f32, 1., (q_len, c.heads, c.d), &cpu)?.to_dtype(c.dtype)?);
+        qsl.push(qsl[s] + q_len as u32);
+        ctx_qsl.push(ctx_qsl[s] + ctx as u32);
+    }
+    let lens: Vec<u32> = c.seqs.iter().map(|&(_, x)| x as u32).collect();
+    // write every sequence's whole context, as a prefill of all of it would
+    let write =
+        AttentionMetadata::new(all_slots, tables.clone(), width, lens.clone(), ctx_qsl, dev)?;
+    let k_all = Tensor::cat(&ks, 0)?.to_device(dev)?;
+    let v_all = Tensor::cat(&vs, 0)?.to_device(dev)?;
+    reshape_and_cache(&k_all, &v_all, &kc, &vc, &write)?;
+
+    let q_slots = vec![-1i64; *qsl.last().unwrap() as usize];
+    let meta = AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), dev)?;
+    let q = Tensor::cat(&qs, 0)?.to_device(dev)?;
+    let params = PagedAttentionParams {
+        scale: 1.0 / (c.d as f32).sqrt(),
+        sliding_window: c.window,
+    };
+    let out = paged_attention(&q, &kc, &vc, &meta, &params)?.to_device(&cpu)?;
+    assert_eq!(out.dims(), q.dims());
+    for s in 0..c.seqs.len() {
+        let q_len = c.seqs[s].0;
+        let rows = c.last_rows.unwrap_or(q_len).min(q_len);
+        let got = out
+            .narrow(0, qsl[s] as usize + q_len - rows, rows)?
+            .to_dtype(DType::F32)?;
+        let q_rows = qs[s].narrow(0, q_len - rows, rows)?;
+        let want = reference_attention(&q_rows, &ks[s], &vs[s], &params)?;
+        let err = (got - want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert!(
+            err < c.tol,
+            "seq {s} {:?}: max abs error {err} ({:?}, heads {}/{}, d {}, block {})",
+            c.seqs[s],
+            c.dtype,
+            c.heads,
+            c.kvh,
+            c.d,
+            c.bs
+        );
+    }
+    Ok(())
+}
+
+fn mixed(dev: &Device) -> Result<()> {
+    check(
+        dev,
+        &Case {
+            dtype: DType::F32,
+            heads: 4,
+            kvh: 2,
+            d: 16,
+            bs: 16,
+            seqs: &[(1, 1), (1, 37), (20, 20), (5, 50), (1, 16)],
+            window: None,
+            tol: 1e-5,
+            last_rows: None,
+        },
+    )
+}
+
+fn mqa_block32(dev: &Device) -> Result<()> {
+    check(
+        dev,
+        &Case {
+            dtype: DType::F32,
+            heads: 8,
+            kvh: 1,
+            d: 64,
+            bs: 32,
+            seqs: &[(3, 70), (1, 33)],
+            window: None,
+            tol: 1e-5,
+            last_rows: None,
+        },
+    )
+}
+
+fn sliding(dev: &Device) -> Result<()> {
+    check(
+        dev,
+        &Case {
+            dtype: DType::F32,
+            heads: 4,
+            kvh: 4,
+            d: 8,
+            bs: 16,
+            seqs: &[(12, 40), (1, 9), (1, 3)],
+            window: Some(8),
+            tol: 1e-5,
+            last_rows: None,
+        },
+    )
+}
+
+fn half(dev: &Device) -> Result<()> {
+    for (dtype, window, tol) in [(DType::BF16, None, 2e-2), (DType::F16, Some(10), 5e-3)] {
+        check(
+            dev,
+            &Case {
+                dtype,
+                heads: 4,
+                kvh: 2,
+                d: 32,
+                bs: 16,
+                seqs: &[(7, 30), (1, 45)],
+                window,
+                tol,
+                last_rows: None,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn cpu_mixed_decode_and_prefill() -> Result<()> {
+    mixed(&Device::Cpu)
+}
+
+#[test]
+fn cpu_mqa_block32_head64() -> Result<()> {
+    mqa_block32(&Device::Cpu)
+}
+
+#[test]
+fn cpu_sliding_window() -> Result<()> {
+    sliding(&Device::Cpu)
+}
+
+#[test]
+fn cpu_half_precision() -> Result<()> {
+    half(&Device::Cpu)
+}
+
+#[test]
+fn rejects_block_outside_cache() -> Result<()> {
+    let dev = Device::Cpu;
+    let c = Tensor::zeros((2, 4, 1, 4), DType::F32, &dev)?;
+    let q = Tensor::zeros((1, 1, 4), DType::F32, &dev)?;
+    let p = PagedAttentionParams {
+        scale: 1.0,
+        sliding_window: None,
+    };
+    let meta = AttentionMetadata::new(vec![-1], vec![7], 1, vec![1], vec![0, 1], &dev)?;
+    assert!(paged_attention(&q, &c, &c, &meta, &p).is_err());
+    let meta = AttentionMetadata::new(vec![8], vec![0], 1, vec![1], vec![0, 1], &dev)?;
+    let k = Tensor::zeros((1, 1, 4), DType::F32, &dev)?;
+    assert!(reshape_and_cache(&k, &k, &c, &c.clone(), &meta).is_err());
+    Ok(())
+}
+
+#[test]
+fn rejects_inconsistent_metadata() {
+    let dev = Device::Cpu;
+    // more queries than context
+    assert!(AttentionMetadata::new(vec![0, 1], vec![0], 1, vec![1], vec![0, 2], &dev).is_err());
+    // query_start_loc does not cover the tokens
+    assert!(AttentionMetadata::new(vec![0, 1], vec![0], 1, vec![2], vec![0, 1], &dev).is_err());
+    // table too small
+    assert!(AttentionMetadata::new(vec![0], vec![0], 2, vec![1], vec![0, 1], &dev).is_err());
+}
+
+fn cache_writes_and_copies(dev: &Device) -> Result<()> {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let kc = Tensor::zeros((3, 2, 1, 2), dtype, dev)?;
+        let vc = Tensor::zeros((3, 2, 1, 2), dtype, dev)?;
+        let k = Tensor::new(&[[[1f32, 2.]], [[3., 4.]], [[5., 6.]]], dev)?.to_dtype(dtype)?;
+        let v = (&k * 10.0)?;
+        let meta = AttentionMetadata::new(vec![5, -1, 0], vec![0], 1, vec![3], vec![0, 3], dev)?;
+        reshape_and_cache(&k, &v, &kc, &vc, &meta)?;
+        let kv = kc.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(kv, vec![5., 6., 0., 0., 0., 0., 0., 0., 0., 0., 1., 2.]);
+        assert_eq!(
+            vc.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[10],
+            10.0
+        );
+        copy_blocks(&kc, &[(2, 1)])?;
+        let kv = kc.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(kv, vec![5., 6., 0., 0., 0., 0., 1., 2., 0., 0., 1., 2.]);
+    }
+    Ok(())
+}
+
+#[test]
+fn cpu_cache_writes_and_copies() -> Result<()> {
+    cache_writes_and_copies(&Device::Cpu)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    //! The same cases on the GPU, plus every head dim, dtype and block size the models use.
+    use super::*;
+
+    fn gpu() -> Device {
+        Device::new_cuda(0).expect("a CUDA device")
+    }
+
+    #[test]
+    fn cuda_mixed_decode_and_prefill() -> Result<()> {
+        mixed(&gpu())
+    }
+
+    #[test]
+    fn cuda_mqa_block32_head64() -> Result<()> {
+        mqa_block32(&gpu())
+    }
+
+    #[test]
+    fn cuda_sliding_window() -> Result<()> {
+        sliding(&gpu())
+    }
+
+    #[test]
+    fn cuda_half_precision() -> Result<()> {
+        half(&gpu())
+    }
+
+    #[test]
+    fn cuda_cache_writes_and_copies() -> Result<()> {
+        cache_writes_and_copies(&gpu())
+    }
+
+    #[test]
+    fn cuda_model_shapes() -> Result<()> {
+        let dev = gpu();
+        let seqs: &[(usize, usize)] = &[(1, 1), (1, 300), (37, 37), (16, 120), (1, 17), (5, 64)];
+        for d in [64, 80, 96, 128, 256] {
+            for (heads, kvh) in [(32, 8), (28, 4), (16, 1), (8, 8)] {
+                for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+                    for bs in [16, 32] {
+                        check(
+                            &dev,
+                            &Case {
+                                dtype,
+                                heads,
+                                kvh,
+                                d,
+                                bs,
+                                seqs,
+                                window: None,
+                                tol,
+                                last_rows: None,
+                            },
+                        )?;
+                    }
+                }
+            }
+        }
+        // sliding window with a chunked prefill and decodes past the window
+        check(
+            &dev,
+            &Case {
+                dtype: DType::BF16,
+                heads: 32,
+                kvh: 8,
+                d: 128,
+                bs: 16,
+                seqs: &[(64, 200), (1, 300), (1, 40)],
+                window: Some(96),
+                tol: 2e-2,
+                last_rows: None,
+            },
+        )
+    }
+
+    #[test]
+    fn cuda_long_prompt_fits() -> Result<()> {
+        // one 8k-token prompt in a single call: no score matrix is materialised
+        check(
+            &gpu(),
+            &Case {
+                dtype: DType::BF16,
+                heads: 32,
+                kvh: 8,
+                d: 128,
+                bs: 16,
+                seqs: &[(8192, 8192), (1, 4000)],
+                window: None,
+                tol: 2e-2,
+                last_rows: Some(16),
+            },
+        )
+    }
+}

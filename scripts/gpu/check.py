@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""GPU correctness and first throughput figures, against transformers on the same GPU.
+
+Run by scripts/gpu/check.sh on the GPU machine (torch, transformers and tokenizers installed there;
+nothing is built). Each part writes a JSON line to OUT/results.jsonl and the last part prints a table.
+
+Parts (choose with --parts, comma-separated):
+  tiny     bf16 teacher-forced log-probs of the five tiny checkpoints vs transformers bf16 on the GPU
+  batch    256 concurrent requests of mixed lengths through the server; greedy outputs of every tiny
+           model equal to their one-at-a-time results
+  big      Llama-3.1-8B and Qwen2.5-7B shapes, random bf16 weights made here: teacher-forced log-probs
+           of 1,000 positions vs transformers bf16; load time; decode throughput at batch 1 and 64
+           next to transformers eager generate in the same run
+  coldstart  launch -> /health -> first token with an empty and a warm driver JIT cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+TINY = ["llama3", "llama2", "mistral", "qwen2", "qwen3"]
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+class Server:
+    """`rserve serve` on a port; stopped with SIGTERM."""
+
+    def __init__(self, binary: Path, model: str, port: int, out: Path, *extra: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = out / f"server-{port}-{Path(model).name}.log"
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(
+            [str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra],
+            stdout=open(self.log_path, "w"),
+            stderr=subprocess.STDOUT,
+        )
+        self.ready_s = self.wait()
+
+    def wait(self, timeout: float = 600) -> float:
+        while time.time() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.time() - self.t0
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not become healthy")
+
+    def post(self, path: str, body: dict, timeout: float = 600) -> dict:
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def model_name(self) -> str:
+        with urllib.request.urlopen(self.url + "/v1/models") as r:
+            return json.loads(r.read())["data"][0]["id"]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def teacher_forced_rserve(srv: Server, ids: list[int]) -> tuple[list[float], list[int]]:
+    """Log-prob of each next token and the arg-max at each position (positions 1..n-1)."""
+    r = srv.post(
+        "/v1/completions",
+        {
+            "model": srv.model_name(),
+            "prompt": ids,
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "temperature": 0,
+        },
+    )
+    lp = r["choices"][0]["logprobs"]
+    n = len(ids)
+    token_lps = [float(x) for x in lp["token_logprobs"][1:n]]
+    argmax = []
+    for top in lp["top_logprobs"][1:n]:
+        best = max(top.items(), key=lambda kv: kv[1])[0]
+        argmax.append(int(best.split(":")[-1]))
+    return token_lps, argmax
+
+
+def teacher_forced_hf(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor([ids], device="cuda")
+        logits = model(input_ids=x).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    tgt = torch.tensor(ids[1:], device="cuda")
+    token_lps = lp[:-1].gather(1, tgt[:, None])[:, 0]
+    top2 = torch.topk(logits[:-1], 2, dim=-1)
+    margin = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+    return token_lps.tolist(), top2.indices[:, 0].tolist(), margin
+
+
+def compare(name: str, hf, rs) -> dict:
+    hf_lp, hf_arg, margin = hf
+    rs_lp, rs_arg = rs
+    errs = [abs(a - b) for a, b in zip(hf_lp, rs_lp)]
+    decided = [i for i, m in enumerate(margin) if m > 0.05]
+    agree = sum(1 for i in decided if hf_arg[i] == rs_arg[i])
+    return {
+        "model": name,
+        "positions": len(errs),
+        "mean_abs_err": sum(errs) / max(len(errs), 1),
+        "max_abs_err": max(errs, default=0.0),
+        "argmax_checked": len(decided),
+        "argmax_agree": agree,
+    }
+
+
+def emit(out: Path, rec: dict) -> None:
+    log(json.dumps(rec))
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def part_tiny(a, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for name in TINY:
+        d = FIXTURES / "models" / name
+        golden = json.loads((FIXTURES / "goldens" / f"{name}.json").read_text())
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        seqs = [c["prompt"] + c["tokens"] for c in golden["cases"]]
+        hf = [teacher_forced_hf(model, s) for s in seqs]
+        del model
+        torch.cuda.empty_cache()
+        srv = Server(a.binary, str(d), a.port, out, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3")
+        try:
+            rs = [teacher_forced_rserve(srv, s) for s in seqs]
+        finally:
+            srv.stop()
+        merged = (
+            [x for h in hf for x in h[0]],
+            [x for h in hf for x in h[1]],
+            [x for h in hf for x in h[2]],
+        )
+        rec = compare(name, merged, ([x for r in rs for x in r[0]], [x for r in rs for x in r[1]]))
+        rec.update(part="tiny-bf16")
+        emit(out, rec)
+
+
+def part_batch(a, out: Path) -> None:
+    import random
+
+    for name in TINY:
+        d = FIXTURES / "models" / name
+        srv = Server(a.binary, str(d), a.port, out, "--gpu-memory-utilization", "0.3")
+        try:
+            model = srv.model_name()
+            rng = random.Random(7)
+            reqs = []
+            for i in range(256):
+                plen = rng.choice([1, 3, 17, 64, 150, 400])
+                reqs.append(
+                    {
+                        "model": model,
+                        "prompt": [rng.randrange(20, 900) for _ in range(plen)],
+                        "max_tokens": rng.choice([1, 8, 33, 64]),
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_tokens_as_token_ids": True,
+                        "logprobs": 0,
+                    }
+                )
+
+            def ids(r: dict) -> list[str]:
+                return r["choices"][0]["logprobs"]["tokens"]
+
+            t0 = time.time()
+            with cf.ThreadPoolExecutor(256) as ex:
+                together = list(ex.map(lambda r: ids(srv.post("/v1/completions", r)), reqs))
+            conc_s = time.time() - t0
+            alone = [ids(srv.post("/v1/completions", r)) for r in reqs[:48]]
+            same = sum(1 for x, y in zip(together, alone) if x == y)
+            rec = {
+                "part": "batch",
+                "model": name,
+                "requests": len(reqs),
+                "completed": sum(1 for t in together if len(t) > 0),
+                "concurrent_s": conc_s,
+                "checked_alone": len(alone),
+                "equal_alone": same,
+            }
+        finally:
+            srv.stop()
+        emit(out, rec)
+
+
+def word_tokenizer(vocab: int, path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2"}))
+
+
+def make_big(kind: str, root: Path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path = root / kind
+    if kind == "llama-3.1-8b":
+        cfg = LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            bos_token_id=1, eos_token_id=2,
+        )
+        cls = LlamaForCausalLM
+    else:
+        cfg = Qwen2Config(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2,
+        )
+        cls = Qwen2ForCausalLM
+    torch.manual_seed(0)
+    t0 = time.time()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = cls(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.eval()
+    if not (path / "config.json").exists():
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
+        word_tokenizer(cfg.vocab_size, path)
+    log(f"{kind}: made and saved in {time.time() - t0:.1f}s")
+    return model, path
+
+
+def hf_generate_tps(model, batch: int, prompt_len: int, new: int) -> float:
+    import torch
+
+    x = torch.randint(20, 900, (batch, prompt_len), device="cuda")
+    with torch.no_grad():
+        model.generate(x[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.time()
+        model.generate(x, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        prefill = time.time() - t0
+        t0 = time.time()
+        model.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        total = time.time() - t0
+    return batch * (new - 1) / max(total - prefill, 1e-9)
+
+
+def bench(a, srv: Server, out: Path, conc: int, prompts: int, inp: int, outp: int) -> dict:
+    r = subprocess.run(
+        [str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", srv.model_name(),
+         "--num-prompts", str(prompts), "--max-concurrency", str(conc), "--random-input-len", str(inp),
+         "--random-output-len", str(outp), "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def part_big(a, out: Path) -> None:
+    import torch
+
+    root = Path(a.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    for kind in a.big.split(","):
+        model, path = make_big(kind, root)
+        g = torch.Generator().manual_seed(1)
+        ids = [1] + torch.randint(20, 30000, (1000,), generator=g).tolist()
+        hf = teacher_forced_hf(model, ids)
+        tps = {}
+        # the float32 computation of the same weights: how far is each bf16 implementation from it?
+        model.float()
+        ref = teacher_forced_hf(model, ids)
+        model.to(torch.bfloat16)
+        torch.cuda.empty_cache()
+        ref_of_hf = compare(kind, ref, (hf[0], hf[1]))
+        if kind == "llama-3.1-8b":
+            for b in (1, 64):
+                tps[b] = hf_generate_tps(model, b, 512, 256)
+                log(f"transformers eager generate batch {b}: {tps[b]:.1f} tok/s")
+        del model
+        torch.cuda.empty_cache()
+        subprocess.run(["sync"])
+        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "4096")
+        try:
+            rs = teacher_forced_rserve(srv, ids)
+            rec = compare(kind, hf, rs)
+            rec.update(part="big-parity", ready_s=srv.ready_s)
+            emit(out, rec)
+            vs_f32 = compare(kind, ref, rs)
+            emit(out, {"part": "big-vs-f32", "model": kind,
+                       "rserve_bf16": {k: vs_f32[k] for k in ("mean_abs_err", "max_abs_err", "argmax_checked", "argmax_agree")},
+                       "transformers_bf16": {k: ref_of_hf[k] for k in ("mean_abs_err", "max_abs_err", "argmax_checked", "argmax_agree")}})
+            if tps:
+                b1 = bench(a, srv, out, 1, 4, 512, 256)
+                b64 = bench(a, srv, out, 64, 128, 512, 256)
+                emit(out, {
+                    "part": "big-throughput", "model": kind,
+                    "rserve_b1_decode_tok_s": 1000.0 / b1["tpot_ms"]["median"],
+                    "rserve_b1": b1, "rserve_b64": b64,
+                    "rserve_b64_output_tok_s": b64["output_throughput"],
+                    "rserve_b64_decode_tok_s": 64 * 1000.0 / b64["tpot_ms"]["median"],
+                    "hf_eager_b1_decode_tok_s": tps[1], "hf_eager_b64_decode_tok_s": tps[64],
+                })
+        finally:
+            srv.stop()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def part_coldstart(a, out: Path) -> None:
+    d = FIXTURES / "models" / "llama3"
+    cache = Path(os.environ.get("CUDA_CACHE_PATH", "/tmp/rserve-cuda-cache"))
+    for label in ("empty driver cache", "warm driver cache"):
+        if label.startswith("empty"):
+            shutil.rmtree(cache, ignore_errors=True)
+        srv = Server(a.binary, str(d), a.port, out, "--gpu-memory-utilization", "0.3")
+        try:
+            t0 = time.time()
+            srv.post("/v1/completions", {"model": srv.model_name(), "prompt": "Hello", "max_tokens": 1})
+            first = time.time() - t0
+        finally:
+            srv.stop()
+        emit(out, {"part": "coldstart", "cache": label, "ready_s": srv.ready_s, "first_request_s": first})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--binary", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", default="coldstart,tiny,batch,big")
+    p.add_argument("--big", default="llama-3.1-8b,qwen2.5-7b")
+    p.add_argument("--scratch", default="/tmp/rserve-big")
+    p.add_argument("--port", type=int, default=8011)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart}
+    failed = []
+    for name in a.parts.split(","):
+        t0 = time.time()
+        try:
+            parts[name](a, a.out)
+        except Exception as e:  # report and go on with the other parts
+            failed.append(name)
+            emit(a.out, {"part": name, "error": repr(e)[-3000:]})
+        log(f"== {name}: {time.time() - t0:.1f}s")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
