@@ -31,6 +31,7 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has kernels; then
   step kernels "$BUNDLE/paged_attention" --test-threads=1
   step fused "$BUNDLE/fused" --test-threads=1
+  step sampling "$BUNDLE/sampling" --test-threads=1
 fi
 if has parity; then
   RSERVE_TEST_DEVICE=cuda step parity-f32 "$BUNDLE/parity" --test-threads=1

@@ -21,7 +21,8 @@ use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{SeqId, Sequence};
 use crate::tokenizer::IncrementalDetokenizer;
 use candle_core::{DType, Device};
-use std::collections::HashMap;
+use rserve_kernels::sampling::{LogitEdit, RowSampling};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -236,6 +237,11 @@ impl Engine {
             num_blocks,
             block_size: cfg.block_size,
             dtype: loaded.dtype,
+            device: match device.location() {
+                candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+                candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+                candle_core::DeviceLocation::Cpu => "cpu".into(),
+            },
         });
         let stats = Arc::new(EngineStats::default());
         // the engine thread runs on its own stream: everything queued here must be done first
@@ -453,8 +459,18 @@ impl Engine {
         };
         self.scheduler.complete_step(&out);
         let mut touched: Vec<RequestId> = Vec::new();
-        if self.device_greedy_applies(&rows) {
-            match device_greedy(&logits) {
+        if self.device_sampling_applies(&rows) {
+            let settings = self.device_settings(&rows);
+            let picked = rserve_kernels::sampling::sample_rows(&logits, &settings).map(|v| {
+                v.into_iter()
+                    .map(|(token_id, logprob)| TokenLogprob {
+                        token_id,
+                        logprob,
+                        top: Vec::new(),
+                    })
+                    .collect::<Vec<_>>()
+            });
+            match picked {
                 Ok(picked) => {
                     for (row, tl) in rows.iter().zip(picked) {
                         if let LogitRow::Sample(seq) = *row {
@@ -555,10 +571,10 @@ impl Engine {
         }
     }
 
-    /// Whether this step's tokens can be picked on the device: a GPU, every row a plain greedy
-    /// sample (no logprobs, penalties, biases, suppressed ids or pending forks), so only the chosen
-    /// ids and their log-probs cross to the host.
-    fn device_greedy_applies(&self, rows: &[LogitRow]) -> bool {
+    /// Whether this step's tokens can be picked on the device: a GPU, and every row a sample of a
+    /// sequence without pending forks whose request wants no logprobs, so only the chosen ids and
+    /// their log-probs cross to the host.
+    fn device_sampling_applies(&self, rows: &[LogitRow]) -> bool {
         if self.runner.device().is_cpu() || rows.is_empty() {
             return false;
         }
@@ -566,26 +582,86 @@ impl Engine {
             let LogitRow::Sample(seq) = *row else {
                 return false;
             };
-            let Some(s) = self.scheduler.seq(seq) else {
-                return false;
-            };
-            let Some(st) = self
+            let forks = self.scheduler.seq(seq).map_or(1, |s| s.pending_forks);
+            let wants_logprobs = self
                 .seq_owner
                 .get(&seq)
                 .and_then(|(rid, _)| self.requests.get(rid))
-            else {
-                return false;
-            };
-            let p = &st.req.params;
-            s.pending_forks == 0
-                && p.is_greedy()
-                && p.logprobs.is_none()
-                && p.logit_bias.is_empty()
-                && p.repetition_penalty == 1.0
-                && p.presence_penalty == 0.0
-                && p.frequency_penalty == 0.0
-                && s.num_output_tokens() >= p.min_tokens
+                .is_none_or(|st| st.req.params.logprobs.is_some());
+            forks == 0 && !wants_logprobs
         })
+    }
+
+    /// Each row's sampling settings for the device sampler: the request's parameters, its logit
+    /// edits (bias, EOS and stop ids before `min_tokens`, penalties over the prompt and output), and
+    /// a seed drawn from the completion's own generator (random rows only).
+    fn device_settings(&mut self, rows: &[LogitRow]) -> Vec<RowSampling> {
+        let eos = self.info.generation.eos_token_ids.clone();
+        rows.iter()
+            .map(|row| {
+                let LogitRow::Sample(seq) = *row else {
+                    return RowSampling::default();
+                };
+                let Some(&(rid, idx)) = self.seq_owner.get(&seq) else {
+                    return RowSampling::default();
+                };
+                let Some(st) = self.requests.get_mut(&rid) else {
+                    return RowSampling::default();
+                };
+                let p = &st.req.params;
+                let (prompt, output): (&[u32], &[u32]) = match self.scheduler.seq(seq) {
+                    Some(s) => (&s.tokens[..s.prompt_len], s.output_tokens()),
+                    None => (&[], &[]),
+                };
+                let mut edits: BTreeMap<u32, LogitEdit> = BTreeMap::new();
+                let blank = |token| LogitEdit {
+                    token,
+                    bias: 0.0,
+                    repetition_penalty: 1.0,
+                    subtract: 0.0,
+                };
+                for (&t, &b) in &p.logit_bias {
+                    edits.entry(t).or_insert_with(|| blank(t)).bias = b;
+                }
+                let rp = p.repetition_penalty;
+                if rp != 1.0 && rp > 0.0 {
+                    for &t in prompt.iter().chain(output) {
+                        edits
+                            .entry(t)
+                            .or_insert_with(|| blank(t))
+                            .repetition_penalty = rp;
+                    }
+                }
+                if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+                    let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+                    for &t in output {
+                        *counts.entry(t).or_default() += 1;
+                    }
+                    for (t, c) in counts {
+                        edits.entry(t).or_insert_with(|| blank(t)).subtract +=
+                            p.presence_penalty + p.frequency_penalty * c as f32;
+                    }
+                }
+                if output.len() < p.min_tokens {
+                    for &t in p.stop_token_ids.iter().chain(&eos) {
+                        edits.entry(t).or_insert_with(|| blank(t)).subtract = f32::INFINITY;
+                    }
+                }
+                let greedy = p.is_greedy();
+                let mut s = RowSampling {
+                    temperature: if greedy { 0.0 } else { p.temperature },
+                    top_k: p.top_k,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    seed: 0,
+                    edits: edits.into_values().collect(),
+                };
+                if !greedy {
+                    s.seed = st.completions[idx].rng.next_u64();
+                }
+                s
+            })
+            .collect()
     }
 
     fn sample_jobs(
@@ -762,23 +838,4 @@ impl Engine {
             self.abort(rid);
         }
     }
-}
-
-/// Arg-max of each row of `logits` (`[rows, vocab]` f32, on the device) and its log-probability,
-/// computed on the device; ties go to the lowest id, as on the host.
-fn device_greedy(logits: &candle_core::Tensor) -> candle_core::Result<Vec<TokenLogprob>> {
-    use candle_core::D;
-    let ids = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-    let max = logits.max_keepdim(D::Minus1)?;
-    let lse = logits.broadcast_sub(&max)?.exp()?.sum(D::Minus1)?.log()?;
-    let lps = (lse.neg()?).to_vec1::<f32>()?;
-    Ok(ids
-        .into_iter()
-        .zip(lps)
-        .map(|(token_id, logprob)| TokenLogprob {
-            token_id,
-            logprob,
-            top: Vec::new(),
-        })
-        .collect())
 }

@@ -128,6 +128,8 @@ pub struct EngineInfo {
     pub num_blocks: usize,
     pub block_size: usize,
     pub dtype: DType,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
 }
 
 /// Live counters the engine thread publishes after each step.

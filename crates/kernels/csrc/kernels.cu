@@ -2,3 +2,4 @@
 #include "paged_attention.cu"
 #include "cache.cu"
 #include "fused.cu"
+#include "sampling.cu"

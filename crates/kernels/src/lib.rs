@@ -21,6 +21,7 @@ pub mod elem;
 pub mod fused;
 pub mod metadata;
 pub mod paged_attention;
+pub mod sampling;
 
 pub use cache::{copy_blocks, reshape_and_cache};
 pub use fused::{add_rms_norm, rotary_qk_, silu_and_mul};

@@ -74,6 +74,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         });
     }
     let load_state = state.clone();
+    let started = std::time::Instant::now();
     let loader = tokio::task::spawn_blocking(move || Engine::start(cfg));
     let app = router(state.clone(), args.max_body_bytes);
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(
@@ -90,7 +91,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
         info.dtype,
         info.max_model_len
     );
-    eprintln!("rserve: serving `{name}` on http://{addr}");
+    let kv_tokens = info.num_blocks * info.block_size;
+    eprintln!(
+        "rserve: serving `{name}` on http://{addr} ({}, {:?}, loaded in {:.1}s; KV cache {kv_tokens} tokens, {:.1} sequences of {} tokens at once)",
+        info.device,
+        info.dtype,
+        started.elapsed().as_secs_f64(),
+        kv_tokens as f64 / info.max_model_len as f64,
+        info.max_model_len
+    );
     let _ = load_state.engine.set(handle);
     serving.await.context("server task")??;
     if let Some(h) = state.engine.get() {

@@ -1,0 +1,244 @@
+//! Sampling on the GPU (`csrc/sampling.cu`): per row of f32 logits, sparse edits (bias, suppressed
+//! ids, penalties), then greedy or temperature / min-p / top-k / top-p and one seeded draw; only
+//! the chosen ids and their raw log-probabilities come back to the host.
+//!
+//! [`reference_distribution`] is the CPU reference: the exact probability of every token under the
+//! same rules, which the device tests compare empirical draws against.
+
+use candle_core::{Result, Tensor};
+
+/// One logit edit: `x' = rep(x + bias) - subtract`, where `rep` divides positive values by
+/// `repetition_penalty` and multiplies the others by it; `subtract = +inf` suppresses the token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitEdit {
+    pub token: u32,
+    pub bias: f32,
+    pub repetition_penalty: f32,
+    pub subtract: f32,
+}
+
+/// What one row asks of the sampler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowSampling {
+    /// 0 picks the arg-max of the edited logits (lowest id on ties).
+    pub temperature: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// The row's draw depends on this seed and the token ids only.
+    pub seed: u64,
+    /// At most one edit per token.
+    pub edits: Vec<LogitEdit>,
+}
+
+impl Default for RowSampling {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            edits: Vec::new(),
+        }
+    }
+}
+
+fn edited(row: &[f32], s: &RowSampling) -> Vec<f32> {
+    let mut x = row.to_vec();
+    for e in &s.edits {
+        if let Some(v) = x.get_mut(e.token as usize) {
+            let b = *v + e.bias;
+            let r = if b > 0.0 {
+                b / e.repetition_penalty
+            } else {
+                b * e.repetition_penalty
+            };
+            *v = r - e.subtract;
+        }
+    }
+    x
+}
+
+/// The probability of each token of `row` under `s` (CPU reference of the kernel's rules; ties at a
+/// top-k or top-p boundary keep every tied token).
+pub fn reference_distribution(row: &[f32], s: &RowSampling) -> Vec<f64> {
+    let x = edited(row, s);
+    let n = x.len();
+    let mut p = vec![0f64; n];
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if s.temperature < 1e-5 {
+        if let Some(i) = x.iter().position(|&v| v == max) {
+            p[i] = 1.0;
+        }
+        return p;
+    }
+    let t = f64::from(s.temperature);
+    let w = |v: f32| ((f64::from(v) - f64::from(max)) / t).exp();
+    let mut thr = f32::NEG_INFINITY;
+    if s.min_p > 0.0 {
+        thr = (f64::from(max) + f64::from(s.min_p).ln().min(0.0) * t) as f32;
+    }
+    let mut sorted: Vec<f32> = x.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    if s.top_k > 0 && s.top_k < n {
+        thr = thr.max(sorted[s.top_k - 1]);
+    }
+    if s.top_p < 1.0 {
+        let total: f64 = x.iter().filter(|&&v| v >= thr).map(|&v| w(v)).sum();
+        let target = f64::from(s.top_p) * total;
+        let mut acc = 0.0;
+        for &v in sorted.iter().filter(|&&v| v >= thr) {
+            acc += w(v);
+            if acc >= target {
+                thr = thr.max(v);
+                break;
+            }
+        }
+    }
+    let z: f64 = x
+        .iter()
+        .filter(|&&v| v >= thr && v > f32::NEG_INFINITY)
+        .map(|&v| w(v))
+        .sum();
+    for (pi, &v) in p.iter_mut().zip(&x) {
+        if v >= thr && v > f32::NEG_INFINITY && z > 0.0 {
+            *pi = w(v) / z;
+        }
+    }
+    p
+}
+
+/// Samples one token per row of `logits` (`[rows, vocab]` f32 on a CUDA device; edited in place)
+/// and returns (token, raw log-probability) per row.
+#[cfg(feature = "cuda")]
+pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Vec<(u32, f32)>> {
+    let (n, _) = logits.dims2()?;
+    if n != rows.len() {
+        candle_core::bail!("sample_rows: {n} logit rows, {} settings", rows.len());
+    }
+    if logits.dtype() != candle_core::DType::F32 || !logits.is_contiguous() {
+        candle_core::bail!("sample_rows: logits must be contiguous f32");
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let op = cuda::SampleRows {
+        rows,
+        result: std::sync::Mutex::new(Vec::new()),
+    };
+    logits.inplace_op1(&op)?;
+    op.result
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))
+}
+
+/// Without CUDA there is no device sampler; the engine samples on the host.
+#[cfg(not(feature = "cuda"))]
+pub fn sample_rows(_logits: &Tensor, _rows: &[RowSampling]) -> Result<Vec<(u32, f32)>> {
+    candle_core::bail!("sample_rows needs the cuda feature")
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::RowSampling;
+    use crate::cuda::function;
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CpuStorage, CudaStorage, Layout, Result};
+    use std::sync::Mutex;
+
+    pub struct SampleRows<'a> {
+        pub rows: &'a [RowSampling],
+        pub result: Mutex<Vec<(u32, f32)>>,
+    }
+
+    impl candle_core::InplaceOp1 for SampleRows<'_> {
+        fn name(&self) -> &'static str {
+            "sample-rows"
+        }
+
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("sample_rows runs on CUDA only")
+        }
+
+        fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+            let (n, vocab) = (l.dims()[0], l.dims()[1]);
+            if l.start_offset() != 0 {
+                candle_core::bail!("sample_rows: logits must start at offset 0");
+            }
+            let dev = s.device().clone();
+            let stream = dev.cuda_stream();
+            let mut starts = Vec::with_capacity(n + 1);
+            let (mut tokens, mut vals) = (Vec::new(), Vec::new());
+            starts.push(0u32);
+            for r in self.rows {
+                for e in &r.edits {
+                    tokens.push(e.token);
+                    vals.extend([e.bias, e.repetition_penalty, e.subtract]);
+                }
+                starts.push(tokens.len() as u32);
+            }
+            // the kernel never reads past `starts`; keep the buffers non-empty
+            tokens.push(0);
+            vals.extend([0.0; 3]);
+            let up = |v: &[f32]| stream.clone_htod(v).w();
+            let temps = up(&self.rows.iter().map(|r| r.temperature).collect::<Vec<_>>())?;
+            let top_p = up(&self.rows.iter().map(|r| r.top_p).collect::<Vec<_>>())?;
+            let min_p = up(&self.rows.iter().map(|r| r.min_p).collect::<Vec<_>>())?;
+            let top_k = stream
+                .clone_htod(
+                    &self
+                        .rows
+                        .iter()
+                        .map(|r| r.top_k.min(i32::MAX as usize) as i32)
+                        .collect::<Vec<_>>(),
+                )
+                .w()?;
+            let seeds = stream
+                .clone_htod(&self.rows.iter().map(|r| r.seed).collect::<Vec<_>>())
+                .w()?;
+            let starts = stream.clone_htod(&starts).w()?;
+            let edit_tokens = stream.clone_htod(&tokens).w()?;
+            let edit_vals = up(&vals)?;
+            let mut edit_raw = stream.alloc_zeros::<f32>(tokens.len()).w()?;
+            let mut out_tokens = stream.alloc_zeros::<u32>(n).w()?;
+            let mut out_lps = stream.alloc_zeros::<f32>(n).w()?;
+            let logits = s.as_cuda_slice_mut::<f32>()?;
+            let func = function(&dev, "sample_rows")?;
+            let mut b = stream.launch_builder(&func);
+            let vocab_i = vocab as i32;
+            b.arg(logits)
+                .arg(&vocab_i)
+                .arg(&temps)
+                .arg(&top_k)
+                .arg(&top_p)
+                .arg(&min_p)
+                .arg(&seeds)
+                .arg(&starts)
+                .arg(&edit_tokens)
+                .arg(&edit_vals)
+                .arg(&mut edit_raw)
+                .arg(&mut out_tokens)
+                .arg(&mut out_lps);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `sample_rows` in csrc/sampling.cu; every array has one entry per row
+            // (edits: `starts[n]` entries, plus one unused).
+            unsafe { b.launch(cfg) }.w()?;
+            let toks = stream.clone_dtoh(&out_tokens).w()?;
+            let lps = stream.clone_dtoh(&out_lps).w()?;
+            let mut result = self
+                .result
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))?;
+            *result = toks.into_iter().zip(lps).collect();
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! The device sampler against its CPU reference distribution: support (nothing outside the
+//! min-p / top-k / top-p survivors is ever drawn), empirical frequencies over many seeds, greedy
+//! rows, edits, seeded reproducibility independent of the batch, and raw log-probabilities.
+#![allow(clippy::unwrap_used)]
+
+use rserve_kernels::sampling::{reference_distribution, LogitEdit, RowSampling};
+
+#[test]
+fn reference_applies_thresholds_in_order() {
+    let row = [3.0f32, 2.0, 1.0, 0.0, -1.0];
+    let greedy = reference_distribution(&row, &RowSampling::default());
+    assert_eq!(greedy, vec![1.0, 0.0, 0.0, 0.0, 0.0]);
+    let top2 = reference_distribution(
+        &row,
+        &RowSampling {
+            temperature: 1.0,
+            top_k: 2,
+            ..Default::default()
+        },
+    );
+    assert!((top2[0] - 1.0 / (1.0 + (-1f64).exp())).abs() < 1e-9);
+    assert_eq!(&top2[2..], &[0.0, 0.0, 0.0]);
+    let suppressed = reference_distribution(
+        &row,
+        &RowSampling {
+            edits: vec![LogitEdit {
+                token: 0,
+                bias: 0.0,
+                repetition_penalty: 1.0,
+                subtract: f32::INFINITY,
+            }],
+            ..Default::default()
+        },
+    );
+    assert_eq!(suppressed[1], 1.0);
+    let nucleus = reference_distribution(
+        &row,
+        &RowSampling {
+            temperature: 1.0,
+            top_p: 0.5,
+            ..Default::default()
+        },
+    );
+    assert_eq!(nucleus[0], 1.0, "the top token alone holds > 50%");
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use candle_core::{Device, Result, Tensor};
+    use rserve_kernels::sampling::sample_rows;
+
+    fn gpu() -> Device {
+        Device::new_cuda(0).expect("a CUDA device")
+    }
+
+    fn random_row(vocab: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..vocab)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 8.0
+            })
+            .collect()
+    }
+
+    /// Draws `n` samples of `row` under `s` (seeds 0..n) and compares with the reference.
+    fn check(row: &[f32], s: &RowSampling, n: usize, max_tv: f64) -> Result<()> {
+        let v = row.len();
+        let data: Vec<f32> = (0..n).flat_map(|_| row.iter().copied()).collect();
+        let logits = Tensor::from_vec(data, (n, v), &gpu())?;
+        let settings: Vec<RowSampling> = (0..n)
+            .map(|i| RowSampling {
+                seed: i as u64 * 7919 + 1,
+                ..s.clone()
+            })
+            .collect();
+        let got = sample_rows(&logits, &settings)?;
+        let want = reference_distribution(row, s);
+        let mut freq = vec![0f64; v];
+        for &(t, _) in &got {
+            assert!(
+                want[t as usize] > 0.0,
+                "token {t} drawn outside the support ({s:?})"
+            );
+            freq[t as usize] += 1.0 / n as f64;
+        }
+        let tv: f64 = freq
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f64>()
+            / 2.0;
+        assert!(tv < max_tv, "total variation {tv} ({s:?})");
+        // raw log-probabilities of the chosen tokens
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = m + row.iter().map(|&x| (x - m).exp()).sum::<f32>().ln();
+        for &(t, lp) in got.iter().take(50) {
+            assert!((lp - (row[t as usize] - lse)).abs() < 1e-3, "logprob {lp}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_distributions_match_reference() -> Result<()> {
+        let row = random_row(1000, 3);
+        let base = RowSampling {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let cases = [
+            RowSampling {
+                temperature: 0.8,
+                ..base.clone()
+            },
+            RowSampling {
+                top_k: 20,
+                ..base.clone()
+            },
+            RowSampling {
+                temperature: 0.7,
+                top_p: 0.9,
+                ..base.clone()
+            },
+            RowSampling {
+                temperature: 1.2,
+                min_p: 0.05,
+                ..base.clone()
+            },
+            RowSampling {
+                top_k: 50,
+                top_p: 0.8,
+                min_p: 0.02,
+                edits: vec![
+                    LogitEdit {
+                        token: 5,
+                        bias: 2.0,
+                        repetition_penalty: 1.3,
+                        subtract: 0.5,
+                    },
+                    LogitEdit {
+                        token: 9,
+                        bias: 0.0,
+                        repetition_penalty: 1.0,
+                        subtract: f32::INFINITY,
+                    },
+                ],
+                ..base.clone()
+            },
+        ];
+        for s in &cases {
+            check(&row, s, 20000, 0.05)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_greedy_edits_and_large_vocab() -> Result<()> {
+        let row = random_row(152064, 11);
+        let argmax = |r: &[f32]| {
+            r.iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                )
+                .0 as u32
+        };
+        let best = argmax(&row);
+        let suppress_best = RowSampling {
+            edits: vec![LogitEdit {
+                token: best,
+                bias: 0.0,
+                repetition_penalty: 1.0,
+                subtract: f32::INFINITY,
+            }],
+            ..Default::default()
+        };
+        let boost = RowSampling {
+            edits: vec![LogitEdit {
+                token: 77,
+                bias: 100.0,
+                repetition_penalty: 1.0,
+                subtract: 0.0,
+            }],
+            ..Default::default()
+        };
+        let nucleus = RowSampling {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 5,
+            ..Default::default()
+        };
+        let settings = vec![
+            RowSampling::default(),
+            suppress_best.clone(),
+            boost,
+            nucleus.clone(),
+        ];
+        let data: Vec<f32> = (0..settings.len())
+            .flat_map(|_| row.iter().copied())
+            .collect();
+        let logits = Tensor::from_vec(data, (settings.len(), row.len()), &gpu())?;
+        let got = sample_rows(&logits, &settings)?;
+        assert_eq!(got[0].0, best);
+        let mut edited = row.clone();
+        edited[best as usize] = f32::NEG_INFINITY;
+        assert_eq!(got[1].0, argmax(&edited));
+        assert_eq!(got[2].0, 77);
+        assert!(reference_distribution(&row, &nucleus)[got[3].0 as usize] > 0.0);
+        check(&row, &nucleus, 512, 1.0)?; // support only at this size
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_seeded_rows_ignore_the_batch() -> Result<()> {
+        let row = random_row(5000, 17);
+        let s = RowSampling {
+            temperature: 1.0,
+            top_p: 0.95,
+            seed: 1234,
+            ..Default::default()
+        };
+        let mut picks = Vec::new();
+        for batch in [1usize, 3, 64] {
+            let mut settings = vec![
+                RowSampling {
+                    temperature: 0.5,
+                    seed: 99,
+                    ..Default::default()
+                };
+                batch
+            ];
+            settings[batch / 2] = s.clone();
+            let other = random_row(5000, 23);
+            let data: Vec<f32> = (0..batch)
+                .flat_map(|i| {
+                    if i == batch / 2 {
+                        row.clone()
+                    } else {
+                        other.clone()
+                    }
+                })
+                .collect();
+            let logits = Tensor::from_vec(data, (batch, 5000), &gpu())?;
+            picks.push(sample_rows(&logits, &settings)?[batch / 2]);
+        }
+        assert!(picks.windows(2).all(|w| w[0] == w[1]), "{picks:?}");
+        Ok(())
+    }
+}
