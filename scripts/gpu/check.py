@@ -41,7 +41,9 @@ def log(*a: object) -> None:
 class Server:
     """`rserve serve` on a port; stopped with SIGTERM."""
 
-    def __init__(self, binary: Path, model: str, port: int, out: Path, *extra: str) -> None:
+    def __init__(
+        self, binary: Path, model: str, port: int, out: Path, *extra: str, env: dict | None = None
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = out / f"server-{port}-{Path(model).name}.log"
@@ -50,6 +52,7 @@ class Server:
             [str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra],
             stdout=open(self.log_path, "w"),
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
         self.ready_s = self.wait()
 
@@ -319,7 +322,10 @@ def part_big(a, out: Path) -> None:
         del model
         torch.cuda.empty_cache()
         subprocess.run(["sync"])
-        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "4096")
+        srv = Server(
+            a.binary, str(path), a.port, out, "--max-model-len", "4096",
+            env={"RUST_LOG": "warn,rserve_core::engine=debug"},
+        )
         try:
             rs = teacher_forced_rserve(srv, ids)
             rec = compare(kind, hf, rs)
@@ -340,6 +346,8 @@ def part_big(a, out: Path) -> None:
                     "rserve_b64_decode_tok_s": 64 * 1000.0 / b64["tpot_ms"]["median"],
                     "hf_eager_b1_decode_tok_s": tps[1], "hf_eager_b64_decode_tok_s": tps[64],
                 })
+                steps = [ln.strip()[-160:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln]
+                emit(out, {"part": "big-steps", "model": kind, "lines": steps[-12:]})
         finally:
             srv.stop()
         shutil.rmtree(path, ignore_errors=True)

@@ -66,6 +66,45 @@ pub struct Engine {
     seq_owner: HashMap<SeqId, (RequestId, usize)>,
     next_seq: u64,
     seed_rng: SeqRng,
+    timing: StepTiming,
+}
+
+/// Where a step's time goes, averaged and logged at debug level every 200 steps: host work up to
+/// the last kernel issued (schedule, batch, launches), waiting for the device and reading the
+/// sampled tokens (or logits), and the host work after (stops, detokenizing, sending).
+#[derive(Debug, Default)]
+struct StepTiming {
+    steps: u32,
+    tokens: usize,
+    issue_s: f64,
+    wait_s: f64,
+    after_s: f64,
+    issued: Option<Instant>,
+    sampled: Option<Instant>,
+}
+
+impl StepTiming {
+    fn finish(&mut self, started: Instant) {
+        let end = Instant::now();
+        let (Some(issued), Some(sampled)) = (self.issued.take(), self.sampled.take()) else {
+            return;
+        };
+        self.steps += 1;
+        self.issue_s += issued.duration_since(started).as_secs_f64();
+        self.wait_s += sampled.duration_since(issued).as_secs_f64();
+        self.after_s += end.duration_since(sampled).as_secs_f64();
+        if self.steps == 200 {
+            let n = f64::from(self.steps);
+            tracing::debug!(
+                "steps: {:.1} tokens/step; per step {:.2} ms host issue, {:.2} ms device wait + read, {:.2} ms host after",
+                self.tokens as f64 / n,
+                self.issue_s / n * 1e3,
+                self.wait_s / n * 1e3,
+                self.after_s / n * 1e3
+            );
+            *self = Self::default();
+        }
+    }
 }
 
 pub use crate::device::parse_device;
@@ -258,6 +297,7 @@ impl Engine {
             seq_owner: HashMap::new(),
             next_seq: 0,
             seed_rng: SeqRng::new(cfg.seed),
+            timing: StepTiming::default(),
         };
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -420,6 +460,12 @@ impl Engine {
     }
 
     fn step(&mut self) {
+        let started = Instant::now();
+        self.step_inner();
+        self.timing.finish(started);
+    }
+
+    fn step_inner(&mut self) {
         let out = self.scheduler.schedule();
         if out.is_empty() {
             // Only possible when every running sequence was preempted this step; the next call
@@ -449,6 +495,8 @@ impl Engine {
             .runner
             .prepare(&self.scheduler, &out, wants)
             .and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)));
+        self.timing.issued = Some(Instant::now());
+        self.timing.tokens += out.num_batched_tokens;
         let (logits, rows) = match result {
             Ok(x) => x,
             Err(e) => {
@@ -470,6 +518,7 @@ impl Engine {
                     })
                     .collect::<Vec<_>>()
             });
+            self.timing.sampled = Some(Instant::now());
             match picked {
                 Ok(picked) => {
                     for (row, tl) in rows.iter().zip(picked) {
@@ -492,7 +541,9 @@ impl Engine {
             }
             return;
         }
-        let mut logits = match logits.to_vec2::<f32>() {
+        let logits = logits.to_vec2::<f32>();
+        self.timing.sampled = Some(Instant::now());
+        let mut logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!("reading logits failed: {e}");

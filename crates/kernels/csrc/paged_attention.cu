@@ -31,7 +31,8 @@ __device__ void paged_attention_impl(
     const uint32_t* __restrict__ work,           // [num_work, 2]: sequence, first query index
     int width, int num_heads, int kv_heads, int head_dim, int block_size,
     int heads_per_cta, int queries_per_cta, int rows_cap, int tile_keys,
-    float scale, int window, long q_stride) {
+    float scale, int window, long q_stride, int split_keys, long total_rows,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
   constexpr int PAD = Pad<T>::value;
   const int D = head_dim;
   const int DP = D + PAD;
@@ -57,6 +58,9 @@ __device__ void paged_attention_impl(
   const int p_first = ctx - q_len + qi0;  // position of this CTA's first query
   const int p_last = p_first + nq - 1;
   const int lo = window > 0 ? max(0, p_first + 1 - window) : 0;
+  // split-K (flash-decoding): this CTA sees only keys [z * split_keys, (z + 1) * split_keys)
+  const int k_begin = split_keys > 0 ? max(lo, (int)blockIdx.z * split_keys) : lo;
+  const int k_end = split_keys > 0 ? min(p_last + 1, ((int)blockIdx.z + 1) * split_keys) : p_last + 1;
 
   extern __shared__ float smem[];
   float* sq = smem;                      // [rows_cap, D] scaled queries
@@ -90,8 +94,8 @@ __device__ void paged_attention_impl(
   const uint32_t* table = block_tables + (size_t)seq * width;
   const size_t row_stride = (size_t)kv_heads * D;
 
-  for (int k0 = lo; k0 <= p_last; k0 += tile_keys) {
-    const int nk = min(tile_keys, p_last + 1 - k0);
+  for (int k0 = k_begin; k0 < k_end; k0 += tile_keys) {
+    const int nk = min(tile_keys, k_end - k0);
     __syncthreads();  // the previous tile is no longer read
     for (int i = tid; i < nk * pairs; i += kThreads) {
       const int kk = i / pairs, c = 2 * (i % pairs);
@@ -176,14 +180,49 @@ __device__ void paged_attention_impl(
     for (int j = 0; j < kSlots; ++j) {
       const int r = rg + j * groups;
       if (r < R) {
+        const int tok = qs + qi0 + r / nh, head = h0 + r % nh;
+        const size_t row = (size_t)tok * num_heads + head;
+        if (split_keys > 0) {
+          // unnormalised partial result; paged_attention_combine merges the splits
+          const size_t prow = (size_t)blockIdx.z * total_rows + row;
+          float* pa = part_acc + prow * D + 2 * cp;
+          pa[0] = acc[2 * j];
+          pa[1] = acc[2 * j + 1];
+          if (cp == 0) {
+            part_ml[2 * prow] = sm[r];
+            part_ml[2 * prow + 1] = sl[r];
+          }
+          continue;
+        }
         const float l = sl[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int tok = qs + qi0 + r / nh, head = h0 + r % nh;
-        T* o = out + ((size_t)tok * num_heads + head) * D + 2 * cp;
+        T* o = out + row * D + 2 * cp;
         o[0] = from_f32<T>(acc[2 * j] * inv);
         o[1] = from_f32<T>(acc[2 * j + 1] * inv);
       }
     }
+  }
+}
+
+// One CTA per (token, head) row: merges the splits' (max, sum, accumulator) into the output.
+template <typename T>
+__device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part_acc,
+                             const float* __restrict__ part_ml, int splits, long total_rows, int D) {
+  const long row = blockIdx.x;
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * (s * total_rows + row)]);
+  float L = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float m = part_ml[2 * (s * total_rows + row)];
+    if (m > -INFINITY) L += __expf(m - M) * part_ml[2 * (s * total_rows + row) + 1];
+  }
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float a = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = part_ml[2 * (s * total_rows + row)];
+      if (m > -INFINITY) a += __expf(m - M) * part_acc[(s * total_rows + row) * D + c];
+    }
+    out[row * D + c] = from_f32<T>(L > 0.f ? a / L : 0.f);
   }
 }
 
@@ -194,9 +233,15 @@ __device__ void paged_attention_impl(
       T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
       const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* work, int width,     \
       int num_heads, int kv_heads, int head_dim, int block_size, int heads_per_cta,               \
-      int queries_per_cta, int rows_cap, int tile_keys, float scale, int window, long q_stride) {  \
+      int queries_per_cta, int rows_cap, int tile_keys, float scale, int window, long q_stride,   \
+      int split_keys, long total_rows, float* part_acc, float* part_ml) {                         \
     paged_attention_impl<T>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, work,  \
                             width, num_heads, kv_heads, head_dim, block_size, heads_per_cta,      \
-                            queries_per_cta, rows_cap, tile_keys, scale, window, q_stride);       \
+                            queries_per_cta, rows_cap, tile_keys, scale, window, q_stride,        \
+                            split_keys, total_rows, part_acc, part_ml);                           \
+  }                                                                                               \
+  extern "C" __global__ void paged_attention_combine_##NAME(                                      \
+      T* out, const float* part_acc, const float* part_ml, int splits, long total_rows, int D) {  \
+    combine_impl<T>(out, part_acc, part_ml, splits, total_rows, D);                               \
   }
 RSERVE_FOR_DTYPES(PAGED_ATTENTION)

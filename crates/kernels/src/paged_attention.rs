@@ -225,6 +225,40 @@ impl LaunchPlan {
     }
 }
 
+impl LaunchPlan {
+    /// Keys per split for flash-decoding (0: no split): when `work_items` work items give fewer
+    /// than two CTAs per multiprocessor and contexts are long, each CTA takes a slice of at least
+    /// 256 keys (a multiple of the key tile) and a second pass merges the slices.
+    pub fn split_keys(
+        &self,
+        work_items: usize,
+        max_context: usize,
+        multiprocessors: usize,
+    ) -> usize {
+        let ctas = work_items * self.grid_y;
+        if ctas == 0 || ctas >= 2 * multiprocessors || max_context < 512 {
+            return 0;
+        }
+        let want = (2 * multiprocessors).div_ceil(ctas);
+        let splits = want.min(max_context / 256).max(1);
+        if splits < 2 {
+            return 0;
+        }
+        max_context
+            .div_ceil(splits)
+            .next_multiple_of(self.tile_keys)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn multiprocessors(dev: &candle_core::CudaDevice) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    dev.cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_or(132, |n| n.max(1) as usize)
+}
+
 #[cfg(feature = "cuda")]
 impl PagedAttention<'_> {
     fn cuda_run<T>(
@@ -249,6 +283,24 @@ impl PagedAttention<'_> {
         let dev = q.device().clone();
         let mut out = dev.alloc_zeros::<T>(num_tokens * num_heads * d)?;
         let (work, num_work) = self.meta.work_items(plan.queries_per_cta)?;
+        let max_ctx = self.meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
+        let split_keys = plan.split_keys(num_work, max_ctx, multiprocessors(&dev));
+        let splits = if split_keys > 0 {
+            max_ctx.div_ceil(split_keys)
+        } else {
+            1
+        };
+        let total_rows = num_tokens * num_heads;
+        let mut part_acc = dev.alloc_zeros::<f32>(if splits > 1 {
+            splits * total_rows * d
+        } else {
+            1
+        })?;
+        let mut part_ml = dev.alloc_zeros::<f32>(if splits > 1 {
+            splits * total_rows * 2
+        } else {
+            1
+        })?;
         if num_work > 0 {
             let arrays = self.meta.device_arrays()?;
             let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;
@@ -300,15 +352,44 @@ impl PagedAttention<'_> {
             for v in &ints {
                 b.arg(v);
             }
-            b.arg(&self.params.scale).arg(&window).arg(&q_stride);
+            let split_i = if splits > 1 { split_keys as i32 } else { 0 };
+            let rows_i = total_rows as i64;
+            b.arg(&self.params.scale)
+                .arg(&window)
+                .arg(&q_stride)
+                .arg(&split_i)
+                .arg(&rows_i)
+                .arg(&mut part_acc)
+                .arg(&mut part_ml);
             let cfg = LaunchConfig {
-                grid_dim: (num_work as u32, plan.grid_y as u32, 1),
+                grid_dim: (num_work as u32, plan.grid_y as u32, splits as u32),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: plan.shared_bytes as u32,
             };
             // SAFETY: argument order and types match `paged_attention_<dtype>` in
-            // csrc/paged_attention.cu; the metadata was validated against the cache shape.
+            // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
+            // partial buffers hold `splits` rows per (token, head) when split.
             unsafe { b.launch(cfg) }.w()?;
+            if splits > 1 {
+                let name = format!("paged_attention_combine_{}", dtype_suffix(T::DTYPE)?);
+                let combine = function(&dev, &name)?;
+                let mut c = stream.launch_builder(&combine);
+                let (splits_i, d_i) = (splits as i32, d as i32);
+                c.arg(&mut out)
+                    .arg(&part_acc)
+                    .arg(&part_ml)
+                    .arg(&splits_i)
+                    .arg(&rows_i)
+                    .arg(&d_i);
+                let cfg = LaunchConfig {
+                    grid_dim: (total_rows as u32, 1, 1),
+                    block_dim: (d.min(128) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
+                // written by the attention launch above.
+                unsafe { c.launch(cfg) }.w()?;
+            }
         }
         Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)))
     }

@@ -215,6 +215,18 @@ fn rejects_block_outside_cache() -> Result<()> {
 }
 
 #[test]
+fn split_keys_only_when_the_grid_is_small_and_contexts_long() -> Result<()> {
+    use rserve_kernels::paged_attention::LaunchPlan;
+    let plan = LaunchPlan::new(32, 8, 128, 2)?;
+    assert_eq!(plan.split_keys(1, 300, 132), 0, "short context");
+    assert_eq!(plan.split_keys(64, 4000, 132), 0, "enough CTAs already");
+    let k = plan.split_keys(1, 4000, 132);
+    assert!(k >= 256 && k % plan.tile_keys == 0, "{k}");
+    assert!(4000usize.div_ceil(k) <= 264 / 8 + 1);
+    Ok(())
+}
+
+#[test]
 fn rejects_inconsistent_metadata() {
     let dev = Device::Cpu;
     // more queries than context
@@ -326,6 +338,33 @@ mod cuda {
                 last_rows: None,
             },
         )
+    }
+
+    #[test]
+    fn cuda_split_decode_long_contexts() -> Result<()> {
+        // few decode rows over long contexts: the flash-decoding split and merge path
+        let dev = gpu();
+        for (heads, kvh, d, window) in [
+            (32, 8, 128, None),
+            (16, 1, 64, None),
+            (28, 4, 128, Some(1000)),
+        ] {
+            check(
+                &dev,
+                &Case {
+                    dtype: DType::BF16,
+                    heads,
+                    kvh,
+                    d,
+                    bs: 16,
+                    seqs: &[(1, 3000), (1, 700), (1, 3), (1, 1025)],
+                    window,
+                    tol: 2e-2,
+                    last_rows: None,
+                },
+            )?;
+        }
+        Ok(())
     }
 
     #[test]

@@ -66,8 +66,10 @@ mod cuda {
             .collect()
     }
 
-    /// Draws `n` samples of `row` under `s` (seeds 0..n) and compares with the reference.
-    fn check(row: &[f32], s: &RowSampling, n: usize, max_tv: f64) -> Result<()> {
+    /// Draws `n` samples of `row` under `s` (seeds 0..n) and compares with the reference: no draw
+    /// outside the support, and a total variation distance within three times what sampling noise
+    /// alone gives (`E[TV] <= sum_i sqrt(p_i) / sqrt(2 pi n)`), times `slack`.
+    fn check(row: &[f32], s: &RowSampling, n: usize, slack: f64) -> Result<()> {
         let v = row.len();
         let data: Vec<f32> = (0..n).flat_map(|_| row.iter().copied()).collect();
         let logits = Tensor::from_vec(data, (n, v), &gpu())?;
@@ -151,7 +153,7 @@ mod cuda {
             },
         ];
         for s in &cases {
-            check(&row, s, 20000, 0.05)?;
+            check(&row, s, 20000, 1.0)?;
         }
         Ok(())
     }
@@ -211,7 +213,7 @@ mod cuda {
         assert_eq!(got[1].0, argmax(&edited));
         assert_eq!(got[2].0, 77);
         assert!(reference_distribution(&row, &nucleus)[got[3].0 as usize] > 0.0);
-        check(&row, &nucleus, 512, 1.0)?; // support only at this size
+        check(&row, &nucleus, 512, 1e6)?; // support only at this size
         Ok(())
     }
 
