@@ -16,13 +16,13 @@ cuda-binary:
 
 cuda-wheel:
 	$(CUDA_ENV) && python3 -m pip install -q 'maturin>=1.7,<2' && \
-	  maturin build --release --features python,cuda -o target/cuda/wheels
+	  maturin build --release --features python,cuda --auditwheel skip -o target/cuda/wheels
 
 cuda-check:
 	$(CUDA_ENV) && cargo check --workspace --tests --features rserve-server/cuda
 
 gpu-bundle: cuda-binary
-	$(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
+	set -o pipefail && $(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
 	  --test paged_attention --test fused --test sampling --test parity --test batching --message-format=json 2>/dev/null \
 	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 	  >target/cuda/test-binaries.txt

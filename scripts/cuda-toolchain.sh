@@ -3,7 +3,10 @@
 # prepares what the linker needs. Prints the environment to use, e.g.:
 #   eval "$(scripts/cuda-toolchain.sh)"
 # The tree lands in ${RSERVE_CUDA_HOME:-$HOME/.cache/rserve/cuda-13.0}; running it again is a no-op.
+# With --compiler-only, only what nvcc needs to compile crates/kernels/csrc (no libraries, ~250 MB).
 set -euo pipefail
+COMPILER_ONLY=0
+[[ "${1:-}" == "--compiler-only" ]] && COMPILER_ONLY=1
 
 ROOT="${RSERVE_CUDA_HOME:-$HOME/.cache/rserve/cuda-13.0}"
 PY="${PYTHON:-python3}"
@@ -18,15 +21,29 @@ PKGS=(
   nvidia-cublas==13.1.0.3
   nvidia-curand==10.4.0.35
 )
+if ((COMPILER_ONLY)); then
+  PKGS=("${PKGS[@]:0:5}")
+  ROOT="$ROOT-compiler"
+fi
 STAMP="$ROOT/.installed-$(printf '%s\n' "${PKGS[@]}" | sha256sum | cut -c1-16)"
 TREE="$ROOT/site/nvidia/cu13"
+if ((COMPILER_ONLY)) && [[ -f "$STAMP" ]]; then
+  echo "export NVCC='$TREE/bin/nvcc' CUDA_HOME='$TREE'"
+  exit 0
+fi
 
 if [[ ! -f "$STAMP" ]]; then
   echo "installing CUDA 13.0 toolchain into $ROOT" >&2
-  rm -rf "$ROOT/site"
+  rm -rf "$ROOT/site" "$ROOT"/.installed-*
   mkdir -p "$ROOT"
   "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
     --target "$ROOT/site" "${PKGS[@]}" >&2
+  chmod +x "$TREE"/bin/* "$TREE"/nvvm/bin/* 2>/dev/null || true
+  if ((COMPILER_ONLY)); then
+    touch "$STAMP"
+    echo "export NVCC='$TREE/bin/nvcc' CUDA_HOME='$TREE'"
+    exit 0
+  fi
 
   # Unversioned names for the linker (the wheels ship only libfoo.so.N).
   for lib in cudart cublas cublasLt curand nvrtc; do

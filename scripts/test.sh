@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo clippy -p rserve-server --features python --lib -- -D warnings
 
+echo "== CUDA kernels compile (nvcc from PyPI, sm_90a; no GPU needed)"
+scripts/check-cuda-kernels.sh
+
 echo "== cargo test"
 cargo test --workspace
 

@@ -323,13 +323,14 @@ def part_big(a, out: Path) -> None:
         torch.cuda.empty_cache()
         subprocess.run(["sync"])
         srv = Server(
-            a.binary, str(path), a.port, out, "--max-model-len", "4096",
+            a.binary, str(path), a.port, out, "--max-model-len", "9000",
             env={"RUST_LOG": "warn,rserve_core::engine=debug"},
         )
         try:
             rs = teacher_forced_rserve(srv, ids)
             rec = compare(kind, hf, rs)
-            rec.update(part="big-parity", ready_s=srv.ready_s)
+            serving = [ln for ln in srv.log_path.read_text().splitlines() if "rserve: serving" in ln]
+            rec.update(part="big-parity", ready_s=srv.ready_s, startup=serving[-1:] if serving else [])
             emit(out, rec)
             vs_f32 = compare(kind, ref, rs)
             emit(out, {"part": "big-vs-f32", "model": kind,
@@ -345,6 +346,13 @@ def part_big(a, out: Path) -> None:
                     "rserve_b64_output_tok_s": b64["output_throughput"],
                     "rserve_b64_decode_tok_s": 64 * 1000.0 / b64["tpot_ms"]["median"],
                     "hf_eager_b1_decode_tok_s": tps[1], "hf_eager_b64_decode_tok_s": tps[64],
+                })
+                b256 = bench(a, srv, out, 256, 256, 512, 256)
+                long = bench(a, srv, out, 1, 2, 8192, 16)
+                emit(out, {
+                    "part": "big-more", "model": kind,
+                    "c256_output_tok_s": b256["output_throughput"], "c256_ttft_ms": b256["ttft_ms"],
+                    "c256_itl_ms": b256["itl_ms"], "ttft_8192_ms": long["ttft_ms"],
                 })
                 steps = [ln.strip()[-160:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln]
                 emit(out, {"part": "big-steps", "model": kind, "lines": steps[-12:]})

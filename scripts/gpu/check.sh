@@ -2,7 +2,9 @@
 # The whole GPU check-and-measure, run from the repository root on a GPU machine; builds nothing.
 # Needs the bundle that `make gpu-bundle` leaves in target/gpu-bundle (the CUDA rserve binary and the
 # CUDA test binaries), python3 with torch + transformers, and the CUDA 13 runtime libraries.
-#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default: all)
+#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel
+# `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
+# and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
 # Results: $OUT (default /tmp/rserve-gpu) holds each step's log, results.jsonl and summary.txt.
 set -uo pipefail
 BUNDLE=${RSERVE_BUNDLE:-target/gpu-bundle}
@@ -28,14 +30,25 @@ step() {
 }
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 
+# test binaries absent from the bundle are reported as skipped
+test_bin() {
+  local name=$1 bin=$BUNDLE/$2; shift 2
+  if [[ -x "$bin" ]]; then step "$name" "$bin" --test-threads=1 "$@"; else echo "$name: skipped (no $bin)" | tee -a "$OUT/summary.txt"; fi
+}
 if has kernels; then
-  step kernels "$BUNDLE/paged_attention" --test-threads=1
-  step fused "$BUNDLE/fused" --test-threads=1
-  step sampling "$BUNDLE/sampling" --test-threads=1
+  test_bin kernels paged_attention
+  test_bin fused fused
+  test_bin sampling sampling
 fi
 if has parity; then
-  RSERVE_TEST_DEVICE=cuda step parity-f32 "$BUNDLE/parity" --test-threads=1
-  RSERVE_TEST_DEVICE=cuda step batching "$BUNDLE/batching" --test-threads=1
+  RSERVE_TEST_DEVICE=cuda test_bin parity-f32 parity
+  RSERVE_TEST_DEVICE=cuda test_bin batching batching
+fi
+if has wheel; then
+  rm -rf /tmp/rserve-site
+  step wheel-install python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/rserve-site \
+    target/cuda/wheels/*.whl $(ls .whl/*.whl 2>/dev/null)
+  PYTHONPATH=/tmp/rserve-site step wheel python3 scripts/gpu/check_wheel.py
 fi
 py_parts=()
 for p in coldstart tiny batch big; do has $p && py_parts+=("$p"); done

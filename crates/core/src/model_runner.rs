@@ -128,7 +128,13 @@ impl ModelRunner {
         let batch = ForwardBatch {
             input_ids: Tensor::from_vec(input_ids, t, d)?,
             positions: Tensor::from_vec(positions, t, d)?,
-            logits_indices: Tensor::from_vec(logit_idx.clone(), logit_idx.len(), d)?,
+            // a step of prompt chunks only has no logit rows; an empty tensor stays on the host
+            // (a GPU launch over zero elements is an error)
+            logits_indices: if logit_idx.is_empty() {
+                Tensor::zeros(0, candle_core::DType::U32, &Device::Cpu)?
+            } else {
+                Tensor::from_vec(logit_idx.clone(), logit_idx.len(), d)?
+            },
             attn: Arc::new(AttentionMetadata::new(
                 slots, tables, width, seq_lens, qsl, d,
             )?),

@@ -70,6 +70,20 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
 }
 
 #[test]
+fn a_prompt_alone_in_many_chunks_matches_one_pass() {
+    // steps that carry only a prompt chunk produce no logit rows at all
+    let prompt = prompts()
+        .into_iter()
+        .max_by_key(|p| p.len())
+        .expect("prompts");
+    let whole = start("llama3", |_| {});
+    let want = run_alone(&whole, &prompt, &greedy(8));
+    let chunked = start("llama3", |c| c.max_num_batched_tokens = 7);
+    assert_eq!(run_alone(&chunked, &prompt, &greedy(8)), want);
+    assert_sound(&chunked);
+}
+
+#[test]
 fn preemption_under_a_tiny_kv_budget_changes_no_output() {
     let solo = start("llama3", |_| {});
     let want: Vec<Vec<u32>> = prompts()

@@ -369,7 +369,7 @@ mod cuda {
 
     #[test]
     fn cuda_long_prompt_fits() -> Result<()> {
-        // one 8k-token prompt in a single call: no score matrix is materialised
+        // a 32k-token and an 8k-token prompt in a single call: no score matrix is materialised
         check(
             &gpu(),
             &Case {
@@ -378,7 +378,7 @@ mod cuda {
                 kvh: 8,
                 d: 128,
                 bs: 16,
-                seqs: &[(8192, 8192), (1, 4000)],
+                seqs: &[(32768, 32768), (8192, 8192), (1, 4000)],
                 window: None,
                 tol: 2e-2,
                 last_rows: Some(16),

@@ -151,6 +151,14 @@ impl Model for Decoder {
             Some(o) => (o + residual)?,
             None => residual,
         };
+        if batch.logits_indices.dim(0)? == 0 {
+            // prompt chunks only: the cache is written, no logits are wanted
+            return Tensor::zeros(
+                (0, self.cfg.vocab_size),
+                DType::F32,
+                &candle_core::Device::Cpu,
+            );
+        }
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
         x.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)
