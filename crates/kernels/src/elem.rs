@@ -72,19 +72,6 @@ pub fn typed<'a, T: Elem>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&
     Ok(&v[a..b])
 }
 
-/// Reads a small integer tensor (u32 or i64) of any backend into a host vector.
-pub fn host_ints(t: &Tensor, what: &str) -> Result<Vec<i64>> {
-    let t = t.flatten_all()?;
-    match t.dtype() {
-        DType::U32 => Ok(t.to_vec1::<u32>()?.into_iter().map(i64::from).collect()),
-        DType::I64 => t.to_vec1::<i64>(),
-        DType::I32 => Ok(t.to_vec1::<i32>()?.into_iter().map(i64::from).collect()),
-        dt => Err(candle_core::Error::Msg(format!(
-            "{what}: expected an integer tensor, got {dt:?}"
-        ))),
-    }
-}
-
 /// Runs `f` on the CPU storage of `t`, failing for other backends.
 pub fn with_cpu<R>(
     t: &Tensor,
