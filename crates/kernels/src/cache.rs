@@ -173,10 +173,7 @@ pub fn reshape_and_cache(
             k_cache.shape()
         );
     }
-    let total = (cd.0 * cd.1) as i64;
-    if let Some(&bad) = meta.slots.iter().find(|&&s| s >= total) {
-        candle_core::bail!("slot {bad} outside the cache ({total} slots)");
-    }
+    meta.check_slots(cd.0 * cd.1)?;
     let op = WriteSlots { meta };
     k_cache.inplace_op2(&for_kernel(key)?, &op)?;
     v_cache.inplace_op2(&for_kernel(value)?, &op)

@@ -178,20 +178,12 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
-    use crate::cuda::{cuda_slice, dtype_suffix, function};
+    use crate::cuda::{cuda_slice, dtype_suffix, function, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
     use half::{bf16, f16};
-
-    fn contiguous<'a, T: CudaDType>(
-        s: &'a CudaStorage,
-        l: &Layout,
-        what: &str,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-        crate::cuda::view::<T>(s, l, what)
-    }
 
     macro_rules! by_dtype {
         ($dt:expr, $f:ident, $($arg:expr),*) => {
@@ -213,7 +205,7 @@ mod cuda {
         let (t, two_i) = (l.dims()[0], l.dims()[1]);
         let inter = two_i / 2;
         let dev = s.device().clone();
-        let input = contiguous::<T>(s, l, "gate_up")?;
+        let input = view::<T>(s, l, "gate_up")?;
         // SAFETY: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(t * inter) }?;
         let n = (t * inter) as i64;
@@ -264,9 +256,9 @@ mod cuda {
     ) -> Result<(CudaStorage, Shape)> {
         let (t, h) = (x.1.dims()[0], x.1.dims()[1]);
         let dev = x.0.device().clone();
-        let xv = contiguous::<T>(x.0, x.1, "x")?;
-        let rv = contiguous::<T>(r.0, r.1, "residual")?;
-        let wv = contiguous::<T>(w.0, w.1, "weight")?;
+        let xv = view::<T>(x.0, x.1, "x")?;
+        let rv = view::<T>(r.0, r.1, "residual")?;
+        let wv = view::<T>(w.0, w.1, "weight")?;
         // SAFETY: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(2 * t * h) }?;
         if t > 0 {

@@ -22,6 +22,9 @@ pub struct AttentionMetadata {
     dev: Option<DeviceArrays>,
     /// Work lists of the GPU attention kernel, by tokens per work item (at most a few per step).
     work: Mutex<Vec<(usize, Tensor)>>,
+    /// The cache geometry (blocks, block size) these arrays were last checked against: every
+    /// layer's cache has the same one, so the check runs once per step, not once per layer.
+    checked: Mutex<Option<(usize, usize)>>,
 }
 
 #[derive(Debug)]
@@ -85,6 +88,7 @@ impl AttentionMetadata {
             device: device.clone(),
             dev,
             work: Mutex::new(Vec::new()),
+            checked: Mutex::new(None),
         })
     }
 
@@ -107,13 +111,26 @@ impl AttentionMetadata {
             .ok_or_else(|| candle_core::Error::Msg("attention metadata lives on the CPU".into()))
     }
 
-    /// Checks that every block a query needs is in the table and inside a cache of `num_blocks`
-    /// blocks of `block_size`, and that every slot is inside the cache.
-    pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
-        let total = (num_blocks * block_size) as i64;
+    /// Checks that every slot is inside a cache of `total_slots` slots (negative slots are skipped).
+    pub fn check_slots(&self, total_slots: usize) -> Result<()> {
+        let total = total_slots as i64;
         if let Some(&bad) = self.slots.iter().find(|&&s| s >= total) {
             candle_core::bail!("slot {bad} outside the cache ({total} slots)");
         }
+        Ok(())
+    }
+
+    /// Checks that every block a query needs is in the table and inside a cache of `num_blocks`
+    /// blocks of `block_size`, and that every slot is inside the cache.
+    pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
+        let mut checked = self
+            .checked
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("metadata check lock poisoned".into()))?;
+        if *checked == Some((num_blocks, block_size)) {
+            return Ok(());
+        }
+        self.check_slots(num_blocks * block_size)?;
         for (s, &ctx) in self.seq_lens.iter().enumerate() {
             let needed = (ctx as usize).div_ceil(block_size);
             if needed > self.width {
@@ -127,6 +144,7 @@ impl AttentionMetadata {
                 candle_core::bail!("block id {b} outside the cache ({num_blocks} blocks)");
             }
         }
+        *checked = Some((num_blocks, block_size));
         Ok(())
     }
 
