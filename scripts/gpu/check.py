@@ -42,14 +42,16 @@ class Server:
     """`rserve serve` on a port; stopped with SIGTERM."""
 
     def __init__(
-        self, binary: Path, model: str, port: int, out: Path, *extra: str, env: dict | None = None
+        self, binary: Path, model: str, port: int, out: Path, *extra: str, env: dict | None = None,
+        prefix: list[str] | None = None, tag: str = "",
     ) -> None:
         self.port = port
+        self.wrapped = bool(prefix)
         self.url = f"http://127.0.0.1:{port}"
-        self.log_path = out / f"server-{port}-{Path(model).name}.log"
+        self.log_path = out / f"server-{port}-{Path(model).name}{tag}.log"
         self.t0 = time.time()
         self.proc = subprocess.Popen(
-            [str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra],
+            [*(prefix or []), str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra],
             stdout=open(self.log_path, "w"),
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -81,11 +83,16 @@ class Server:
             return json.loads(r.read())["data"][0]["id"]
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
+        if self.wrapped:
+            # the profiler writes its report when the server (its child) exits
+            subprocess.run(["pkill", "-TERM", "-x", "rserve"])
+        else:
+            self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(30)
+            self.proc.wait(300 if self.wrapped else 30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        subprocess.run(["pkill", "-KILL", "-x", "rserve"])
 
 
 def teacher_forced_rserve(srv: Server, ids: list[int]) -> tuple[list[float], list[int]]:
@@ -246,6 +253,16 @@ def make_big(kind: str, root: Path):
             bos_token_id=1, eos_token_id=2,
         )
         cls = LlamaForCausalLM
+    elif kind == "llama-3.2-1b":
+        cfg = LlamaConfig(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            bos_token_id=1, eos_token_id=2,
+        )
+        cls = LlamaForCausalLM
     else:
         cfg = Qwen2Config(
             vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -361,6 +378,138 @@ def part_big(a, out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def ncu_summary(csv_path: Path, steps: int) -> dict:
+    """Per-kernel device time from an `ncu --csv` log: totals per kernel name, per profiled step."""
+    import csv
+
+    lines = csv_path.read_text(errors="replace").splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        return {"error": "no ncu rows", "tail": lines[-20:]}
+    kernels: dict[str, dict] = {}
+    launches = set()
+    for row in csv.DictReader(lines[start:]):
+        name = row["Kernel Name"][:90]
+        k = kernels.setdefault(name, {"us": 0.0, "n": 0, "read_mb": 0.0, "write_mb": 0.0})
+        v = float(row["Metric Value"].replace(",", "") or 0)
+        unit = row["Metric Unit"]
+        m = row["Metric Name"]
+        if m == "gpu__time_duration.sum":
+            k["us"] += v / 1000 if unit == "nsecond" else v * (1000 if unit == "msecond" else 1)
+            k["n"] += 1
+            launches.add(row["ID"])
+        elif m.startswith("dram__bytes"):
+            scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1, "Gbyte": 1e3}.get(unit, 1e-6)
+            k["read_mb" if "read" in m else "write_mb"] += v * scale
+    total = sum(k["us"] for k in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:25]
+    return {
+        "steps": steps, "launches": len(launches), "device_us_per_step": total / steps,
+        "top": [{"kernel": n, "us_per_step": round(k["us"] / steps, 1), "launches_per_step": k["n"] / steps,
+                 "mb_per_step": round((k["read_mb"] + k["write_mb"]) / steps, 1),
+                 "gb_s": round((k["read_mb"] + k["write_mb"]) / max(k["us"], 1e-9) * 1e-3 * 1e6, 0)}
+                for n, k in top],
+    }
+
+
+def part_profile(a, out: Path) -> None:
+    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt."""
+    import torch
+
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    root = Path(a.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    kind = a.big.split(",")[0]
+    model, path = make_big(kind, root)
+    del model
+    torch.cuda.empty_cache()
+    subprocess.run(["sync"])
+    scenarios = [("b1", 1, 2, 512, 256, 150, 2), ("b64", 64, 64, 512, 256, 200, 1),
+                 ("p8k", 1, 1, 8192, 2, 0, 4)]
+    for tag, conc, prompts, inp, outp, start, count in scenarios:
+        csv_path = out / f"ncu-{tag}.csv"
+        prefix = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
+                  "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
+                  "--csv", "--log-file", str(csv_path)]
+        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", prefix=prefix, tag=f"-ncu-{tag}",
+                     env={"RSERVE_CUDA_PROFILE_STEPS": f"{start}:{count}"})
+        try:
+            r = bench(a, srv, out, conc, prompts, inp, outp)
+        finally:
+            srv.stop()
+        emit(out, {"part": "profile", "model": kind, "scenario": tag, **ncu_summary(csv_path, count),
+                   "bench_tpot_ms": r.get("tpot_ms"), "bench_ttft_ms": r.get("ttft_ms")})
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def part_speed(a, out: Path) -> None:
+    """Serving figures without the transformers side: batch 1 and 64 decode, 256 concurrent
+    requests, an 8k prompt's TTFT, and (with `sweep` in --speed) the concurrency sweep; for each
+    model shape in --big."""
+    import torch
+
+    root = Path(a.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    want = a.speed.split(",")
+    for kind in a.big.split(","):
+        model, path = make_big(kind, root)
+        rec: dict = {"part": "speed", "model": kind}
+        if "hf" in want:
+            # transformers eager generate in the same run, the side-by-side peer
+            rec["hf_eager_b1_decode_tok_s"] = hf_generate_tps(model, 1, 512, 256)
+            if "b64" in want:
+                rec["hf_eager_b64_decode_tok_s"] = hf_generate_tps(model, 64, 512, 256)
+            log(kind, rec)
+        del model
+        torch.cuda.empty_cache()
+        subprocess.run(["sync"])
+        if "gemv8" in want:
+            # the same batch-1 figure with the weight-streaming kernel's other loop depth
+            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", tag="-gemv8",
+                         env={"RSERVE_GEMV_STEPS": "8"})
+            try:
+                rec["b1_decode_tok_s_gemv8"] = 1000.0 / bench(a, srv, out, 1, 4, 512, 256)["tpot_ms"]["median"]
+            finally:
+                srv.stop()
+        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
+                     env={"RUST_LOG": "warn,rserve_core::engine=debug"})
+        rec["ready_s"] = srv.ready_s
+        try:
+            if "b1" in want:
+                b1 = bench(a, srv, out, 1, 4, 512, 256)
+                rec["b1_decode_tok_s"] = 1000.0 / b1["tpot_ms"]["median"]
+                rec["b1_tpot_ms"] = b1["tpot_ms"]
+                rec["b1_ttft_ms"] = b1["ttft_ms"]["median"]
+            if "b64" in want:
+                b64 = bench(a, srv, out, 64, 128, 512, 256)
+                rec["b64_decode_tok_s"] = 64 * 1000.0 / b64["tpot_ms"]["median"]
+                rec["b64_output_tok_s"] = b64["output_throughput"]
+            if "c256" in want:
+                c = bench(a, srv, out, 256, 256, 512, 256)
+                rec.update(c256_output_tok_s=c["output_throughput"], c256_ttft_ms=c["ttft_ms"],
+                           c256_itl_ms=c["itl_ms"])
+            if "p8k" in want:
+                long = bench(a, srv, out, 1, 2, 8192, 16)
+                rec["ttft_8192_ms"] = long["ttft_ms"]
+            if "sweep" in want:
+                rec["sweep"] = {}
+                for conc in (1, 8, 32, 64, 128, 256):
+                    r = bench(a, srv, out, conc, max(2 * conc, 8), 1024, 256)
+                    rec["sweep"][conc] = {
+                        "output_tok_s": round(r["output_throughput"], 1),
+                        "ttft_ms_p50": round(r["ttft_ms"]["median"], 1), "ttft_ms_p99": round(r["ttft_ms"]["p99"], 1),
+                        "itl_ms_p50": round(r["itl_ms"]["median"], 2), "itl_ms_p99": round(r["itl_ms"]["p99"], 2),
+                    }
+                    log(kind, conc, rec["sweep"][conc])
+        except Exception as e:  # keep what was measured
+            rec["error"] = repr(e)[-2000:]
+        finally:
+            srv.stop()
+        rec["steps"] = [ln.strip()[-130:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln][-8:]
+        emit(out, rec)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def part_coldstart(a, out: Path) -> None:
     d = FIXTURES / "models" / "llama3"
     cache = Path(os.environ.get("CUDA_CACHE_PATH", "/tmp/rserve-cuda-cache"))
@@ -384,10 +533,12 @@ def main() -> None:
     p.add_argument("--parts", default="coldstart,tiny,batch,big")
     p.add_argument("--big", default="llama-3.1-8b,qwen2.5-7b")
     p.add_argument("--scratch", default="/tmp/rserve-big")
+    p.add_argument("--speed", default=os.environ.get("RSERVE_SPEED", "b1,b64,c256,p8k"))
     p.add_argument("--port", type=int, default=8011)
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart}
+    parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
+             "profile": part_profile, "speed": part_speed}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

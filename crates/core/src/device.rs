@@ -135,6 +135,22 @@ pub mod gpu {
         })
     }
 
+    /// Starts or stops the profiler's collection (`ncu --profile-from-start off` then sees only
+    /// the work issued in between).
+    pub fn profiler(dev: &CudaDevice, on: bool) -> Result<(), String> {
+        let stream = dev.cuda_stream();
+        stream.synchronize().map_err(|e| e.to_string())?;
+        // SAFETY: plain driver calls on the current context.
+        let r = unsafe {
+            if on {
+                sys::cuProfilerStart()
+            } else {
+                sys::cuProfilerStop()
+            }
+        };
+        check(r, "cuProfilerStart/Stop")
+    }
+
     /// Starts a new high-water mark of pool use.
     pub fn reset_peak(dev: &CudaDevice) -> Result<(), String> {
         set_pool_attr(

@@ -67,6 +67,51 @@ pub struct Engine {
     next_seq: u64,
     seed_rng: SeqRng,
     timing: StepTiming,
+    profile: StepProfile,
+}
+
+/// `RSERVE_CUDA_PROFILE_STEPS=START:COUNT` brackets engine steps START..START+COUNT with the CUDA
+/// profiler's start and stop, so `ncu --profile-from-start off` sees exactly those steps.
+#[derive(Debug, Default)]
+struct StepProfile {
+    step: u64,
+    range: Option<(u64, u64)>,
+}
+
+impl StepProfile {
+    fn from_env() -> Self {
+        let range = std::env::var("RSERVE_CUDA_PROFILE_STEPS")
+            .ok()
+            .and_then(|v| {
+                let (a, b) = v.split_once(':')?;
+                Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+            });
+        Self { step: 0, range }
+    }
+
+    /// Called before each step with the device; switches the profiler at the range's edges.
+    fn tick(&mut self, device: &Device) {
+        let Some((start, count)) = self.range else {
+            return;
+        };
+        let on = if self.step == start {
+            true
+        } else if self.step == start + count {
+            false
+        } else {
+            self.step += 1;
+            return;
+        };
+        self.step += 1;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            if let Err(e) = crate::device::gpu::profiler(d, on) {
+                tracing::warn!("{e}");
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (device, on);
+    }
 }
 
 /// Where a step's time goes, averaged and logged at debug level every 200 steps: host work up to
@@ -298,6 +343,7 @@ impl Engine {
             next_seq: 0,
             seed_rng: SeqRng::new(cfg.seed),
             timing: StepTiming::default(),
+            profile: StepProfile::from_env(),
         };
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -460,6 +506,7 @@ impl Engine {
     }
 
     fn step(&mut self) {
+        self.profile.tick(self.runner.device());
         let started = Instant::now();
         self.step_inner();
         self.timing.finish(started);

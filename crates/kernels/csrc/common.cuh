@@ -25,6 +25,38 @@ template <> __device__ __forceinline__ float2 load2<__half>(const __half* p) {
   return __half22float2(*reinterpret_cast<const __half2*>(p));
 }
 
+// The elements of a 16-byte vector (eight 16-bit or four f32) as floats.
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+  static constexpr int N = 4;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+};
+template <typename H, typename H2, float2 (*CVT)(H2)> struct Vec16Half {
+  static constexpr int N = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = CVT(*reinterpret_cast<const H2*>(&w[i]));
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+__device__ __forceinline__ float2 rserve_bf162_to_f2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 rserve_h2_to_f2(__half2 x) { return __half22float2(x); }
+template <> struct Vec16<__nv_bfloat16>
+    : Vec16Half<__nv_bfloat16, __nv_bfloat162, rserve_bf162_to_f2> {};
+template <> struct Vec16<__half> : Vec16Half<__half, __half2, rserve_h2_to_f2> {};
+
+// Loads 16 bytes at p (16-byte aligned) as floats.
+template <typename T> __device__ __forceinline__ void load16(const T* p, float* f) {
+  Vec16<T>::unpack(*reinterpret_cast<const uint4*>(p), f);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -19,11 +19,13 @@ pub mod cache;
 pub mod cuda;
 pub mod elem;
 pub mod fused;
+pub mod gemv;
 pub mod metadata;
 pub mod paged_attention;
 pub mod sampling;
 
 pub use cache::{copy_blocks, reshape_and_cache};
 pub use fused::{add_rms_norm, rotary_qk_, silu_and_mul};
+pub use gemv::linear_rows;
 pub use metadata::AttentionMetadata;
 pub use paged_attention::{paged_attention, reference_attention, PagedAttentionParams};

@@ -20,8 +20,9 @@ pub struct AttentionMetadata {
     device: Device,
     /// The arrays above on `device` (only for non-CPU devices).
     dev: Option<DeviceArrays>,
-    /// Work lists of the GPU attention kernel, by tokens per work item (at most a few per step).
-    work: Mutex<Vec<(usize, Tensor)>>,
+    /// Work lists of the GPU attention kernels, by (tokens per work item, least query tokens of a
+    /// listed sequence): at most a few per step.
+    work: Mutex<Vec<((usize, usize), Tensor)>>,
     /// The cache geometry (blocks, block size) these arrays were last checked against: every
     /// layer's cache has the same one, so the check runs once per step, not once per layer.
     checked: Mutex<Option<(usize, usize)>>,
@@ -148,28 +149,83 @@ impl AttentionMetadata {
         Ok(())
     }
 
-    /// `[num_work, 2]` u32 (sequence, first query index) covering every query token in runs of at
-    /// most `per_item`; built on first use for each `per_item` and kept for the rest of the step.
+    /// Query tokens of sequence `s` in this step.
+    pub fn query_len(&self, s: usize) -> usize {
+        (self.query_start_loc[s + 1] - self.query_start_loc[s]) as usize
+    }
+
+    /// Sequences with exactly one query token (decode rows).
+    pub fn decode_count(&self) -> usize {
+        (0..self.num_seqs())
+            .filter(|&s| self.query_len(s) == 1)
+            .count()
+    }
+
+    /// `[num_work, 2]` u32 (sequence, first query index) covering, in runs of at most `per_item`,
+    /// the query tokens of every sequence with at least `min_len` of them; built on first use for
+    /// each pair and kept for the rest of the step.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn work_items(&self, per_item: usize) -> Result<(Tensor, usize)> {
+    pub(crate) fn work_items(&self, per_item: usize, min_len: usize) -> Result<(Tensor, usize)> {
+        self.cached_list((per_item, min_len), |items| {
+            // (keys seen by the item's last query, sequence, start): the longest items go first so
+            // the launch does not end on a tail of them
+            let mut list = Vec::new();
+            for s in 0..self.num_seqs() {
+                let q_len = self.query_len(s);
+                if q_len < min_len {
+                    continue;
+                }
+                let first_pos = self.seq_lens[s] as usize - q_len;
+                for start in (0..q_len).step_by(per_item.max(1)) {
+                    let last = first_pos + (start + per_item).min(q_len);
+                    list.push((last, s as u32, start as u32));
+                }
+            }
+            list.sort_unstable_by_key(|item| std::cmp::Reverse(item.0));
+            for (_, s, start) in list {
+                items.push(s);
+                items.push(start);
+            }
+            2
+        })
+    }
+
+    /// `[num_decode]` u32: the sequences with exactly one query token.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn decode_seqs(&self) -> Result<(Tensor, usize)> {
+        self.cached_list((0, 0), |items| {
+            items.extend(
+                (0..self.num_seqs())
+                    .filter(|&s| self.query_len(s) == 1)
+                    .map(|s| s as u32),
+            );
+            1
+        })
+    }
+
+    /// A u32 list of rows of `cols` entries made by `build` on `key`'s first use in this step.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn cached_list(
+        &self,
+        key: (usize, usize),
+        build: impl FnOnce(&mut Vec<u32>) -> usize,
+    ) -> Result<(Tensor, usize)> {
         let mut cache = self
             .work
             .lock()
             .map_err(|_| candle_core::Error::Msg("work list lock poisoned".into()))?;
-        if let Some((_, t)) = cache.iter().find(|(k, _)| *k == per_item) {
+        if let Some((_, t)) = cache.iter().find(|(k, _)| *k == key) {
             return Ok((t.clone(), t.dim(0)?));
         }
         let mut items = Vec::new();
-        for s in 0..self.num_seqs() {
-            let q_len = (self.query_start_loc[s + 1] - self.query_start_loc[s]) as usize;
-            for start in (0..q_len).step_by(per_item.max(1)) {
-                items.push(s as u32);
-                items.push(start as u32);
-            }
-        }
-        let count = items.len() / 2;
-        let t = Tensor::from_vec(items, (count, 2), &self.device)?;
-        cache.push((per_item, t.clone()));
+        let cols = build(&mut items);
+        let count = items.len() / cols;
+        let t = if cols == 1 {
+            Tensor::from_vec(items, count, &self.device)?
+        } else {
+            Tensor::from_vec(items, (count, cols), &self.device)?
+        };
+        cache.push((key, t.clone()));
         Ok((t, count))
     }
 }

@@ -250,13 +250,45 @@ impl LaunchPlan {
     }
 }
 
+/// Keys per split of the decode kernel (0: no split): when `ctas` (sequence, KV head) pairs fill
+/// fewer than two CTAs per multiprocessor, contexts are cut into slices of at least 64 keys so
+/// the grid does; a second pass merges the slices.
+pub fn decode_split_keys(ctas: usize, max_context: usize, multiprocessors: usize) -> usize {
+    if ctas == 0 || ctas >= 2 * multiprocessors || max_context < 128 {
+        return 0;
+    }
+    let splits = (2 * multiprocessors).div_ceil(ctas).min(max_context / 64);
+    if splits < 2 {
+        return 0;
+    }
+    max_context.div_ceil(splits).next_multiple_of(16)
+}
+
+/// Query heads per KV head the decode kernel is instantiated for (the group rounded up), if any.
+pub fn decode_group_bucket(group: usize) -> Option<usize> {
+    [1, 4, 8, 16].into_iter().find(|&g| group <= g)
+}
+
+/// Head dims of the tensor-core prompt kernel (16-bit types only).
+pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Dynamic shared memory of the tensor-core prompt kernel (see `csrc/prefill.cu`): two stages of
+/// a K and a V tile of `4096 / head_dim` keys, rows padded by eight 16-bit elements.
+pub fn prefill_shared_bytes(head_dim: usize) -> usize {
+    32768 * (head_dim + 8) / head_dim
+}
+
 #[cfg(feature = "cuda")]
 fn multiprocessors(dev: &candle_core::CudaDevice) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    dev.cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_or(132, |n| n.max(1) as usize)
+    use std::sync::OnceLock;
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    *COUNT.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
 }
 
 #[cfg(feature = "cuda")]
@@ -279,68 +311,109 @@ impl PagedAttention<'_> {
         let dims = ql.dims();
         let (num_tokens, num_heads, d) = (dims[0], dims[1], dims[2]);
         let (_, bs, kvh, _) = self.k_cache.dims4()?;
-        let plan = LaunchPlan::new(num_heads, kvh, d, std::mem::size_of::<T>())?;
+        let elem = std::mem::size_of::<T>();
+        let group = num_heads / kvh;
         let dev = q.device().clone();
-        let mut out = dev.alloc_zeros::<T>(num_tokens * num_heads * d)?;
-        let (work, num_work) = self.meta.work_items(plan.queries_per_cta)?;
-        let max_ctx = self.meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
-        let split_keys = plan.split_keys(num_work, max_ctx, multiprocessors(&dev));
-        let splits = if split_keys > 0 {
-            max_ctx.div_ceil(split_keys)
-        } else {
-            1
-        };
+        let suffix = dtype_suffix(T::DTYPE)?;
         let total_rows = num_tokens * num_heads;
-        let mut part_acc = dev.alloc_zeros::<f32>(if splits > 1 {
-            splits * total_rows * d
+        // SAFETY: every (token, head) row is written below: decode rows by the decode kernel (or
+        // its merge), the other rows by a prompt kernel's work items, which cover every token.
+        let mut out = unsafe { dev.alloc::<T>(total_rows * d) }?;
+        if total_rows == 0 {
+            return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
+        }
+        let max_ctx = self.meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
+        let num_seqs = self.meta.num_seqs();
+        let decode_bucket = decode_group_bucket(group).filter(|_| (d * elem) % 16 == 0);
+        let n_dec = if decode_bucket.is_some() {
+            self.meta.decode_count()
         } else {
-            1
-        })?;
-        let mut part_ml = dev.alloc_zeros::<f32>(if splits > 1 {
-            splits * total_rows * 2
-        } else {
-            1
-        })?;
-        if num_work > 0 {
-            let arrays = self.meta.device_arrays()?;
-            let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;
-            let (kg, kl) = self.k_cache.storage_and_layout();
-            let (vg, vl) = self.v_cache.storage_and_layout();
-            if !(kl.is_contiguous() && vl.is_contiguous())
-                || kl.start_offset() != 0
-                || vl.start_offset() != 0
-            {
-                candle_core::bail!("paged_attention: caches must be whole contiguous tensors");
+            0
+        };
+        let q_start = ql.start_offset();
+        let tensor_core = elem == 2
+            && PREFILL_HEAD_DIMS.contains(&d)
+            && group <= 64
+            && bs.is_power_of_two()
+            && q_start % 8 == 0
+            && ql.stride()[0] % 8 == 0;
+
+        let arrays = self.meta.device_arrays()?;
+        let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;
+        let (kg, kl) = self.k_cache.storage_and_layout();
+        let (vg, vl) = self.v_cache.storage_and_layout();
+        if !(kl.is_contiguous() && vl.is_contiguous())
+            || kl.start_offset() != 0
+            || vl.start_offset() != 0
+        {
+            candle_core::bail!("paged_attention: caches must be whole contiguous tensors");
+        }
+        let (tg, _) = arrays.block_tables.storage_and_layout();
+        let (lg, _) = arrays.seq_lens.storage_and_layout();
+        let (sg, _) = arrays.query_start_loc.storage_and_layout();
+        let kc = cuda_slice::<T>(&kg, "k_cache")?;
+        let vc = cuda_slice::<T>(&vg, "v_cache")?;
+        let tables = cuda_slice::<u32>(&tg, "block_tables")?;
+        let lens = cuda_slice::<u32>(&lg, "seq_lens")?;
+        let starts = cuda_slice::<u32>(&sg, "query_start_loc")?;
+        let stream = dev.cuda_stream();
+        let window = self.params.sliding_window.map_or(0, |w| w as i32);
+        let rows_i = total_rows as i64;
+        let ints = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
+        let sms = multiprocessors(&dev);
+
+        // split partials (flash-decoding), shared by the decode and the generic kernel's split
+        let merge = |out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+                     part_acc: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+                     part_ml: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+                     splits: usize|
+         -> Result<()> {
+            if splits > 512 {
+                candle_core::bail!("paged_attention: {splits} key splits (the merge takes 512)");
             }
-            let (tg, _) = arrays.block_tables.storage_and_layout();
-            let (lg, _) = arrays.seq_lens.storage_and_layout();
-            let (sg, _) = arrays.query_start_loc.storage_and_layout();
-            let (wg, _) = work.storage_and_layout();
-            let kc = cuda_slice::<T>(&kg, "k_cache")?;
-            let vc = cuda_slice::<T>(&vg, "v_cache")?;
-            let tables = cuda_slice::<u32>(&tg, "block_tables")?;
-            let lens = cuda_slice::<u32>(&lg, "seq_lens")?;
-            let starts = cuda_slice::<u32>(&sg, "query_start_loc")?;
-            let items = cuda_slice::<u32>(&wg, "work")?;
-            let func = function(
-                &dev,
-                &format!("paged_attention_{}", dtype_suffix(T::DTYPE)?),
-            )?;
-            let stream = dev.cuda_stream();
+            let combine = function(&dev, &format!("paged_attention_combine_{suffix}"))?;
+            let mut c = stream.launch_builder(&combine);
+            let (splits_i, d_i) = (splits as i32, d as i32);
+            c.arg(out)
+                .arg(part_acc)
+                .arg(part_ml)
+                .arg(&splits_i)
+                .arg(&rows_i)
+                .arg(&d_i);
+            let cfg = LaunchConfig {
+                grid_dim: (total_rows as u32, 1, 1),
+                block_dim: (d.min(128) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
+            // written by the split launch before it.
+            unsafe { c.launch(cfg) }.w()?;
+            Ok(())
+        };
+        let partials = |splits: usize| -> Result<_> {
+            let n = if splits > 1 { splits * total_rows } else { 1 };
+            // SAFETY: the split kernels write every (split, row) entry the merge reads
+            Ok(unsafe { (dev.alloc::<f32>(n * d)?, dev.alloc::<f32>(n * 2)?) })
+        };
+
+        if let (Some(g), true) = (decode_bucket, n_dec > 0) {
+            let (seqs, _) = self.meta.decode_seqs()?;
+            let (seqs_g, _) = seqs.storage_and_layout();
+            let seqs_s = cuda_slice::<u32>(&seqs_g, "decode sequences")?;
+            // only a decode-only step splits: the merge rewrites every row of the step
+            let split_keys = if n_dec == num_seqs {
+                decode_split_keys(n_dec * kvh, max_ctx, sms)
+            } else {
+                0
+            };
+            let splits = if split_keys > 0 {
+                max_ctx.div_ceil(split_keys)
+            } else {
+                1
+            };
+            let (mut part_acc, mut part_ml) = partials(splits)?;
+            let func = function(&dev, &format!("paged_decode_g{g}_{suffix}"))?;
             let mut b = stream.launch_builder(&func);
-            let ints = [
-                self.meta.width,
-                num_heads,
-                kvh,
-                d,
-                bs,
-                plan.heads_per_cta,
-                plan.queries_per_cta,
-                plan.rows_cap,
-                plan.tile_keys,
-            ]
-            .map(|v| v as i32);
-            let window = self.params.sliding_window.map_or(0, |w| w as i32);
             b.arg(&mut out)
                 .arg(&q_view)
                 .arg(kc)
@@ -348,12 +421,12 @@ impl PagedAttention<'_> {
                 .arg(tables)
                 .arg(lens)
                 .arg(starts)
-                .arg(items);
-            for v in &ints {
+                .arg(seqs_s);
+            let iv = ints(&[self.meta.width, num_heads, kvh, d, bs]);
+            for v in &iv {
                 b.arg(v);
             }
             let split_i = if splits > 1 { split_keys as i32 } else { 0 };
-            let rows_i = total_rows as i64;
             b.arg(&self.params.scale)
                 .arg(&window)
                 .arg(&q_stride)
@@ -362,34 +435,110 @@ impl PagedAttention<'_> {
                 .arg(&mut part_acc)
                 .arg(&mut part_ml);
             let cfg = LaunchConfig {
-                grid_dim: (num_work as u32, plan.grid_y as u32, splits as u32),
+                grid_dim: (n_dec as u32, kvh as u32, splits as u32),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: plan.shared_bytes as u32,
+                shared_mem_bytes: (4 * (g * d + g * 256 + 3 * g + 256)) as u32,
             };
-            // SAFETY: argument order and types match `paged_attention_<dtype>` in
-            // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
-            // partial buffers hold `splits` rows per (token, head) when split.
+            // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` in
+            // csrc/decode.cu; the group fits G, rows are 16-byte multiples, metadata validated.
             unsafe { b.launch(cfg) }.w()?;
             if splits > 1 {
-                let name = format!("paged_attention_combine_{}", dtype_suffix(T::DTYPE)?);
-                let combine = function(&dev, &name)?;
-                let mut c = stream.launch_builder(&combine);
-                let (splits_i, d_i) = (splits as i32, d as i32);
-                c.arg(&mut out)
-                    .arg(&part_acc)
-                    .arg(&part_ml)
-                    .arg(&splits_i)
-                    .arg(&rows_i)
-                    .arg(&d_i);
-                let cfg = LaunchConfig {
-                    grid_dim: (total_rows as u32, 1, 1),
-                    block_dim: (d.min(128) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
-                // written by the attention launch above.
-                unsafe { c.launch(cfg) }.w()?;
+                merge(&mut out, &part_acc, &part_ml, splits)?;
             }
+        }
+        if n_dec == num_seqs {
+            return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
+        }
+        // prompt tokens (and, without the decode kernel, decode tokens too)
+        let min_len = if decode_bucket.is_some() { 2 } else { 1 };
+        if tensor_core {
+            let per = (64 / group).max(1);
+            let (work, num_work) = self.meta.work_items(per, min_len)?;
+            let (wg, _) = work.storage_and_layout();
+            let items = cuda_slice::<u32>(&wg, "work")?;
+            let func = function(&dev, &format!("paged_prefill_d{d}_{suffix}"))?;
+            let mut b = stream.launch_builder(&func);
+            b.arg(&mut out)
+                .arg(&q_view)
+                .arg(kc)
+                .arg(vc)
+                .arg(tables)
+                .arg(lens)
+                .arg(starts)
+                .arg(items);
+            let iv = ints(&[self.meta.width, num_heads, kvh, bs, per]);
+            for v in &iv {
+                b.arg(v);
+            }
+            b.arg(&self.params.scale).arg(&window).arg(&q_stride);
+            let cfg = LaunchConfig {
+                grid_dim: (num_work as u32, kvh as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: prefill_shared_bytes(d) as u32,
+            };
+            // SAFETY: argument order and types match `paged_prefill_d<D>_<dtype>` in
+            // csrc/prefill.cu; 64 / group queries per item keep a CTA within 64 rows.
+            unsafe { b.launch(cfg) }.w()?;
+            return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
+        }
+        let plan = LaunchPlan::new(num_heads, kvh, d, elem)?;
+        let (work, num_work) = self.meta.work_items(plan.queries_per_cta, min_len)?;
+        let split_keys = if decode_bucket.is_none() {
+            plan.split_keys(num_work, max_ctx, sms)
+        } else {
+            0
+        };
+        let splits = if split_keys > 0 {
+            max_ctx.div_ceil(split_keys)
+        } else {
+            1
+        };
+        let (mut part_acc, mut part_ml) = partials(splits)?;
+        let (wg, _) = work.storage_and_layout();
+        let items = cuda_slice::<u32>(&wg, "work")?;
+        let func = function(&dev, &format!("paged_attention_{suffix}"))?;
+        let mut b = stream.launch_builder(&func);
+        b.arg(&mut out)
+            .arg(&q_view)
+            .arg(kc)
+            .arg(vc)
+            .arg(tables)
+            .arg(lens)
+            .arg(starts)
+            .arg(items);
+        let iv = ints(&[
+            self.meta.width,
+            num_heads,
+            kvh,
+            d,
+            bs,
+            plan.heads_per_cta,
+            plan.queries_per_cta,
+            plan.rows_cap,
+            plan.tile_keys,
+        ]);
+        for v in &iv {
+            b.arg(v);
+        }
+        let split_i = if splits > 1 { split_keys as i32 } else { 0 };
+        b.arg(&self.params.scale)
+            .arg(&window)
+            .arg(&q_stride)
+            .arg(&split_i)
+            .arg(&rows_i)
+            .arg(&mut part_acc)
+            .arg(&mut part_ml);
+        let cfg = LaunchConfig {
+            grid_dim: (num_work as u32, plan.grid_y as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: plan.shared_bytes as u32,
+        };
+        // SAFETY: argument order and types match `paged_attention_<dtype>` in
+        // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
+        // partial buffers hold `splits` rows per (token, head) when split.
+        unsafe { b.launch(cfg) }.w()?;
+        if splits > 1 {
+            merge(&mut out, &part_acc, &part_ml, splits)?;
         }
         Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)))
     }

@@ -227,6 +227,21 @@ fn split_keys_only_when_the_grid_is_small_and_contexts_long() -> Result<()> {
 }
 
 #[test]
+fn decode_splits_fill_the_gpu_only_when_needed() {
+    use rserve_kernels::paged_attention::{decode_group_bucket, decode_split_keys};
+    assert_eq!(decode_split_keys(512, 4000, 132), 0, "enough CTAs");
+    assert_eq!(decode_split_keys(8, 100, 132), 0, "short context");
+    let k = decode_split_keys(8, 600, 132);
+    assert!(
+        k >= 64 && k.is_multiple_of(16) && 600usize.div_ceil(k) >= 2,
+        "{k}"
+    );
+    assert_eq!(decode_group_bucket(1), Some(1));
+    assert_eq!(decode_group_bucket(7), Some(8));
+    assert_eq!(decode_group_bucket(17), None);
+}
+
+#[test]
 fn rejects_inconsistent_metadata() {
     let dev = Device::Cpu;
     // more queries than context
@@ -363,6 +378,39 @@ mod cuda {
                     last_rows: None,
                 },
             )?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_decode_batches() -> Result<()> {
+        // decode-only steps: many sequences (no split), few (split), every group bucket, f32 too
+        let dev = gpu();
+        let many: Vec<(usize, usize)> = (0..40).map(|i| (1, 1 + (i * 37) % 300)).collect();
+        let few: &[(usize, usize)] = &[(1, 2000), (1, 129), (1, 64)];
+        for (heads, kvh, d, dtype, tol) in [
+            (32, 8, 128, DType::BF16, 2e-2),
+            (28, 4, 128, DType::BF16, 2e-2),
+            (8, 8, 64, DType::F16, 4e-3),
+            (16, 1, 256, DType::BF16, 2e-2),
+            (12, 6, 80, DType::F32, 1e-4),
+        ] {
+            for seqs in [&many[..], few] {
+                check(
+                    &dev,
+                    &Case {
+                        dtype,
+                        heads,
+                        kvh,
+                        d,
+                        bs: 16,
+                        seqs,
+                        window: None,
+                        tol,
+                        last_rows: None,
+                    },
+                )?;
+            }
         }
         Ok(())
     }

@@ -68,7 +68,7 @@ impl Linear {
 
     /// `x`: `[num_tokens, in]` -> `[num_tokens, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
+        let y = rserve_kernels::linear_rows(x, &self.weight)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),

@@ -1,0 +1,206 @@
+// Attention of decode rows (one query token per sequence) over the paged KV cache, shaped for
+// bandwidth: one CTA per (sequence, KV head[, key split]) serves every query head of the group.
+//
+// Keys are taken in chunks of kChunk. For the scores each thread owns whole keys and reads their
+// K rows with 16-byte loads (many loads in flight per thread), the group's scaled queries being
+// broadcast from shared memory; the chunk's softmax runs one warp per head (online across chunks);
+// for P.V each thread owns 16 bytes of output columns and a stream of keys, so a V row is read by
+// a few threads in 16-byte pieces and each thread keeps several rows in flight; the streams' sums
+// meet in shared memory. With a key split the unnormalised partial results go to the
+// same buffers as paged_attention's split, merged by paged_attention_combine.
+//
+// Host guarantees: head_dim * sizeof(T) is a multiple of 16 and head_dim <= 256; the group of
+// query heads per KV head is <= G; every listed sequence has exactly one query token.
+// Shared bytes: 4 * (G * head_dim + G * kChunk + 3 * G + kChunk).
+#include "common.cuh"
+
+namespace {
+
+constexpr int kDecThreads = 128;
+constexpr int kChunk = 256;
+
+template <typename T, int G>
+__device__ void paged_decode_impl(
+    T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    const uint32_t* __restrict__ seq_lens, const uint32_t* __restrict__ query_start,
+    const uint32_t* __restrict__ seqs, int width, int num_heads, int kv_heads, int head_dim,
+    int block_size, float scale, int window, long q_stride, int split_keys, long total_rows,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  constexpr int VN = Vec16<T>::N;
+  const int D = head_dim;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int group = num_heads / kv_heads;
+  const int kvh = blockIdx.y;
+  const int h0 = kvh * group;
+  const int seq = seqs[blockIdx.x];
+  const int tok = query_start[seq];
+  const int ctx = seq_lens[seq];
+  const int lo = window > 0 ? max(0, ctx - window) : 0;
+  int k_begin = lo, k_end = ctx;
+  if (split_keys > 0) {
+    k_begin = max(lo, (int)blockIdx.z * split_keys);
+    k_end = min(ctx, ((int)blockIdx.z + 1) * split_keys);
+  }
+
+  extern __shared__ float smem[];
+  float* sq = smem;                 // [G, D] scaled queries (zero past the group)
+  float* ss = sq + G * D;           // [G, kChunk] scores, then probabilities; end-of-run scratch
+  float* sm = ss + G * kChunk;      // [G] running max
+  float* sl = sm + G;               // [G] running sum
+  float* sc = sl + G;               // [G] this chunk's rescale factor
+  int* sslot = reinterpret_cast<int*>(sc + G);  // [kChunk] cache slot of each key
+
+  for (int i = tid; i < G * D; i += kDecThreads) {
+    const int g = i / D, c = i % D;
+    sq[i] = g < group ? to_f32(q[(size_t)tok * q_stride + (size_t)(h0 + g) * D + c]) * scale : 0.f;
+  }
+  for (int g = tid; g < G; g += kDecThreads) {
+    sm[g] = -INFINITY;
+    sl[g] = 0.f;
+    sc[g] = 0.f;
+  }
+
+  // P.V ownership: 16-byte column vector cv of the keys st, st + streams, ...
+  const int tpk = D / VN;  // threads per V row
+  const int streams = kDecThreads / tpk;
+  const bool active = tid < streams * tpk;
+  const int cv = tid % tpk;
+  const int st = tid / tpk;
+  float acc[G][VN];
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < VN; ++e) acc[g][e] = 0.f;
+
+  const uint32_t* table = block_tables + (size_t)seq * width;
+  const size_t row_stride = (size_t)kv_heads * D;
+  const T* kbase = k_cache + (size_t)kvh * D;
+  const T* vbase = v_cache + (size_t)kvh * D;
+
+  for (int c0 = k_begin; c0 < k_end; c0 += kChunk) {
+    const int nk = min(kChunk, k_end - c0);
+    __syncthreads();  // sq/stats ready; the previous chunk's scores and slots are consumed
+
+    // scores: thread -> keys tid, tid + 128
+    for (int kk = tid; kk < nk; kk += kDecThreads) {
+      const int pos = c0 + kk;
+      const int slot = (int)table[pos / block_size] * block_size + pos % block_size;
+      sslot[kk] = slot;
+      const T* kr = kbase + (size_t)slot * row_stride;
+      float s[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = 0.f;
+#pragma unroll 4
+      for (int c = 0; c < D; c += VN) {
+        float f[VN];
+        load16(kr + c, f);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float* qg = sq + g * D + c;
+#pragma unroll
+          for (int e = 0; e < VN; e += 4) {
+            const float4 qv = *reinterpret_cast<const float4*>(qg + e);
+            s[g] = fmaf(qv.x, f[e], s[g]);
+            s[g] = fmaf(qv.y, f[e + 1], s[g]);
+            s[g] = fmaf(qv.z, f[e + 2], s[g]);
+            s[g] = fmaf(qv.w, f[e + 3], s[g]);
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) ss[g * kChunk + kk] = s[g];
+    }
+    __syncthreads();
+
+    // softmax of the chunk, one warp per head, online across chunks
+    for (int g = warp; g < group; g += kDecThreads / 32) {
+      float* sg = ss + g * kChunk;
+      float mx = -INFINITY;
+      for (int kk = lane; kk < nk; kk += 32) mx = fmaxf(mx, sg[kk]);
+      mx = warp_max(mx);
+      const float m_old = sm[g];
+      const float m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int kk = lane; kk < nk; kk += 32) {
+        const float e = __expf(sg[kk] - m_new);
+        sg[kk] = e;
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      __syncwarp();
+      if (lane == 0) {
+        const float corr = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+        sl[g] = sl[g] * corr + sum;
+        sm[g] = m_new;
+        sc[g] = corr;
+      }
+    }
+    __syncthreads();
+
+    // P.V
+    if (active) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < VN; ++e) acc[g][e] *= sc[g];
+#pragma unroll 4
+      for (int kk = st; kk < nk; kk += streams) {
+        float v[VN];
+        load16(vbase + (size_t)sslot[kk] * row_stride + cv * VN, v);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float p = ss[g * kChunk + kk];
+#pragma unroll
+          for (int e = 0; e < VN; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+        }
+      }
+    }
+  }
+
+  // sum the key streams into the score buffer (G * D <= G * kChunk floats), then write
+  __syncthreads();
+  for (int i = tid; i < G * D; i += kDecThreads) ss[i] = 0.f;
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int e = 0; e < VN; ++e) atomicAdd(ss + g * D + cv * VN + e, acc[g][e]);
+  }
+  __syncthreads();
+  for (int i = tid; i < group * D; i += kDecThreads) {
+    const int g = i / D, c = i % D;
+    const size_t row = (size_t)tok * num_heads + h0 + g;
+    const float a = ss[i];
+    if (split_keys > 0) {
+      const size_t prow = (size_t)blockIdx.z * total_rows + row;
+      part_acc[prow * D + c] = a;
+      if (c == 0) {
+        part_ml[2 * prow] = sm[g];
+        part_ml[2 * prow + 1] = sl[g];
+      }
+    } else {
+      const float l = sl[g];
+      out[row * D + c] = from_f32<T>(l > 0.f ? a / l : 0.f);
+    }
+  }
+}
+
+}  // namespace
+
+#define PAGED_DECODE_G(T, NAME, G)                                                                \
+  extern "C" __global__ void __launch_bounds__(kDecThreads) paged_decode_g##G##_##NAME(           \
+      T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
+      const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* seqs, int width,     \
+      int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window,         \
+      long q_stride, int split_keys, long total_rows, float* part_acc, float* part_ml) {          \
+    paged_decode_impl<T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs,  \
+                            width, num_heads, kv_heads, head_dim, block_size, scale, window,      \
+                            q_stride, split_keys, total_rows, part_acc, part_ml);                 \
+  }
+#define PAGED_DECODE(T, NAME) PAGED_DECODE_G(T, NAME, 1) PAGED_DECODE_G(T, NAME, 4) \
+  PAGED_DECODE_G(T, NAME, 8) PAGED_DECODE_G(T, NAME, 16)
+RSERVE_FOR_DTYPES(PAGED_DECODE)

@@ -1,0 +1,368 @@
+// Attention of prompt tokens over the paged KV cache on tensor cores (mma.sync m16n8k16, f32
+// accumulation), flash-style: K/V tiles stream through shared memory, softmax is online, no score
+// matrix leaves registers. Same semantics and argument conventions as paged_attention.cu.
+//
+// One CTA of 4 warps handles a work item (a sequence and up to `queries_per_cta` of its query
+// tokens) for one KV head (blockIdx.y). Its R = nq * group <= 64 rows are (query, head) pairs:
+// row r -> query qi0 + r / group, head kvh * group + r % group, so every row uses the same K/V and
+// each tile is gathered from the cache once. Warp w owns rows [16w, 16w + 16).
+//
+//   1. Q (64 rows x D, zeros past R) is copied to shared memory with cp.async, then held in
+//      registers as mma A fragments for the whole key loop.
+//   2. Keys [lo(first query), last query] go by tiles of BK = 4096 / D, double-buffered: the
+//      16-byte chunks of tile i + 1 are gathered from their paged slots (cp.async, zero-filled past
+//      the last key; block-table entries read a tile ahead) while tile i is computed.
+//   3. Per tile and warp: S = Q K^T (K row-major in shared memory is the col-major B operand),
+//      scaled into the log2 domain, masked per element (causal, window) only where the tile is
+//      not wholly visible to the warp's rows; the running row max is reduced across each quad,
+//      exp2 gives P, which is repacked in registers as the A operand of O += P V (V read with
+//      ldmatrix .trans). A warp skips tiles none of its rows can see.
+//   4. O / l is written for rows < R (rows that saw no key get 0).
+//
+// Shared bytes = 2 stages * 2 (K, V) * BK * (D + 8) * sizeof(T), BK = 4096 / D
+//              = 32768 * (D + 8) / D: 36864 for D = 64, 34816 for D = 128.
+// Rows are padded by 8 elements so that ldmatrix and cp.async touch distinct banks.
+//
+// Host guarantees: queries_per_cta * (num_heads / kv_heads) <= 64; block_size is a power of two;
+// q (and every row, q_stride being a multiple of 8), k_cache and v_cache are 16-byte aligned.
+#include "common.cuh"
+
+namespace {
+
+constexpr int pf_threads = 128;  // 4 warps of 16 rows
+constexpr int pf_rows = 64;
+
+template <int D> struct pf_tile {
+  static_assert(D % 16 == 0, "head dim must be a multiple of 16");
+  static constexpr int BK = 4096 / D;      // keys per tile
+  static constexpr int LD = D + 8;         // shared row stride in elements (16-byte multiple)
+  static constexpr int STAGE = 2 * BK * LD;  // one stage: K tile, then V tile
+  static constexpr int CH = D / 8;         // 16-byte chunks per row
+  static_assert(BK % 16 == 0 && pf_rows * LD <= STAGE, "Q staging must fit in one stage");
+  static_assert((BK * CH) % pf_threads == 0, "tile chunks must split evenly over the threads");
+};
+
+template <typename T> struct pf_mma;
+template <> struct pf_mma<__nv_bfloat16> {
+  // c += a (16x16, row-major) * b (16x8, col-major)
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // two floats as one register of the A operand: lo is the lower column
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <> struct pf_mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+__device__ __forceinline__ uint32_t pf_smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronous; zeros instead when !valid (src is then not read).
+__device__ __forceinline__ void pf_cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pf_smem_addr(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void pf_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most one committed group of this thread is still in flight.
+__device__ __forceinline__ void pf_cp_async_wait_prev() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives
+// (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix i, or its transpose with .trans.
+__device__ __forceinline__ void pf_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(pf_smem_addr(p)));
+}
+__device__ __forceinline__ void pf_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(pf_smem_addr(p)));
+}
+
+// 2^x on the special function unit (x <= 0 here; -inf gives 0, tiny results flush to 0).
+__device__ __forceinline__ float pf_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ int pf_window_lo(int p, int window) {
+  return window > 0 ? max(0, p + 1 - window) : 0;
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void pf_paged_prefill_impl(
+    T* __restrict__ out,                        // [num_tokens, num_heads, D]
+    const T* __restrict__ q,                    // [num_tokens, num_heads, D], tokens q_stride apart
+    const T* __restrict__ k_cache,              // [num_blocks, block_size, kv_heads, D]
+    const T* __restrict__ v_cache,              // [num_blocks, block_size, kv_heads, D]
+    const uint32_t* __restrict__ block_tables,  // [num_seqs, width]
+    const uint32_t* __restrict__ seq_lens,      // [num_seqs]
+    const uint32_t* __restrict__ query_start,   // [num_seqs + 1]
+    const uint32_t* __restrict__ work,          // [num_work, 2]: sequence, first query index
+    int width, int num_heads, int kv_heads, int block_size, int queries_per_cta, float scale,
+    int window, long q_stride) {
+  using Tile = pf_tile<D>;
+  constexpr int BK = Tile::BK, LD = Tile::LD, STAGE = Tile::STAGE, CH = Tile::CH;
+  using Mma = pf_mma<T>;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;  // mma groupID: fragment rows g and g + 8
+  const int t = lane & 3;   // mma threadID_in_group: fragment columns 2t, 2t + 1
+
+  const int group = num_heads / kv_heads;
+  const int kvh = blockIdx.y;
+  const int seq = work[2 * blockIdx.x];
+  const int qi0 = work[2 * blockIdx.x + 1];
+  const int qs = query_start[seq];
+  const int q_len = query_start[seq + 1] - qs;
+  const int ctx = seq_lens[seq];
+  const int nq = min(queries_per_cta, q_len - qi0);
+  if (nq <= 0) return;
+  const int R = nq * group;
+  const int p_first = ctx - q_len + qi0;  // position of the CTA's first query
+  const int k_begin = pf_window_lo(p_first, window);
+  const int k_end = p_first + nq;         // one past the last query's position
+  const int n_tiles = (k_end - k_begin + BK - 1) / BK;
+
+  extern __shared__ __align__(16) unsigned char pf_smem[];
+  T* smem = reinterpret_cast<T*>(pf_smem);  // stage s: K at s * STAGE, V at s * STAGE + BK * LD
+  T* sq = smem + STAGE;                     // Q staging, in stage 1 (free until tile 1 loads)
+
+  // ---- phase 1a: Q rows to shared memory (zeros for padding rows)
+  for (int i = tid; i < pf_rows * CH; i += pf_threads) {
+    const int r = i / CH, c = i % CH;
+    const bool valid = r < R;
+    const T* src = valid ? q + (size_t)(qs + qi0 + r / group) * q_stride +
+                               (size_t)(kvh * group + r % group) * D + 8 * c
+                         : q;
+    pf_cp_async16(sq + r * LD + 8 * c, src, valid);
+  }
+  pf_cp_async_commit();
+
+  // ---- K/V tile gather: thread tid copies the 16-byte column chunk tid % CH of the tile's keys
+  // tid / CH + j * (128 / CH). Their block-table entries are read one tile ahead (blk), so that
+  // issuing the copies never waits on a table load.
+  constexpr int NJ = BK * CH / pf_threads;
+  constexpr int KEY_STEP = pf_threads / CH;
+  const int key0 = tid / CH;
+  const int col = 8 * (tid % CH);
+  const uint32_t* table = block_tables + (size_t)seq * width;
+  const size_t slot_stride = (size_t)kv_heads * D;
+  const int bs_shift = __ffs(block_size) - 1;
+  uint32_t blk[NJ];
+  const auto fetch_blocks = [&](int it) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int pos = k_begin + it * BK + key0 + j * KEY_STEP;
+      blk[j] = pos < k_end ? table[pos >> bs_shift] : 0u;
+    }
+  };
+  const auto load_tile = [&](int it) {
+    T* sk = smem + (it & 1) * STAGE + key0 * LD + col;
+    T* sv = sk + BK * LD;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int pos = k_begin + it * BK + key0 + j * KEY_STEP;
+      const bool valid = pos < k_end;
+      const size_t slot = ((size_t)blk[j] << bs_shift) + (pos & (block_size - 1));
+      const size_t off = valid ? slot * slot_stride + (size_t)kvh * D + col : 0;
+      pf_cp_async16(sk + j * KEY_STEP * LD, k_cache + off, valid);
+      pf_cp_async16(sv + j * KEY_STEP * LD, v_cache + off, valid);
+    }
+  };
+  if (n_tiles > 0) {
+    fetch_blocks(0);
+    load_tile(0);
+    fetch_blocks(1);
+  }
+  pf_cp_async_commit();
+
+  // ---- phase 1b: Q fragments. Matrices of one x4: rows +0/+8 (lanes bit 3), columns +0/+8
+  // (lanes bit 4), i.e. exactly a0..a3 of the m16n8k16 A operand.
+  pf_cp_async_wait_prev();  // the Q group has landed
+  __syncthreads();
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    pf_ldmatrix_x4(qa[kk], sq + (16 * warp + (lane & 15)) * LD + 16 * kk + 8 * (lane >> 4));
+  __syncthreads();  // stage 1 may be overwritten now
+
+  // ---- per-warp and per-thread row facts (padding rows behave like row R - 1)
+  const bool warp_active = 16 * warp < R;
+  const int wp_min = p_first + (16 * warp) / group;              // first row's position
+  const int wp_max = p_first + min(16 * warp + 15, R - 1) / group;  // last row's position
+  const int wlo_min = pf_window_lo(wp_min, window);
+  const int wlo_max = pf_window_lo(wp_max, window);
+  int row_p[2], row_lo[2];  // rows 16w + g and 16w + g + 8: visible keys [row_lo, row_p]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_p[h] = p_first + min(16 * warp + g + 8 * h, R - 1) / group;
+    row_lo[h] = pf_window_lo(row_p[h], window);
+  }
+
+  const float scale_log2 = scale * 1.4426950408889634f;  // exp(x) = exp2(x * log2(e))
+  float m[2] = {-INFINITY, -INFINITY};  // running max of the two rows (log2 domain)
+  float l[2] = {0.f, 0.f};              // this thread's share of the running sums
+  float o[D / 8][4];                    // O accumulator: C fragments over D / 8 column blocks
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    // ---- phase 2: prefetch the next tile, wait for this one
+    if (it + 1 < n_tiles) {
+      load_tile(it + 1);
+      fetch_blocks(it + 2);
+    }
+    pf_cp_async_commit();
+    pf_cp_async_wait_prev();
+    __syncthreads();
+
+    const int k0 = k_begin + it * BK;
+    if (warp_active && k0 <= wp_max && k0 + BK - 1 >= wlo_min) {
+      const T* sk = smem + (it & 1) * STAGE;
+      const T* sv = sk + BK * LD;
+
+      // ---- phase 3a: S = Q K^T. One x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8
+      // (lane bit 3): b0, b1 of key block 2j and b0, b1 of key block 2j + 1.
+      float s[BK / 8][4];
+#pragma unroll
+      for (int nb = 0; nb < BK / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) {
+          uint32_t b[4];
+          pf_ldmatrix_x4(b, sk + (16 * j + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk +
+                                8 * ((lane >> 3) & 1));
+          Mma::run(s[2 * j], qa[kk], b[0], b[1]);
+          Mma::run(s[2 * j + 1], qa[kk], b[2], b[3]);
+        }
+      }
+
+      // ---- phase 3b: log2-domain scores; s[nb][e] is row g + 8 * (e >> 1), key
+      // k0 + 8 * nb + 2t + (e & 1). Mask only tiles not wholly visible to every row of the warp.
+      const bool need_mask = k0 + BK - 1 > wp_min || k0 < wlo_max;
+#pragma unroll
+      for (int nb = 0; nb < BK / 8; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = k0 + 8 * nb + 2 * t + (e & 1);
+          const int h = e >> 1;
+          const bool hidden = need_mask && (pos > row_p[h] || pos < row_lo[h]);
+          s[nb][e] = hidden ? -INFINITY : s[nb][e] * scale_log2;
+        }
+      }
+
+      // ---- phase 3c: online softmax. A row lives in the 4 lanes of a quad.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key yet: keep p = 0, no NaN
+        const float corr = pf_exp2(m[h] - m_use);
+        m[h] = m_new;
+        l[h] *= corr;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          o[nd][2 * h] *= corr;
+          o[nd][2 * h + 1] *= corr;
+        }
+#pragma unroll
+        for (int nb = 0; nb < BK / 8; ++nb) {
+          s[nb][2 * h] = pf_exp2(s[nb][2 * h] - m_use);
+          s[nb][2 * h + 1] = pf_exp2(s[nb][2 * h + 1] - m_use);
+          l[h] += s[nb][2 * h] + s[nb][2 * h + 1];
+        }
+      }
+
+      // ---- phase 3d: O += P V. The C fragments of key blocks 2ks, 2ks + 1 are the A fragment
+      // of key step ks. One x4 .trans = keys +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane
+      // bit 4): b0, b1 of column block 2n and b0, b1 of column block 2n + 1.
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        const uint32_t pa[4] = {Mma::pack(s[2 * ks][0], s[2 * ks][1]),
+                                Mma::pack(s[2 * ks][2], s[2 * ks][3]),
+                                Mma::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                Mma::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {
+          uint32_t b[4];
+          pf_ldmatrix_x4_trans(b, sv + (16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+                                      16 * n + 8 * (lane >> 4));
+          Mma::run(o[2 * n], pa, b[0], b[1]);
+          Mma::run(o[2 * n + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // this stage is refilled by the next iteration's prefetch
+  }
+
+  // ---- phase 4: normalise and write rows < R
+  if (!warp_active) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = 16 * warp + g + 8 * h;
+    if (r < R) {
+      const int tok = qs + qi0 + r / group;
+      const int head = kvh * group + r % group;
+      T* dst = out + ((size_t)tok * num_heads + head) * D + 2 * t;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd)
+        *reinterpret_cast<uint32_t*>(dst + 8 * nd) =
+            Mma::pack(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+    }
+  }
+}
+
+}  // namespace
+
+#define PF_PAGED_PREFILL(T, NAME, D)                                                               \
+  extern "C" __global__ void __launch_bounds__(pf_threads) paged_prefill_d##D##_##NAME(            \
+      T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
+      const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* work, int width,     \
+      int num_heads, int kv_heads, int block_size, int queries_per_cta, float scale, int window,  \
+      long q_stride) {                                                                            \
+    pf_paged_prefill_impl<T, D>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start,    \
+                                work, width, num_heads, kv_heads, block_size, queries_per_cta,    \
+                                scale, window, q_stride);                                         \
+  }
+PF_PAGED_PREFILL(__nv_bfloat16, bf16, 64)
+PF_PAGED_PREFILL(__nv_bfloat16, bf16, 128)
+PF_PAGED_PREFILL(__half, f16, 64)
+PF_PAGED_PREFILL(__half, f16, 128)
+#undef PF_PAGED_PREFILL

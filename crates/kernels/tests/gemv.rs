@@ -1,0 +1,69 @@
+//! The decode-batch matrix product against f32 matmul on the CPU: every row count the streaming
+//! kernel takes (and one past it), odd output widths, short and long rows, both 16-bit types.
+#![allow(clippy::unwrap_used)]
+
+use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::gemv::{kernel_applies, linear_rows, GEMV_MAX_ROWS};
+
+fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()> {
+    let cpu = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (m, k), &cpu)?.to_dtype(dtype)?;
+    let w = (Tensor::randn(0f32, 1., (n, k), &cpu)? * 0.05)?.to_dtype(dtype)?;
+    let want = x
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    let got = linear_rows(&x.to_device(dev)?, &w.to_device(dev)?)?;
+    assert_eq!(got.dims(), &[m, n]);
+    let got = got.to_device(&cpu)?.to_dtype(DType::F32)?;
+    // one rounding of the output plus f32 accumulation order
+    let scale = want
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?
+        .max(1.0);
+    let err = (got - &want)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let tol = if dtype == DType::BF16 { 1e-2 } else { 2e-3 } * scale;
+    assert!(
+        err <= tol,
+        "{dtype:?} m {m} n {n} k {k}: max abs error {err} (tol {tol})"
+    );
+    Ok(())
+}
+
+#[test]
+fn cpu_is_plain_matmul() -> Result<()> {
+    check(&Device::Cpu, DType::BF16, 3, 17, 64)
+}
+
+#[test]
+fn the_kernel_takes_decode_batches_only() -> Result<()> {
+    let w = Tensor::zeros((4, 16), DType::BF16, &Device::Cpu)?;
+    let x = Tensor::zeros((1, 16), DType::BF16, &Device::Cpu)?;
+    assert!(!kernel_applies(&x, &w, 1, 16), "not on the CPU");
+    assert_eq!(GEMV_MAX_ROWS, 8);
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    #[test]
+    fn cuda_matches_matmul() -> Result<()> {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::BF16, DType::F16] {
+            for m in 1..=GEMV_MAX_ROWS + 1 {
+                for (n, k) in [(1, 8), (33, 264), (4097, 4096), (130, 14336)] {
+                    check(&dev, dtype, m, n, k)?;
+                }
+            }
+        }
+        // a row width that is not a multiple of 8 falls back to matmul
+        check(&dev, DType::BF16, 2, 5, 12)
+    }
+}
