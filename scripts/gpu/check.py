@@ -378,6 +378,10 @@ def part_big(a, out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+NCU_TIME_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+NCU_BYTES = {"byte": 1, "B": 1, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9}
+
+
 def ncu_summary(csv_path: Path, steps: int) -> dict:
     """Per-kernel device time from an `ncu --csv` log: totals per kernel name, per profiled step."""
     import csv
@@ -387,43 +391,45 @@ def ncu_summary(csv_path: Path, steps: int) -> dict:
     if start is None:
         return {"error": "no ncu rows", "tail": lines[-20:]}
     kernels: dict[str, dict] = {}
-    launches = set()
     for row in csv.DictReader(lines[start:]):
-        name = row["Kernel Name"][:90]
-        k = kernels.setdefault(name, {"us": 0.0, "n": 0, "read_mb": 0.0, "write_mb": 0.0})
+        k = kernels.setdefault(row["Kernel Name"][:90], {"us": 0.0, "n": 0, "bytes": 0.0})
         v = float(row["Metric Value"].replace(",", "") or 0)
-        unit = row["Metric Unit"]
-        m = row["Metric Name"]
-        if m == "gpu__time_duration.sum":
-            k["us"] += v / 1000 if unit == "nsecond" else v * (1000 if unit == "msecond" else 1)
+        if row["Metric Name"] == "gpu__time_duration.sum":
+            k["us"] += v * NCU_TIME_US[row["Metric Unit"]]
             k["n"] += 1
-            launches.add(row["ID"])
-        elif m.startswith("dram__bytes"):
-            scale = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1, "Gbyte": 1e3}.get(unit, 1e-6)
-            k["read_mb" if "read" in m else "write_mb"] += v * scale
+        else:  # dram bytes read / written
+            k["bytes"] += v * NCU_BYTES[row["Metric Unit"]]
     total = sum(k["us"] for k in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:25]
     return {
-        "steps": steps, "launches": len(launches), "device_us_per_step": total / steps,
+        "steps": steps, "launches_per_step": sum(k["n"] for k in kernels.values()) / steps,
+        "device_us_per_step": round(total / steps, 1),
         "top": [{"kernel": n, "us_per_step": round(k["us"] / steps, 1), "launches_per_step": k["n"] / steps,
-                 "mb_per_step": round((k["read_mb"] + k["write_mb"]) / steps, 1),
-                 "gb_s": round((k["read_mb"] + k["write_mb"]) / max(k["us"], 1e-9) * 1e-3 * 1e6, 0)}
+                 "mb_per_step": round(k["bytes"] / steps / 1e6, 1),
+                 "gb_s": round(k["bytes"] / max(k["us"], 1e-9) / 1e3)}
                 for n, k in top],
     }
 
 
-def part_profile(a, out: Path) -> None:
-    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt."""
+def fresh_checkpoint(kind: str, root: Path, keep_model: bool = False):
+    """The random checkpoint of `kind` on disk (and, if asked, the transformers model, else freed)."""
     import torch
 
-    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    root = Path(a.scratch)
     root.mkdir(parents=True, exist_ok=True)
-    kind = a.big.split(",")[0]
     model, path = make_big(kind, root)
-    del model
-    torch.cuda.empty_cache()
-    subprocess.run(["sync"])
+    if not keep_model:
+        del model
+        model = None
+        torch.cuda.empty_cache()
+        subprocess.run(["sync"])
+    return model, path
+
+
+def part_profile(a, out: Path) -> None:
+    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt."""
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    kind = a.big.split(",")[0]
+    _, path = fresh_checkpoint(kind, Path(a.scratch))
     scenarios = [("b1", 1, 2, 512, 256, 150, 2), ("b64", 64, 64, 512, 256, 200, 1),
                  ("p8k", 1, 1, 8192, 2, 0, 4)]
     for tag, conc, prompts, inp, outp, start, count in scenarios:
@@ -448,29 +454,19 @@ def part_speed(a, out: Path) -> None:
     model shape in --big."""
     import torch
 
-    root = Path(a.scratch)
-    root.mkdir(parents=True, exist_ok=True)
     want = a.speed.split(",")
     for kind in a.big.split(","):
-        model, path = make_big(kind, root)
+        model, path = fresh_checkpoint(kind, Path(a.scratch), keep_model="hf" in want)
         rec: dict = {"part": "speed", "model": kind}
-        if "hf" in want:
+        if model is not None:
             # transformers eager generate in the same run, the side-by-side peer
             rec["hf_eager_b1_decode_tok_s"] = hf_generate_tps(model, 1, 512, 256)
             if "b64" in want:
                 rec["hf_eager_b64_decode_tok_s"] = hf_generate_tps(model, 64, 512, 256)
             log(kind, rec)
-        del model
-        torch.cuda.empty_cache()
-        subprocess.run(["sync"])
-        if "gemv8" in want:
-            # the same batch-1 figure with the weight-streaming kernel's other loop depth
-            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", tag="-gemv8",
-                         env={"RSERVE_GEMV_STEPS": "8"})
-            try:
-                rec["b1_decode_tok_s_gemv8"] = 1000.0 / bench(a, srv, out, 1, 4, 512, 256)["tpot_ms"]["median"]
-            finally:
-                srv.stop()
+            del model
+            torch.cuda.empty_cache()
+            subprocess.run(["sync"])
         srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
                      env={"RUST_LOG": "warn,rserve_core::engine=debug"})
         rec["ready_s"] = srv.ready_s

@@ -91,18 +91,13 @@ impl StepProfile {
 
     /// Called before each step with the device; switches the profiler at the range's edges.
     fn tick(&mut self, device: &Device) {
-        let Some((start, count)) = self.range else {
-            return;
-        };
-        let on = if self.step == start {
-            true
-        } else if self.step == start + count {
-            false
-        } else {
-            self.step += 1;
-            return;
-        };
+        let step = self.step;
         self.step += 1;
+        let on = match self.range {
+            Some((start, _)) if step == start => true,
+            Some((start, count)) if step == start + count => false,
+            _ => return,
+        };
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = device {
             if let Err(e) = crate::device::gpu::profiler(d, on) {

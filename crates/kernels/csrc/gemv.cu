@@ -9,7 +9,7 @@ namespace {
 constexpr int kGemvThreads = 256;
 constexpr int kGemvRowsPerWarp = 2;
 
-template <typename T, int M, int U>
+template <typename T, int M>
 __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,
                           int m, int n, int k) {
   const int lane = threadIdx.x & 31;
@@ -26,7 +26,8 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
   const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)row0 * k);
   const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(row0 + (rows > 1 ? 1 : 0)) * k);
   const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const int chunks = k / 8;  // 16-byte chunks per row; U steps' W loads are issued before use
+  const int chunks = k / 8;  // 16-byte chunks per row
+  constexpr int U = 4;       // steps whose W loads are issued before any is used
   for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
     uint4 wa[U], wb[U];
 #pragma unroll
@@ -76,13 +77,11 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
 
 }  // namespace
 
-#define GEMV_M(T, NAME, M, U)                                                                       \
-  extern "C" __global__ void __launch_bounds__(kGemvThreads) gemv_u##U##_m##M##_##NAME(             \
+#define GEMV_M(T, NAME, M)                                                                          \
+  extern "C" __global__ void __launch_bounds__(kGemvThreads) gemv_m##M##_##NAME(                    \
       T* y, const T* x, const T* w, int m, int n, int k) {                                          \
-    gemv_impl<T, M, U>(y, x, w, m, n, k);                                                           \
+    gemv_impl<T, M>(y, x, w, m, n, k);                                                              \
   }
-#define GEMV_U(T, NAME, U) GEMV_M(T, NAME, 1, U) GEMV_M(T, NAME, 2, U) GEMV_M(T, NAME, 4, U) \
-  GEMV_M(T, NAME, 8, U)
-#define GEMV(T, NAME) GEMV_U(T, NAME, 4) GEMV_U(T, NAME, 8)
+#define GEMV(T, NAME) GEMV_M(T, NAME, 1) GEMV_M(T, NAME, 2) GEMV_M(T, NAME, 4) GEMV_M(T, NAME, 8)
 GEMV(__nv_bfloat16, bf16)
 GEMV(__half, f16)

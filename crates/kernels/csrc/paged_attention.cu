@@ -204,50 +204,39 @@ __device__ void paged_attention_impl(
   }
 }
 
-// One CTA per (token, head) row: merges the splits' (max, sum, accumulator) into the output. The
-// splits' weights exp(m_s - M) / L are computed once into shared memory (at most kMaxSplits
-// splits; the host never makes more), then each thread sums its columns over the splits.
+// One CTA per (token, head) row: merges the splits' (max, sum, accumulator) into the output.
+// Thread 0 turns the splits' maxima into weights exp(m_s - M) in shared memory (at most
+// kMaxSplits splits; the host never makes more) and the total L = sum of weight * sum; then each
+// thread adds its columns over the splits.
 constexpr int kMaxSplits = 512;
 
 template <typename T>
 __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part_acc,
                              const float* __restrict__ part_ml, int splits, long total_rows, int D) {
   __shared__ float w[kMaxSplits];
-  __shared__ float red[2];
+  __shared__ float total;
   const long row = blockIdx.x;
   for (int s = threadIdx.x; s < splits; s += blockDim.x) w[s] = part_ml[2 * (s * total_rows + row)];
   __syncthreads();
   if (threadIdx.x == 0) {
     float M = -INFINITY;
     for (int s = 0; s < splits; ++s) M = fmaxf(M, w[s]);
-    red[0] = M;
-  }
-  __syncthreads();
-  const float M = red[0];
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-    const float m = w[s];
-    w[s] = m > -INFINITY ? __expf(m - M) * part_ml[2 * (s * total_rows + row) + 1] : 0.f;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
     float L = 0.f;
-    for (int s = 0; s < splits; ++s) L += w[s];
-    red[1] = L;
+    for (int s = 0; s < splits; ++s) {
+      w[s] = w[s] > -INFINITY ? __expf(w[s] - M) : 0.f;
+      L += w[s] * part_ml[2 * (s * total_rows + row) + 1];
+    }
+    total = L;
   }
   __syncthreads();
-  const float L = red[1];
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-    const float m = part_ml[2 * (s * total_rows + row)];
-    w[s] = (m > -INFINITY && L > 0.f) ? __expf(m - M) / L : 0.f;
-  }
-  __syncthreads();
+  const float inv = total > 0.f ? 1.f / total : 0.f;
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     float a = 0.f;
 #pragma unroll 4
     for (int s = 0; s < splits; ++s) {
       if (w[s] != 0.f) a = fmaf(w[s], part_acc[(s * total_rows + row) * D + c], a);
     }
-    out[row * D + c] = from_f32<T>(a);
+    out[row * D + c] = from_f32<T>(a * inv);
   }
 }
 

@@ -10,31 +10,23 @@ pub const GEMV_MAX_ROWS: usize = 8;
 
 /// `x` `[m, k]` times `w` `[n, k]` transposed: `[m, n]` in `x`'s dtype.
 pub fn linear_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (m, k) = x.dims2()?;
+    let (_, k) = x.dims2()?;
     let (_, wk) = w.dims2()?;
     if k != wk {
         candle_core::bail!("linear: x {:?} against weight {:?}", x.shape(), w.shape());
     }
     #[cfg(feature = "cuda")]
-    if kernel_applies(x, w, m, k) {
+    if kernel_applies(x, w) {
         return x.contiguous()?.apply_op2_no_bwd(w, &cuda::Gemv);
     }
-    let _ = m;
     x.matmul(&w.t()?)
 }
 
-/// Loop steps whose weight loads each warp issues before using any: 4 (default) or 8, from
-/// `RSERVE_GEMV_STEPS` (a tuning knob kept for measurements).
-pub fn steps_in_flight() -> usize {
-    static STEPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *STEPS.get_or_init(|| match std::env::var("RSERVE_GEMV_STEPS").as_deref() {
-        Ok("8") => 8,
-        _ => 4,
-    })
-}
-
-/// Whether [`linear_rows`] takes the streaming kernel for these operands.
-pub fn kernel_applies(x: &Tensor, w: &Tensor, m: usize, k: usize) -> bool {
+/// Whether [`linear_rows`] takes the streaming kernel for `x` `[m, k]` and `w` `[n, k]`.
+pub fn kernel_applies(x: &Tensor, w: &Tensor) -> bool {
+    let Ok((m, k)) = x.dims2() else {
+        return false;
+    };
     x.device().is_cuda()
         && (1..=GEMV_MAX_ROWS).contains(&m)
         && k.is_multiple_of(8)
@@ -68,11 +60,7 @@ mod cuda {
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
         if n > 0 {
             let bucket = [1, 2, 4, 8].into_iter().find(|&b| m <= b).unwrap_or(8);
-            let name = format!(
-                "gemv_u{}_m{bucket}_{}",
-                super::steps_in_flight(),
-                dtype_suffix(T::DTYPE)?
-            );
+            let name = format!("gemv_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
             let func = function(&dev, &name)?;
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&func);
@@ -84,7 +72,7 @@ mod cuda {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches `gemv_u<U>_m<M>_<dtype>` in csrc/gemv.cu; m <= M, k % 8 == 0 and both
+            // SAFETY: matches `gemv_m<M>_<dtype>` in csrc/gemv.cu; m <= M, k % 8 == 0 and both
             // operands contiguous (checked by `kernel_applies` and `view`).
             unsafe { b.launch(cfg) }.w()?;
         }

@@ -20,12 +20,22 @@ pub struct AttentionMetadata {
     device: Device,
     /// The arrays above on `device` (only for non-CPU devices).
     dev: Option<DeviceArrays>,
-    /// Work lists of the GPU attention kernels, by (tokens per work item, least query tokens of a
-    /// listed sequence): at most a few per step.
-    work: Mutex<Vec<((usize, usize), Tensor)>>,
+    /// Sequences with exactly one query token (decode rows).
+    num_decode: usize,
+    /// The GPU attention kernels' lists built so far in this step (at most a few).
+    work: Mutex<Vec<(ListKey, Tensor)>>,
     /// The cache geometry (blocks, block size) these arrays were last checked against: every
     /// layer's cache has the same one, so the check runs once per step, not once per layer.
     checked: Mutex<Option<(usize, usize)>>,
+}
+
+/// Which per-step list: work items (tokens per item, least query tokens of a listed sequence),
+/// or the decode sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum ListKey {
+    Work { per_item: usize, min_len: usize },
+    Decode,
 }
 
 #[derive(Debug)]
@@ -80,7 +90,12 @@ impl AttentionMetadata {
                 query_start_loc: Tensor::new(query_start_loc.as_slice(), device)?,
             })
         };
+        let num_decode = query_start_loc
+            .windows(2)
+            .filter(|w| w[1] - w[0] == 1)
+            .count();
         Ok(Self {
+            num_decode,
             slots,
             block_tables,
             width,
@@ -155,10 +170,8 @@ impl AttentionMetadata {
     }
 
     /// Sequences with exactly one query token (decode rows).
-    pub fn decode_count(&self) -> usize {
-        (0..self.num_seqs())
-            .filter(|&s| self.query_len(s) == 1)
-            .count()
+    pub fn num_decode(&self) -> usize {
+        self.num_decode
     }
 
     /// `[num_work, 2]` u32 (sequence, first query index) covering, in runs of at most `per_item`,
@@ -166,7 +179,7 @@ impl AttentionMetadata {
     /// each pair and kept for the rest of the step.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn work_items(&self, per_item: usize, min_len: usize) -> Result<(Tensor, usize)> {
-        self.cached_list((per_item, min_len), |items| {
+        self.cached_list(ListKey::Work { per_item, min_len }, |items| {
             // (keys seen by the item's last query, sequence, start): the longest items go first so
             // the launch does not end on a tail of them
             let mut list = Vec::new();
@@ -193,7 +206,7 @@ impl AttentionMetadata {
     /// `[num_decode]` u32: the sequences with exactly one query token.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn decode_seqs(&self) -> Result<(Tensor, usize)> {
-        self.cached_list((0, 0), |items| {
+        self.cached_list(ListKey::Decode, |items| {
             items.extend(
                 (0..self.num_seqs())
                     .filter(|&s| self.query_len(s) == 1)
@@ -207,7 +220,7 @@ impl AttentionMetadata {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn cached_list(
         &self,
-        key: (usize, usize),
+        key: ListKey,
         build: impl FnOnce(&mut Vec<u32>) -> usize,
     ) -> Result<(Tensor, usize)> {
         let mut cache = self

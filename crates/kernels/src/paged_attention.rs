@@ -278,17 +278,163 @@ pub fn prefill_shared_bytes(head_dim: usize) -> usize {
     32768 * (head_dim + 8) / head_dim
 }
 
+/// Keys per chunk of the decode kernel (`kChunk` in `csrc/decode.cu`).
+const DECODE_CHUNK: usize = 256;
+
+/// Dynamic shared memory of the decode kernel instantiated for `group_bucket` heads per KV head:
+/// scaled queries, one chunk's scores per head, three running statistics per head, slots.
+pub fn decode_shared_bytes(group_bucket: usize, head_dim: usize) -> usize {
+    let g = group_bucket;
+    4 * (g * head_dim + g * DECODE_CHUNK + 3 * g + DECODE_CHUNK)
+}
+
 #[cfg(feature = "cuda")]
-fn multiprocessors(dev: &candle_core::CudaDevice) -> usize {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    use std::sync::OnceLock;
-    static COUNT: OnceLock<usize> = OnceLock::new();
-    *COUNT.get_or_init(|| {
-        dev.cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_or(132, |n| n.max(1) as usize)
-    })
+mod launch {
+    //! The CUDA launches of [`super::PagedAttention`]: the operands every attention kernel takes
+    //! first, and the split buffers the decode and generic kernels take last.
+    use crate::cuda::function;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDevice, WrapErr};
+    use candle_core::Result;
+
+    /// The multiprocessor count of the first GPU asked (one kind of GPU per process).
+    pub fn multiprocessors(dev: &CudaDevice) -> usize {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        use std::sync::OnceLock;
+        static COUNT: OnceLock<usize> = OnceLock::new();
+        *COUNT.get_or_init(|| {
+            dev.cuda_stream()
+                .context()
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_or(132, |n| n.max(1) as usize)
+        })
+    }
+
+    /// Output, q, caches and metadata, then a sequence or work list, then kernel-specific ints,
+    /// then scale, window and q's token stride: the leading arguments of every attention kernel.
+    pub struct Operands<'a, T> {
+        pub q: CudaView<'a, T>,
+        pub q_stride: i64,
+        pub k: &'a CudaSlice<T>,
+        pub v: &'a CudaSlice<T>,
+        pub tables: &'a CudaSlice<u32>,
+        pub lens: &'a CudaSlice<u32>,
+        pub starts: &'a CudaSlice<u32>,
+        pub scale: f32,
+        pub window: i32,
+    }
+
+    impl<T: DeviceRepr> Operands<'_, T> {
+        pub fn args<'b>(
+            &'b self,
+            stream: &'b CudaStream,
+            func: &'b candle_core::cuda_backend::cudarc::driver::CudaFunction,
+            out: &'b mut CudaSlice<T>,
+            list: &'b CudaSlice<u32>,
+            ints: &'b [i32],
+        ) -> LaunchArgs<'b> {
+            let mut b = stream.launch_builder(func);
+            b.arg(out)
+                .arg(&self.q)
+                .arg(self.k)
+                .arg(self.v)
+                .arg(self.tables)
+                .arg(self.lens)
+                .arg(self.starts)
+                .arg(list);
+            for v in ints {
+                b.arg(v);
+            }
+            b.arg(&self.scale).arg(&self.window).arg(&self.q_stride);
+            b
+        }
+    }
+
+    /// Flash-decoding partials: per (split, token, head) row an unnormalised accumulator and
+    /// (max, sum); one-element placeholders when the launch does not split.
+    pub struct Splits {
+        pub count: usize,
+        keys: i32,
+        rows: i64,
+        acc: CudaSlice<f32>,
+        ml: CudaSlice<f32>,
+    }
+
+    impl Splits {
+        /// Buffers for slices of `keys` keys (0: no split) of contexts up to `max_context`.
+        pub fn new(
+            dev: &CudaDevice,
+            keys: usize,
+            max_context: usize,
+            rows: usize,
+            d: usize,
+        ) -> Result<Self> {
+            let count = if keys > 0 {
+                max_context.div_ceil(keys)
+            } else {
+                1
+            };
+            let n = if count > 1 { count * rows } else { 1 };
+            // SAFETY: a splitting launch writes every (split, row) entry that the merge reads;
+            // a launch that does not split never touches them.
+            let (acc, ml) = unsafe { (dev.alloc::<f32>(n * d)?, dev.alloc::<f32>(n * 2)?) };
+            Ok(Self {
+                count,
+                keys: if count > 1 { keys as i32 } else { 0 },
+                rows: rows as i64,
+                acc,
+                ml,
+            })
+        }
+
+        /// The trailing arguments: keys per split (0: none), rows, the partial buffers.
+        pub fn push<'b>(&'b mut self, b: &mut LaunchArgs<'b>) {
+            b.arg(&self.keys)
+                .arg(&self.rows)
+                .arg(&mut self.acc)
+                .arg(&mut self.ml);
+        }
+
+        /// Merges the partials into `out` when the launch split.
+        pub fn merge<T: DeviceRepr>(
+            &self,
+            dev: &CudaDevice,
+            suffix: &str,
+            out: &mut CudaSlice<T>,
+            d: usize,
+        ) -> Result<()> {
+            if self.count <= 1 {
+                return Ok(());
+            }
+            if self.count > 512 {
+                candle_core::bail!(
+                    "paged_attention: {} key splits (the merge takes 512)",
+                    self.count
+                );
+            }
+            let combine = function(dev, &format!("paged_attention_combine_{suffix}"))?;
+            let stream = dev.cuda_stream();
+            let mut c = stream.launch_builder(&combine);
+            let (splits_i, d_i) = (self.count as i32, d as i32);
+            c.arg(out)
+                .arg(&self.acc)
+                .arg(&self.ml)
+                .arg(&splits_i)
+                .arg(&self.rows)
+                .arg(&d_i);
+            let cfg = LaunchConfig {
+                grid_dim: (self.rows as u32, 1, 1),
+                block_dim: (d.min(128) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
+            // written by the split launch before it; at most 512 splits.
+            unsafe { c.launch(cfg) }.w()?;
+            Ok(())
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -301,12 +447,12 @@ impl PagedAttention<'_> {
     where
         T: candle_core::cuda_backend::CudaDType
             + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr
-            + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
         use crate::cuda::{cuda_slice, dtype_suffix, function, token_rows};
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         use candle_core::cuda_backend::WrapErr;
+        use launch::{multiprocessors, Operands, Splits};
 
         let dims = ql.dims();
         let (num_tokens, num_heads, d) = (dims[0], dims[1], dims[2]);
@@ -322,23 +468,23 @@ impl PagedAttention<'_> {
         if total_rows == 0 {
             return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
         }
-        let max_ctx = self.meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
-        let num_seqs = self.meta.num_seqs();
-        let decode_bucket = decode_group_bucket(group).filter(|_| (d * elem) % 16 == 0);
+        let meta = self.meta;
+        let max_ctx = meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
+        let num_seqs = meta.num_seqs();
+        let decode_bucket = decode_group_bucket(group).filter(|_| (d * elem) % 16 == 0 && d <= 256);
         let n_dec = if decode_bucket.is_some() {
-            self.meta.decode_count()
+            meta.num_decode()
         } else {
             0
         };
-        let q_start = ql.start_offset();
         let tensor_core = elem == 2
             && PREFILL_HEAD_DIMS.contains(&d)
             && group <= 64
             && bs.is_power_of_two()
-            && q_start % 8 == 0
+            && ql.start_offset() % 8 == 0
             && ql.stride()[0] % 8 == 0;
 
-        let arrays = self.meta.device_arrays()?;
+        let arrays = meta.device_arrays()?;
         let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;
         let (kg, kl) = self.k_cache.storage_and_layout();
         let (vg, vl) = self.v_cache.storage_and_layout();
@@ -351,53 +497,24 @@ impl PagedAttention<'_> {
         let (tg, _) = arrays.block_tables.storage_and_layout();
         let (lg, _) = arrays.seq_lens.storage_and_layout();
         let (sg, _) = arrays.query_start_loc.storage_and_layout();
-        let kc = cuda_slice::<T>(&kg, "k_cache")?;
-        let vc = cuda_slice::<T>(&vg, "v_cache")?;
-        let tables = cuda_slice::<u32>(&tg, "block_tables")?;
-        let lens = cuda_slice::<u32>(&lg, "seq_lens")?;
-        let starts = cuda_slice::<u32>(&sg, "query_start_loc")?;
+        let ops = Operands {
+            q: q_view,
+            q_stride,
+            k: cuda_slice::<T>(&kg, "k_cache")?,
+            v: cuda_slice::<T>(&vg, "v_cache")?,
+            tables: cuda_slice::<u32>(&tg, "block_tables")?,
+            lens: cuda_slice::<u32>(&lg, "seq_lens")?,
+            starts: cuda_slice::<u32>(&sg, "query_start_loc")?,
+            scale: self.params.scale,
+            window: self.params.sliding_window.map_or(0, |w| w as i32),
+        };
         let stream = dev.cuda_stream();
-        let window = self.params.sliding_window.map_or(0, |w| w as i32);
-        let rows_i = total_rows as i64;
         let ints = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
         let sms = multiprocessors(&dev);
-
-        // split partials (flash-decoding), shared by the decode and the generic kernel's split
-        let merge = |out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
-                     part_acc: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
-                     part_ml: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
-                     splits: usize|
-         -> Result<()> {
-            if splits > 512 {
-                candle_core::bail!("paged_attention: {splits} key splits (the merge takes 512)");
-            }
-            let combine = function(&dev, &format!("paged_attention_combine_{suffix}"))?;
-            let mut c = stream.launch_builder(&combine);
-            let (splits_i, d_i) = (splits as i32, d as i32);
-            c.arg(out)
-                .arg(part_acc)
-                .arg(part_ml)
-                .arg(&splits_i)
-                .arg(&rows_i)
-                .arg(&d_i);
-            let cfg = LaunchConfig {
-                grid_dim: (total_rows as u32, 1, 1),
-                block_dim: (d.min(128) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
-            // written by the split launch before it.
-            unsafe { c.launch(cfg) }.w()?;
-            Ok(())
-        };
-        let partials = |splits: usize| -> Result<_> {
-            let n = if splits > 1 { splits * total_rows } else { 1 };
-            // SAFETY: the split kernels write every (split, row) entry the merge reads
-            Ok(unsafe { (dev.alloc::<f32>(n * d)?, dev.alloc::<f32>(n * 2)?) })
-        };
+        let width = meta.width;
 
         if let (Some(g), true) = (decode_bucket, n_dec > 0) {
-            let (seqs, _) = self.meta.decode_seqs()?;
+            let (seqs, _) = meta.decode_seqs()?;
             let (seqs_g, _) = seqs.storage_and_layout();
             let seqs_s = cuda_slice::<u32>(&seqs_g, "decode sequences")?;
             // only a decode-only step splits: the merge rewrites every row of the step
@@ -406,45 +523,23 @@ impl PagedAttention<'_> {
             } else {
                 0
             };
-            let splits = if split_keys > 0 {
-                max_ctx.div_ceil(split_keys)
-            } else {
-                1
-            };
-            let (mut part_acc, mut part_ml) = partials(splits)?;
+            let mut splits = Splits::new(&dev, split_keys, max_ctx, total_rows, d)?;
             let func = function(&dev, &format!("paged_decode_g{g}_{suffix}"))?;
-            let mut b = stream.launch_builder(&func);
-            b.arg(&mut out)
-                .arg(&q_view)
-                .arg(kc)
-                .arg(vc)
-                .arg(tables)
-                .arg(lens)
-                .arg(starts)
-                .arg(seqs_s);
-            let iv = ints(&[self.meta.width, num_heads, kvh, d, bs]);
-            for v in &iv {
-                b.arg(v);
-            }
-            let split_i = if splits > 1 { split_keys as i32 } else { 0 };
-            b.arg(&self.params.scale)
-                .arg(&window)
-                .arg(&q_stride)
-                .arg(&split_i)
-                .arg(&rows_i)
-                .arg(&mut part_acc)
-                .arg(&mut part_ml);
+            let iv = ints(&[width, num_heads, kvh, d, bs]);
             let cfg = LaunchConfig {
-                grid_dim: (n_dec as u32, kvh as u32, splits as u32),
+                grid_dim: (n_dec as u32, kvh as u32, splits.count as u32),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: (4 * (g * d + g * 256 + 3 * g + 256)) as u32,
+                shared_mem_bytes: decode_shared_bytes(g, d) as u32,
             };
-            // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` in
-            // csrc/decode.cu; the group fits G, rows are 16-byte multiples, metadata validated.
-            unsafe { b.launch(cfg) }.w()?;
-            if splits > 1 {
-                merge(&mut out, &part_acc, &part_ml, splits)?;
+            {
+                let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
+                splits.push(&mut b);
+                // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` in
+                // csrc/decode.cu; the group fits G, rows are 16-byte multiples, metadata
+                // validated.
+                unsafe { b.launch(cfg) }.w()?;
             }
+            splits.merge(&dev, suffix, &mut out, d)?;
         }
         if n_dec == num_seqs {
             return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
@@ -453,24 +548,12 @@ impl PagedAttention<'_> {
         let min_len = if decode_bucket.is_some() { 2 } else { 1 };
         if tensor_core {
             let per = (64 / group).max(1);
-            let (work, num_work) = self.meta.work_items(per, min_len)?;
+            let (work, num_work) = meta.work_items(per, min_len)?;
             let (wg, _) = work.storage_and_layout();
             let items = cuda_slice::<u32>(&wg, "work")?;
             let func = function(&dev, &format!("paged_prefill_d{d}_{suffix}"))?;
-            let mut b = stream.launch_builder(&func);
-            b.arg(&mut out)
-                .arg(&q_view)
-                .arg(kc)
-                .arg(vc)
-                .arg(tables)
-                .arg(lens)
-                .arg(starts)
-                .arg(items);
-            let iv = ints(&[self.meta.width, num_heads, kvh, bs, per]);
-            for v in &iv {
-                b.arg(v);
-            }
-            b.arg(&self.params.scale).arg(&window).arg(&q_stride);
+            let iv = ints(&[width, num_heads, kvh, bs, per]);
+            let mut b = ops.args(&stream, &func, &mut out, items, &iv);
             let cfg = LaunchConfig {
                 grid_dim: (num_work as u32, kvh as u32, 1),
                 block_dim: (128, 1, 1),
@@ -482,32 +565,19 @@ impl PagedAttention<'_> {
             return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
         }
         let plan = LaunchPlan::new(num_heads, kvh, d, elem)?;
-        let (work, num_work) = self.meta.work_items(plan.queries_per_cta, min_len)?;
+        let (work, num_work) = meta.work_items(plan.queries_per_cta, min_len)?;
+        // the generic kernel splits only when it has every row (its merge rewrites them all)
         let split_keys = if decode_bucket.is_none() {
             plan.split_keys(num_work, max_ctx, sms)
         } else {
             0
         };
-        let splits = if split_keys > 0 {
-            max_ctx.div_ceil(split_keys)
-        } else {
-            1
-        };
-        let (mut part_acc, mut part_ml) = partials(splits)?;
+        let mut splits = Splits::new(&dev, split_keys, max_ctx, total_rows, d)?;
         let (wg, _) = work.storage_and_layout();
         let items = cuda_slice::<u32>(&wg, "work")?;
         let func = function(&dev, &format!("paged_attention_{suffix}"))?;
-        let mut b = stream.launch_builder(&func);
-        b.arg(&mut out)
-            .arg(&q_view)
-            .arg(kc)
-            .arg(vc)
-            .arg(tables)
-            .arg(lens)
-            .arg(starts)
-            .arg(items);
         let iv = ints(&[
-            self.meta.width,
+            width,
             num_heads,
             kvh,
             d,
@@ -517,29 +587,20 @@ impl PagedAttention<'_> {
             plan.rows_cap,
             plan.tile_keys,
         ]);
-        for v in &iv {
-            b.arg(v);
-        }
-        let split_i = if splits > 1 { split_keys as i32 } else { 0 };
-        b.arg(&self.params.scale)
-            .arg(&window)
-            .arg(&q_stride)
-            .arg(&split_i)
-            .arg(&rows_i)
-            .arg(&mut part_acc)
-            .arg(&mut part_ml);
         let cfg = LaunchConfig {
-            grid_dim: (num_work as u32, plan.grid_y as u32, splits as u32),
+            grid_dim: (num_work as u32, plan.grid_y as u32, splits.count as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: plan.shared_bytes as u32,
         };
-        // SAFETY: argument order and types match `paged_attention_<dtype>` in
-        // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
-        // partial buffers hold `splits` rows per (token, head) when split.
-        unsafe { b.launch(cfg) }.w()?;
-        if splits > 1 {
-            merge(&mut out, &part_acc, &part_ml, splits)?;
+        {
+            let mut b = ops.args(&stream, &func, &mut out, items, &iv);
+            splits.push(&mut b);
+            // SAFETY: argument order and types match `paged_attention_<dtype>` in
+            // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
+            // partial buffers hold `splits` rows per (token, head) when split.
+            unsafe { b.launch(cfg) }.w()?;
         }
+        splits.merge(&dev, suffix, &mut out, d)?;
         Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)))
     }
 }
