@@ -3,11 +3,14 @@
 #   make cuda         target/cuda/release/rserve and the wheel in target/cuda/wheels
 #   make gpu-bundle   the binary and the CUDA test binaries in target/gpu-bundle, for scripts/gpu/check.sh
 #   make cuda-check   compile-check the cuda feature (what CI runs)
+#   make kbench       the kernel micro-benchmark (benchmarks/gpu/kbench.cu) in target/kbench, nvcc only
+#   make gpu-pack     the bundle and kbench in one gzipped tar, target/gpu-pack/bundle.tgz, small
+#                     enough to carry to a GPU machine (unpack there with tar xzf ... -C target)
 SHELL := /bin/bash
 CUDA_ENV = eval "$$(scripts/cuda-toolchain.sh)" && export CARGO_TARGET_DIR=$(CURDIR)/target/cuda
 BUNDLE := target/gpu-bundle
 
-.PHONY: cuda cuda-binary cuda-wheel cuda-check gpu-bundle
+.PHONY: cuda cuda-binary cuda-wheel cuda-check gpu-bundle kbench gpu-pack
 
 cuda: cuda-binary cuda-wheel
 
@@ -31,3 +34,12 @@ gpu-bundle: cuda-binary
 	while read -r exe; do name=$$(basename "$$exe"); cp "$$exe" "$(BUNDLE)/$${name%-*}"; done <target/cuda/test-binaries.txt
 	strip $(BUNDLE)/*
 	ls -la $(BUNDLE)
+
+kbench:
+	eval "$$(scripts/cuda-toolchain.sh)" && mkdir -p target/kbench && \
+	  nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I crates/kernels/csrc \
+	  benchmarks/gpu/kbench.cu -L"$$CUDA_HOME/lib" -lcublas -o target/kbench/kbench
+
+gpu-pack: gpu-bundle kbench
+	mkdir -p target/gpu-pack && tar czf target/gpu-pack/bundle.tgz -C target gpu-bundle kbench
+	ls -la target/gpu-pack

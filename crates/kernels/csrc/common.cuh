@@ -52,9 +52,13 @@ template <> struct Vec16<__nv_bfloat16>
     : Vec16Half<__nv_bfloat16, __nv_bfloat162, rserve_bf162_to_f2> {};
 template <> struct Vec16<__half> : Vec16Half<__half, __half2, rserve_h2_to_f2> {};
 
-// Loads 16 bytes at p (16-byte aligned) as floats.
+// Loads 16 bytes at p (16-byte aligned, not written during the kernel) as floats, in one
+// 128-bit load through the read-only path.
+template <typename T> __device__ __forceinline__ uint4 ldg16(const T* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
 template <typename T> __device__ __forceinline__ void load16(const T* p, float* f) {
-  Vec16<T>::unpack(*reinterpret_cast<const uint4*>(p), f);
+  Vec16<T>::unpack(ldg16(p), f);
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -68,6 +72,15 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// Programmatic dependent launch (sm_90). A kernel launched with programmatic stream
+// serialization may start while the kernel before it in the stream is still running: it must call
+// pdl_wait() before it reads anything that kernel writes and before it writes anything at all
+// (its output may reuse memory the earlier kernel still reads); what no kernel writes (weights)
+// it may read before. pdl_trigger() lets such a dependent kernel start launching early. Both are
+// no-ops when the launch did not ask for it.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
 // One instantiation per dtype, named `<name>_<f32|bf16|f16>`.
 #define RSERVE_FOR_DTYPES(M) M(float, f32) M(__nv_bfloat16, bf16) M(__half, f16)

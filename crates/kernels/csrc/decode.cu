@@ -6,8 +6,8 @@
 // broadcast from shared memory; the chunk's softmax runs one warp per head (online across chunks);
 // for P.V each thread owns 16 bytes of output columns and a stream of keys, so a V row is read by
 // a few threads in 16-byte pieces and each thread keeps several rows in flight; the streams' sums
-// meet in shared memory. With a key split the unnormalised partial results go to the
-// same buffers as paged_attention's split, merged by paged_attention_combine.
+// meet through warp shuffles, then shared memory. With a key split the unnormalised partial
+// results go to the same buffers as paged_attention's split, merged by paged_attention_combine.
 //
 // Host guarantees: head_dim * sizeof(T) is a multiple of 16 and head_dim <= 256; the group of
 // query heads per KV head is <= G; every listed sequence has exactly one query token.
@@ -19,7 +19,8 @@ namespace {
 constexpr int kDecThreads = 128;
 constexpr int kChunk = 256;
 
-template <typename T, int G>
+// KU / VU: 16-byte K-row and V-row loads a thread issues before using any of them.
+template <typename T, int G, int KU = 4, int VU = 8>
 __device__ void paged_decode_impl(
     T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
@@ -45,6 +46,7 @@ __device__ void paged_decode_impl(
     k_end = min(ctx, ((int)blockIdx.z + 1) * split_keys);
   }
 
+  pdl_trigger();  // without a split, the o product may start streaming its weights
   extern __shared__ float smem[];
   float* sq = smem;                 // [G, D] scaled queries (zero past the group)
   float* ss = sq + G * D;           // [G, kChunk] scores, then probabilities; end-of-run scratch
@@ -93,20 +95,28 @@ __device__ void paged_decode_impl(
       float s[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
-#pragma unroll 4
-      for (int c = 0; c < D; c += VN) {
-        float f[VN];
-        load16(kr + c, f);
+      for (int c0 = 0; c0 < D; c0 += KU * VN) {
+        uint4 raw[KU];  // all KU loads issued before any is used
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float* qg = sq + g * D + c;
+        for (int u = 0; u < KU; ++u)
+          raw[u] = c0 + u * VN < D ? ldg16(kr + c0 + u * VN) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-          for (int e = 0; e < VN; e += 4) {
-            const float4 qv = *reinterpret_cast<const float4*>(qg + e);
-            s[g] = fmaf(qv.x, f[e], s[g]);
-            s[g] = fmaf(qv.y, f[e + 1], s[g]);
-            s[g] = fmaf(qv.z, f[e + 2], s[g]);
-            s[g] = fmaf(qv.w, f[e + 3], s[g]);
+        for (int u = 0; u < KU; ++u) {
+          const int c = c0 + u * VN;
+          if (c >= D) break;
+          float f[VN];
+          Vec16<T>::unpack(raw[u], f);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float* qg = sq + g * D + c;
+#pragma unroll
+            for (int e = 0; e < VN; e += 4) {
+              const float4 qv = *reinterpret_cast<const float4*>(qg + e);
+              s[g] = fmaf(qv.x, f[e], s[g]);
+              s[g] = fmaf(qv.y, f[e + 1], s[g]);
+              s[g] = fmaf(qv.z, f[e + 2], s[g]);
+              s[g] = fmaf(qv.w, f[e + 3], s[g]);
+            }
           }
         }
       }
@@ -146,29 +156,57 @@ __device__ void paged_decode_impl(
       for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int e = 0; e < VN; ++e) acc[g][e] *= sc[g];
-#pragma unroll 4
-      for (int kk = st; kk < nk; kk += streams) {
-        float v[VN];
-        load16(vbase + (size_t)sslot[kk] * row_stride + cv * VN, v);
+      for (int k0 = st; k0 < nk; k0 += streams * VU) {
+        uint4 raw[VU];  // all VU rows' loads issued before any is used
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float p = ss[g * kChunk + kk];
+        for (int u = 0; u < VU; ++u) {
+          const int kk = k0 + u * streams;
+          raw[u] = kk < nk ? ldg16(vbase + (size_t)sslot[kk] * row_stride + cv * VN)
+                           : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-          for (int e = 0; e < VN; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+        for (int u = 0; u < VU; ++u) {
+          const int kk = k0 + u * streams;
+          if (kk >= nk) break;
+          float v[VN];
+          Vec16<T>::unpack(raw[u], v);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float p = ss[g * kChunk + kk];
+#pragma unroll
+            for (int e = 0; e < VN; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+          }
         }
       }
     }
   }
 
-  // sum the key streams into the score buffer (G * D <= G * kChunk floats), then write
-  __syncthreads();
-  for (int i = tid; i < G * D; i += kDecThreads) ss[i] = 0.f;
-  __syncthreads();
-  if (active) {
+  // Sum the key streams into the score buffer (G * D <= G * kChunk floats). When tpk divides 32
+  // a warp holds 32 / tpk whole streams, lanes tpk apart owning the same columns: shuffles fold
+  // them and the warps add their sums one after another; otherwise the streams add one after
+  // another.
+  const bool fold = tpk < 32 && 32 % tpk == 0;
+  if (fold) {
+    for (int o = tpk; o < 32; o <<= 1) {
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+      for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int e = 0; e < VN; ++e) atomicAdd(ss + g * D + cv * VN + e, acc[g][e]);
+        for (int e = 0; e < VN; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+    }
+  }
+  const int rounds = fold ? kDecThreads / 32 : streams;
+  const int turn = fold ? (lane < tpk ? warp : -1) : (active ? st : -1);
+  for (int r = 0; r < rounds; ++r) {
+    __syncthreads();
+    if (turn == r) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < VN; ++e) {
+          float* dst = ss + g * D + cv * VN + e;
+          *dst = r == 0 ? acc[g][e] : *dst + acc[g][e];
+        }
+    }
   }
   __syncthreads();
   for (int i = tid; i < group * D; i += kDecThreads) {

@@ -1,10 +1,12 @@
 // Fused element-wise kernels of the decoder layer: SiLU-and-multiply, residual-add + RMSNorm, and
-// rotary embedding of the q and k heads of a fused qkv tensor, in place. All compute in f32.
+// rotary embedding of the q and k heads of a fused qkv tensor, in place (alone or with the new
+// keys and values written into the paged cache). All compute in f32.
 #include "common.cuh"
 
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [tokens, 2 * I], out: [tokens, I].
 template <typename T>
 __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu, long n, int inter) {
+  pdl_trigger();  // the down product may start streaming its weights
   for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
     const long row = idx / inter;
     const int c = idx % inter;
@@ -19,6 +21,7 @@ __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu,
 template <typename T>
 __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
                                   const T* __restrict__ w, int tokens, int hidden, float eps) {
+  pdl_trigger();  // the next product may start streaming its weights
   __shared__ float partial[32];
   const long row = blockIdx.x;
   T* sum = out + row * hidden;
@@ -69,6 +72,46 @@ __device__ void rotary_qk_impl(T* __restrict__ qkv, const uint32_t* __restrict__
   }
 }
 
+// rotary_qk and the cache write in one launch, one CTA per token: q heads rotate in place, k
+// heads rotate in place and into k_cache at the token's slot, v heads are copied into v_cache
+// (caches [slots, kv_heads * D]; a negative slot skips the writes, others were validated).
+template <typename T>
+__device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
+                                     const T* __restrict__ cos, const T* __restrict__ sin,
+                                     int heads, int kv_heads, int head_dim, long row_stride,
+                                     T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                     const int64_t* __restrict__ slots) {
+  const int half = head_dim / 2;
+  const long pos = positions[blockIdx.x];
+  const int64_t slot = slots[blockIdx.x];
+  const long kv_row = (long)kv_heads * head_dim;
+  T* row = qkv + (long)blockIdx.x * row_stride;
+  T* kd = slot >= 0 ? k_cache + slot * kv_row : nullptr;
+  T* vd = slot >= 0 ? v_cache + slot * kv_row : nullptr;
+  const T* c = cos + pos * half;
+  const T* s = sin + pos * half;
+  const int rotated = (heads + kv_heads) * half;
+  for (int i = threadIdx.x; i < rotated + kv_row; i += blockDim.x) {
+    if (i < rotated) {
+      const int h = i / half, j = i % half;
+      T* p = row + (long)h * head_dim;
+      const float x1 = to_f32(p[j]), x2 = to_f32(p[j + half]);
+      const float cj = to_f32(c[j]), sj = to_f32(s[j]);
+      const T y1 = from_f32<T>(x1 * cj - x2 * sj), y2 = from_f32<T>(x2 * cj + x1 * sj);
+      p[j] = y1;
+      p[j + half] = y2;
+      if (h >= heads && kd) {
+        T* k = kd + (long)(h - heads) * head_dim;
+        k[j] = y1;
+        k[j + half] = y2;
+      }
+    } else if (vd) {
+      const long v = i - rotated;
+      vd[v] = row[(long)(heads + kv_heads) * head_dim + v];
+    }
+  }
+}
+
 #define FUSED_OPS(T, NAME)                                                                         \
   extern "C" __global__ void silu_and_mul_##NAME(T* out, const T* gu, long n, int inter) {         \
     silu_and_mul_impl<T>(out, gu, n, inter);                                                       \
@@ -81,5 +124,11 @@ __device__ void rotary_qk_impl(T* __restrict__ qkv, const uint32_t* __restrict__
                                               const T* sin, int rotated_heads, int head_dim,       \
                                               long row_stride) {                                   \
     rotary_qk_impl<T>(qkv, positions, cos, sin, rotated_heads, head_dim, row_stride);              \
+  }                                                                                                \
+  extern "C" __global__ void rotary_qk_cache_##NAME(                                               \
+      T* qkv, const uint32_t* positions, const T* cos, const T* sin, int heads, int kv_heads,      \
+      int head_dim, long row_stride, T* k_cache, T* v_cache, const int64_t* slots) {               \
+    rotary_qk_cache_impl<T>(qkv, positions, cos, sin, heads, kv_heads, head_dim, row_stride,       \
+                            k_cache, v_cache, slots);                                              \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)

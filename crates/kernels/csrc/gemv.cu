@@ -1,87 +1,103 @@
-// y = x W^T for a few rows of x (decode batches): bandwidth-bound, so each warp streams two rows
-// of W with 16-byte loads (a warp reads 512 contiguous bytes per row per step, several steps in
-// flight), multiplies them with every row of x (read through L1, shared by all warps) and reduces
-// across the warp. x: [m, k], W: [n, k], y: [m, n], all contiguous; k a multiple of 8, m <= M.
+// y = x W^T for a few rows of x (decode batches): bound by reading W once. One CTA owns R rows of
+// W and spreads k over all its threads: each thread issues U * R 16-byte weight loads (a CTA
+// reads R contiguous 4 KB runs per step) before using any, multiplies them with every row of x
+// (read through L1, shared by the CTA's rows), and the CTA reduces through warp shuffles and
+// shared memory. Compared with a warp per row this keeps more bytes in flight per thread and
+// reads x once per R rows. x: [m, k], W: [n, k], y: [m, n], all contiguous; k a multiple of 8,
+// m <= M. Launch: ceil(n / R) CTAs of NT threads (the host's table in gemv.rs).
 #include "common.cuh"
 
 namespace {
 
-constexpr int kGemvThreads = 256;
-constexpr int kGemvRowsPerWarp = 2;
+constexpr int kGemvRows = 4;  // R
+constexpr int kGemvSteps = 2;  // U
 
-template <typename T, int M>
+template <typename T, int M, int R, int U, int NT>
 __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,
                           int m, int n, int k) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.x * (kGemvThreads / 32) + warp) * kGemvRowsPerWarp;
-  if (row0 >= n) return;
-  const int rows = min(kGemvRowsPerWarp, n - row0);
-  float acc[kGemvRowsPerWarp][M];
+  const int tid = threadIdx.x;
+  const int row0 = blockIdx.x * R;
+  const int rows = min(R, n - row0);
+  const int chunks = k / 8;  // 16-byte chunks per row
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* wr[R];
 #pragma unroll
-  for (int r = 0; r < kGemvRowsPerWarp; ++r)
+  for (int r = 0; r < R; ++r)
+    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + min(r, rows - 1)) * k);
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)row0 * k);
-  const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(row0 + (rows > 1 ? 1 : 0)) * k);
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const int chunks = k / 8;  // 16-byte chunks per row
-  constexpr int U = 4;       // steps whose W loads are issued before any is used
-  for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-    uint4 wa[U], wb[U];
+  // Launched as a dependent kernel, the first weight loads overlap the previous kernel's tail:
+  // x (its output) is read, and y written, only after pdl_wait.
+  bool waited = false;
+  for (int c0 = tid; c0 < chunks; c0 += NT * U) {
+    uint4 wv[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) {
-        wa[u] = __ldcs(w0 + c);
-        wb[u] = __ldcs(w1 + c);
-      }
+      const int c = c0 + NT * u;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? __ldcs(wr[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+    if (!waited) {
+      pdl_wait();
+      waited = true;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c0 + 32 * u;
+      const int c = c0 + NT * u;
       if (c >= chunks) break;
-      float a[8], b[8];
-      Vec16<T>::unpack(wa[u], a);
-      Vec16<T>::unpack(wb[u], b);
+      float xf[M][8];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        if (i < m) {
-          float xf[8];
-          Vec16<T>::unpack(__ldg(xv + (size_t)i * chunks + c), xf);
+        if (i < m) Vec16<T>::unpack(__ldg(xv + (size_t)i * chunks + c), xf[i]);
+      }
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            acc[0][i] = fmaf(a[e], xf[e], acc[0][i]);
-            acc[1][i] = fmaf(b[e], xf[e], acc[1][i]);
+      for (int r = 0; r < R; ++r) {
+        float a[8];
+        Vec16<T>::unpack(wv[u][r], a);
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          if (i < m) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(a[e], xf[i][e], acc[r][i]);
           }
         }
       }
     }
   }
+
+  if (!waited) pdl_wait();
+
+  __shared__ float red[NT / 32][R * M];
+  const int lane = tid & 31, warp = tid >> 5;
 #pragma unroll
-  for (int r = 0; r < kGemvRowsPerWarp; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < M; ++i) acc[r][i] = warp_sum(acc[r][i]);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kGemvRowsPerWarp; ++r) {
-      if (r >= rows) break;
-#pragma unroll
-      for (int i = 0; i < M; ++i) {
-        if (i < m) y[(size_t)i * n + row0 + r] = from_f32<T>(acc[r][i]);
-      }
+    for (int i = 0; i < M; ++i) {
+      const float v = warp_sum(acc[r][i]);
+      if (lane == 0) red[warp][r * M + i] = v;
     }
+  __syncthreads();
+  if (tid < R * M) {
+    const int r = tid / M, i = tid % M;
+    float s = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
+    if (r < rows && i < m) y[(size_t)i * n + row0 + r] = from_f32<T>(s);
   }
 }
 
 }  // namespace
 
-#define GEMV_M(T, NAME, M)                                                                          \
-  extern "C" __global__ void __launch_bounds__(kGemvThreads) gemv_m##M##_##NAME(                    \
+// gemv_m<M>_<dtype>: NT = 256 threads for M <= 2, 128 for M = 4 (what measured fastest on H100).
+#define GEMV_M(T, NAME, M, NT)                                                                      \
+  extern "C" __global__ void __launch_bounds__(NT) gemv_m##M##_##NAME(                              \
       T* y, const T* x, const T* w, int m, int n, int k) {                                          \
-    gemv_impl<T, M>(y, x, w, m, n, k);                                                              \
+    gemv_impl<T, M, kGemvRows, kGemvSteps, NT>(y, x, w, m, n, k);                                   \
   }
-#define GEMV(T, NAME) GEMV_M(T, NAME, 1) GEMV_M(T, NAME, 2) GEMV_M(T, NAME, 4) GEMV_M(T, NAME, 8)
+#define GEMV(T, NAME) GEMV_M(T, NAME, 1, 256) GEMV_M(T, NAME, 2, 256) GEMV_M(T, NAME, 4, 128)
 GEMV(__nv_bfloat16, bf16)
 GEMV(__half, f16)

@@ -213,6 +213,7 @@ constexpr int kMaxSplits = 512;
 template <typename T>
 __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part_acc,
                              const float* __restrict__ part_ml, int splits, long total_rows, int D) {
+  pdl_trigger();  // the o product may start streaming its weights
   __shared__ float w[kMaxSplits];
   __shared__ float total;
   const long row = blockIdx.x;

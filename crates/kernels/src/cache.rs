@@ -164,19 +164,37 @@ pub fn reshape_and_cache(
     meta: &AttentionMetadata,
 ) -> Result<()> {
     let (_, kvh, d) = key.dims3()?;
-    let cd = k_cache.dims4()?;
-    if (cd.2, cd.3) != (kvh, d) || value.dims3()? != key.dims3()? || v_cache.dims4()? != cd {
+    if value.dims3()? != key.dims3()? {
         candle_core::bail!(
-            "reshape_and_cache: k {:?} v {:?} cache {:?}",
+            "reshape_and_cache: k {:?} v {:?}",
             key.shape(),
-            value.shape(),
-            k_cache.shape()
+            value.shape()
         );
     }
-    meta.check_slots(cd.0 * cd.1)?;
+    check_caches(kvh, d, k_cache, v_cache, meta)?;
     let op = WriteSlots { meta };
     k_cache.inplace_op2(&for_kernel(key)?, &op)?;
     v_cache.inplace_op2(&for_kernel(value)?, &op)
+}
+
+/// Checks that both caches are `[num_blocks, block_size, kv_heads, head_dim]` and that every slot
+/// of `meta` lies inside them.
+pub(crate) fn check_caches(
+    kv_heads: usize,
+    head_dim: usize,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+) -> Result<()> {
+    let cd = k_cache.dims4()?;
+    if (cd.2, cd.3) != (kv_heads, head_dim) || v_cache.dims4()? != cd {
+        candle_core::bail!(
+            "cache write: k cache {:?}, v cache {:?} for {kv_heads} heads of {head_dim}",
+            k_cache.shape(),
+            v_cache.shape()
+        );
+    }
+    meta.check_slots(cd.0 * cd.1)
 }
 
 struct CopyBlocks {

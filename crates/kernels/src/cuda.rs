@@ -2,10 +2,13 @@
 //! loaded once per GPU context, and helpers that borrow candle's CUDA storage as typed slices.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
+};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::{DType, Layout, Result, Storage, WithDType};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rserve_kernels.fatbin"));
@@ -20,25 +23,43 @@ pub(crate) fn dtype_suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
+/// The kernel image loaded on one GPU, and the functions looked up in it so far (a launch looks
+/// its kernel up by name; the driver lookup is paid once per name).
+struct Loaded {
+    ordinal: usize,
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
 /// The kernel `name` on `dev`'s context, loading the module on first use.
 pub(crate) fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<Vec<(usize, Arc<CudaModule>)>>> = OnceLock::new();
+    static LOADED: OnceLock<Mutex<Vec<Loaded>>> = OnceLock::new();
     let stream = dev.cuda_stream();
     let ctx = stream.context();
     let ordinal = ctx.ordinal();
-    let mut modules = MODULES
+    let mut loaded = LOADED
         .get_or_init(|| Mutex::new(Vec::new()))
         .lock()
         .map_err(|_| candle_core::Error::Msg("kernel module lock poisoned".into()))?;
-    let module = match modules.iter().find(|(o, _)| *o == ordinal) {
-        Some((_, m)) => m.clone(),
+    let i = match loaded.iter().position(|l| l.ordinal == ordinal) {
+        Some(i) => i,
         None => {
-            let m = ctx.load_module(Ptx::from_binary(FATBIN.to_vec())).w()?;
-            modules.push((ordinal, m.clone()));
-            m
+            let module = ctx.load_module(Ptx::from_binary(FATBIN.to_vec())).w()?;
+            loaded.push(Loaded {
+                ordinal,
+                module,
+                functions: HashMap::new(),
+            });
+            loaded.len() - 1
         }
     };
-    module.load_function(name).w()
+    let l = &mut loaded[i];
+    if let Some(f) = l.functions.get(name) {
+        return Ok(f.clone());
+    }
+    let f = l.module.load_function(name).w()?;
+    l.functions.insert(name.to_string(), f.clone());
+    Ok(f)
 }
 
 /// Loads the kernel image on `dev` now (startup), so the first request does not pay for it.
@@ -94,4 +115,55 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
         }
         _ => candle_core::bail!("{what}: not a CUDA tensor"),
     }
+}
+
+/// Whether weight-streaming kernels launch as programmatic dependents of the kernel before them
+/// (on unless `RSERVE_CUDA_PDL=0`): they start streaming weights while that kernel finishes.
+pub(crate) fn dependent_launch_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_PDL").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Launches `func` on `stream` as a programmatic dependent of the kernel before it in the stream
+/// (or as a plain launch when that is switched off): the kernel may start before that one ends.
+///
+/// # Safety
+/// `params` points at the kernel's arguments, in order and of the right types, alive for the
+/// call; the kernel calls `pdl_wait()` (csrc/common.cuh) before it reads anything an earlier
+/// kernel writes and before it writes anything.
+pub(crate) unsafe fn launch_dependent(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    grid: u32,
+    block: u32,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: a zeroed launch attribute is valid plain data; the id and value are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: u32::from(dependent_launch_enabled()),
+    };
+    // SAFETY: the caller's contract covers the function and its arguments; cfg and attr outlive
+    // the call.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &cfg,
+            func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .w()
 }

@@ -2,6 +2,7 @@
 //! (which is also the reference the CUDA kernels are tested against); on CUDA each is one kernel
 //! from `csrc/fused.cu`.
 
+use crate::metadata::AttentionMetadata;
 use candle_core::backend::BackendStorage;
 use candle_core::{DType, Result, Tensor};
 
@@ -77,6 +78,79 @@ pub fn rotary_qk_(
     sin: &Tensor,
     rotated_heads: usize,
 ) -> Result<()> {
+    let (pos, host) = check_rotary(qkv, positions, cos, sin, rotated_heads)?;
+    qkv.inplace_op1(&Rotary {
+        positions: &pos,
+        host_positions: host,
+        cos,
+        sin,
+        rotated_heads,
+        cache: None,
+    })
+}
+
+/// [`rotary_qk_`] of the `heads` q heads and `kv_heads` k heads of `qkv`
+/// (`[tokens, heads + 2 * kv_heads, dim]`, contiguous), then [`crate::reshape_and_cache`] of its
+/// k and v heads at the metadata's slots: one kernel on CUDA, the two ops elsewhere.
+#[allow(clippy::too_many_arguments)]
+pub fn rotary_qk_cache_(
+    qkv: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    (heads, kv_heads): (usize, usize),
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+) -> Result<()> {
+    let (t, all, d) = qkv.dims3()?;
+    if meta.slots.len() != t {
+        candle_core::bail!("rotary_qk_cache: {} slots for {t} tokens", meta.slots.len());
+    }
+    if all != heads + 2 * kv_heads {
+        candle_core::bail!(
+            "rotary_qk_cache: qkv {:?} for {heads} + 2 x {kv_heads} heads",
+            qkv.shape()
+        );
+    }
+    if qkv.device().is_cuda() {
+        let (pos, host) = check_rotary(qkv, positions, cos, sin, heads + kv_heads)?;
+        crate::cache::check_caches(kv_heads, d, k_cache, v_cache, meta)?;
+        if k_cache.dtype() != qkv.dtype() || v_cache.dtype() != qkv.dtype() {
+            candle_core::bail!("rotary_qk_cache: cache dtype differs from qkv");
+        }
+        return qkv.inplace_op1(&Rotary {
+            positions: &pos,
+            host_positions: host,
+            cos,
+            sin,
+            rotated_heads: heads + kv_heads,
+            cache: Some(CacheWrite {
+                k_cache,
+                v_cache,
+                meta,
+                heads,
+            }),
+        });
+    }
+    rotary_qk_(qkv, positions, cos, sin, heads + kv_heads)?;
+    crate::reshape_and_cache(
+        &qkv.narrow(1, heads, kv_heads)?,
+        &qkv.narrow(1, heads + kv_heads, kv_heads)?,
+        k_cache,
+        v_cache,
+        meta,
+    )
+}
+
+/// Checks the rotary operands; returns the positions as u32 and, on the CPU, on the host.
+fn check_rotary(
+    qkv: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    rotated_heads: usize,
+) -> Result<(Tensor, Vec<u32>)> {
     let (t, heads, d) = qkv.dims3()?;
     let (max_pos, half) = cos.dims2()?;
     if rotated_heads > heads || half * 2 != d || sin.dims2()? != (max_pos, half) {
@@ -98,13 +172,7 @@ pub fn rotary_qk_(
     if host.iter().any(|&p| p as usize >= max_pos) {
         candle_core::bail!("rotary_qk: a position is past the table ({max_pos})");
     }
-    qkv.inplace_op1(&Rotary {
-        positions: &pos,
-        host_positions: host,
-        cos,
-        sin,
-        rotated_heads,
-    })
+    Ok((pos, host))
 }
 
 struct Rotary<'a> {
@@ -114,6 +182,18 @@ struct Rotary<'a> {
     cos: &'a Tensor,
     sin: &'a Tensor,
     rotated_heads: usize,
+    /// Also write the rotated k heads and the v heads into the cache (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cache: Option<CacheWrite<'a>>,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct CacheWrite<'a> {
+    k_cache: &'a Tensor,
+    v_cache: &'a Tensor,
+    meta: &'a AttentionMetadata,
+    /// q heads before the k heads
+    heads: usize,
 }
 
 impl Rotary<'_> {
@@ -161,6 +241,9 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
     }
 
     fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> Result<()> {
+        if self.cache.is_some() {
+            candle_core::bail!("rotary_qk: the fused cache write is CUDA only");
+        }
         match s.dtype() {
             DType::F32 => self.cpu_run::<f32>(s, l),
             DType::BF16 => self.cpu_run::<half::bf16>(s, l),
@@ -341,32 +424,79 @@ mod cuda {
         let cos = cuda_slice::<T>(&cg, "cos")?;
         let sin = cuda_slice::<T>(&sg, "sin")?;
         let qkv = s.as_cuda_slice_mut::<T>()?;
-        let func = function(&dev, &format!("rotary_qk_{}", dtype_suffix(T::DTYPE)?))?;
         let stream = dev.cuda_stream();
+        let suffix = dtype_suffix(T::DTYPE)?;
+        let stride = (heads * d) as i64;
+        let Some(cw) = &op.cache else {
+            let func = function(&dev, &format!("rotary_qk_{suffix}"))?;
+            let mut b = stream.launch_builder(&func);
+            let (rh, hd) = (op.rotated_heads as i32, d as i32);
+            b.arg(qkv)
+                .arg(positions)
+                .arg(cos)
+                .arg(sin)
+                .arg(&rh)
+                .arg(&hd)
+                .arg(&stride);
+            let cfg = LaunchConfig {
+                grid_dim: (t as u32, 1, 1),
+                block_dim: (block_threads(op.rotated_heads * d / 2, 512), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu; positions index tables of
+            // max_positions rows (the model never schedules a position past max_model_len).
+            unsafe { b.launch(cfg) }.w()?;
+            return Ok(());
+        };
+        let kv_heads = op.rotated_heads - cw.heads;
+        let (kg, kl) = cw.k_cache.storage_and_layout();
+        let (vg, vl) = cw.v_cache.storage_and_layout();
+        if !kl.is_contiguous()
+            || kl.start_offset() != 0
+            || !vl.is_contiguous()
+            || vl.start_offset() != 0
+        {
+            candle_core::bail!("rotary_qk_cache: the caches must be whole contiguous tensors");
+        }
+        let k_cache = cuda_slice::<T>(&kg, "k_cache")?;
+        let v_cache = cuda_slice::<T>(&vg, "v_cache")?;
+        let arrays = cw.meta.device_arrays()?;
+        let (sg, _) = arrays.slots.storage_and_layout();
+        let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
+        let func = function(&dev, &format!("rotary_qk_cache_{suffix}"))?;
         let mut b = stream.launch_builder(&func);
-        let (rh, hd, stride) = (op.rotated_heads as i32, d as i32, (heads * d) as i64);
+        let (h, kvh, hd) = (cw.heads as i32, kv_heads as i32, d as i32);
         b.arg(qkv)
             .arg(positions)
             .arg(cos)
             .arg(sin)
-            .arg(&rh)
+            .arg(&h)
+            .arg(&kvh)
             .arg(&hd)
-            .arg(&stride);
+            .arg(&stride)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(slots);
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
             block_dim: (
-                (op.rotated_heads * d / 2)
-                    .next_multiple_of(32)
-                    .clamp(32, 512) as u32,
+                block_threads(op.rotated_heads * d / 2 + kv_heads * d, 1024),
                 1,
                 1,
             ),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu; positions index tables of
-        // max_positions rows (the model never schedules a position past max_model_len).
+        // SAFETY: matches `rotary_qk_cache_<dtype>` in csrc/fused.cu; positions index tables of
+        // max_positions rows; the slots were checked against both caches (same shape) on the
+        // host. The kernel writes the caches through these views: they are device memory that
+        // no host reference reads, and this stream orders the write before any attention read.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
+    }
+
+    /// Threads for `work` items per CTA: a multiple of 32 in 32..=`max`.
+    fn block_threads(work: usize, max: usize) -> u32 {
+        work.next_multiple_of(32).clamp(32, max) as u32
     }
 
     pub(super) fn rotary(op: &Rotary<'_>, s: &mut CudaStorage, l: &Layout) -> Result<()> {

@@ -471,7 +471,8 @@ impl PagedAttention<'_> {
         let meta = self.meta;
         let max_ctx = meta.seq_lens.iter().copied().max().unwrap_or(0) as usize;
         let num_seqs = meta.num_seqs();
-        let decode_bucket = decode_group_bucket(group).filter(|_| (d * elem) % 16 == 0 && d <= 256);
+        let decode_bucket =
+            decode_group_bucket(group).filter(|_| (d * elem).is_multiple_of(16) && d <= 256);
         let n_dec = if decode_bucket.is_some() {
             meta.num_decode()
         } else {
@@ -481,8 +482,8 @@ impl PagedAttention<'_> {
             && PREFILL_HEAD_DIMS.contains(&d)
             && group <= 64
             && bs.is_power_of_two()
-            && ql.start_offset() % 8 == 0
-            && ql.stride()[0] % 8 == 0;
+            && ql.start_offset().is_multiple_of(8)
+            && ql.stride()[0].is_multiple_of(8);
 
         let arrays = meta.device_arrays()?;
         let (q_view, q_stride) = token_rows::<T>(q, ql, "q")?;

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
-use rserve_kernels::rotary_qk_;
+use rserve_kernels::{rotary_qk_, rotary_qk_cache_, AttentionMetadata};
 
 /// Largest `|a - b| / max(1, |b|)`: one rounding step of the dtype at any magnitude.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -90,6 +90,25 @@ fn rotary_rejects_bad_shapes() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn rotary_cache_rejects_bad_operands() -> Result<()> {
+    let cpu = Device::Cpu;
+    let (cos, sin) = tables(8, 8, DType::F32, &cpu)?;
+    let pos = Tensor::new(&[0u32, 1], &cpu)?;
+    let cache = Tensor::zeros((2, 4, 1, 8), DType::F32, &cpu)?;
+    let meta = AttentionMetadata::new(vec![0, 1], vec![0], 1, vec![2], vec![0, 2], &cpu)?;
+    let run = |qkv: &Tensor, meta: &AttentionMetadata| {
+        rotary_qk_cache_(qkv, &pos, &cos, &sin, (2, 1), &cache, &cache.copy()?, meta)
+    };
+    // 2 q + 2 x 1 kv heads expected, 3 given
+    assert!(run(&Tensor::zeros((2, 3, 8), DType::F32, &cpu)?, &meta).is_err());
+    // one slot for two tokens
+    let qkv = Tensor::zeros((2, 4, 8), DType::F32, &cpu)?;
+    let short = AttentionMetadata::new(vec![0], vec![0], 1, vec![1], vec![0, 1], &cpu)?;
+    assert!(run(&qkv, &short).is_err());
+    run(&qkv, &meta)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
@@ -106,6 +125,82 @@ mod cuda {
     fn cuda_rotary_matches_rope_thd() -> Result<()> {
         for (dtype, tol) in CASES {
             rotary_case(&gpu(), dtype, tol.max(1e-5))?;
+        }
+        Ok(())
+    }
+
+    /// The fused rotary + cache write on the GPU against rotary_qk_ and reshape_and_cache on the
+    /// CPU: the rotated qkv and both caches (a skipped slot leaves its row untouched).
+    #[test]
+    fn cuda_rotary_cache_matches_separate_ops() -> Result<()> {
+        let (t, h, kvh, d, max_pos, blocks, bs) = (5, 4, 2, 64, 50, 4, 4);
+        let cpu = Device::Cpu;
+        let dev = gpu();
+        for (dtype, tol) in CASES {
+            let qkv = Tensor::randn(0f32, 1., (t, h + 2 * kvh, d), &cpu)?.to_dtype(dtype)?;
+            let positions = Tensor::new(&[0u32, 3, 7, 20, 49], &cpu)?;
+            let (cos, sin) = tables(max_pos, d, dtype, &cpu)?;
+            let cache = || Tensor::randn(0f32, 1., (blocks, bs, kvh, d), &cpu)?.to_dtype(dtype);
+            let (kc, vc) = (cache()?, cache()?);
+            let slots = vec![0i64, 5, -1, 14, 9];
+            let meta = |dev: &Device| {
+                AttentionMetadata::new(
+                    slots.clone(),
+                    vec![0, 1, 2, 3],
+                    4,
+                    vec![15],
+                    vec![0, 5],
+                    dev,
+                )
+            };
+            let want = (qkv.copy()?, kc.copy()?, vc.copy()?);
+            rotary_qk_cache_(
+                &want.0,
+                &positions,
+                &cos,
+                &sin,
+                (h, kvh),
+                &want.1,
+                &want.2,
+                &meta(&cpu)?,
+            )?;
+            let got = (
+                qkv.to_device(&dev)?,
+                kc.to_device(&dev)?,
+                vc.to_device(&dev)?,
+            );
+            let (dc, ds) = (cos.to_device(&dev)?, sin.to_device(&dev)?);
+            let dpos = positions.to_device(&dev)?;
+            rotary_qk_cache_(
+                &got.0,
+                &dpos,
+                &dc,
+                &ds,
+                (h, kvh),
+                &got.1,
+                &got.2,
+                &meta(&dev)?,
+            )?;
+            for (name, g, w) in [
+                ("qkv", &got.0, &want.0),
+                ("k", &got.1, &want.1),
+                ("v", &got.2, &want.2),
+            ] {
+                let err = max_err(&g.to_device(&cpu)?, w)?;
+                assert!(err <= tol.max(1e-5), "{dtype:?} {name}: max error {err}");
+            }
+            // a slot past the cache is refused before any write
+            let bad = AttentionMetadata::new(
+                vec![0, 1, 2, 3, 16],
+                vec![0, 1, 2, 3],
+                4,
+                vec![15],
+                vec![0, 5],
+                &dev,
+            )?;
+            assert!(
+                rotary_qk_cache_(&got.0, &dpos, &dc, &ds, (h, kvh), &got.1, &got.2, &bad).is_err()
+            );
         }
         Ok(())
     }

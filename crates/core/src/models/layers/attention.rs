@@ -11,7 +11,7 @@ use crate::loader::LoadError;
 use crate::model_runner::ForwardBatch;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
-use rserve_kernels::{paged_attention, reshape_and_cache, PagedAttentionParams};
+use rserve_kernels::{paged_attention, PagedAttentionParams};
 
 /// Shape and options of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -88,11 +88,8 @@ impl Attention {
             qkv = Tensor::cat(&[q, k, qkv.narrow(1, h + kvh, kvh)?], 1)?;
         }
         let qkv = qkv.contiguous()?;
-        rotary.rotate_(&qkv, &batch.positions, h + kvh)?;
+        rotary.rotate_and_cache_(&qkv, &batch.positions, (h, kvh), cache, &batch.attn)?;
         let q = qkv.narrow(1, 0, h)?;
-        let k = qkv.narrow(1, h, kvh)?;
-        let v = qkv.narrow(1, h + kvh, kvh)?;
-        reshape_and_cache(&k, &v, &cache.0, &cache.1, &batch.attn)?;
         let params = PagedAttentionParams {
             scale: 1.0 / (s.head_dim as f32).sqrt(),
             sliding_window: s.sliding_window,

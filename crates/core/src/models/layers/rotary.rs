@@ -97,6 +97,22 @@ impl RotaryEmbedding {
     pub fn rotate_(&self, qkv: &Tensor, positions: &Tensor, rotated_heads: usize) -> Result<()> {
         rserve_kernels::rotary_qk_(qkv, positions, &self.cos, &self.sin, rotated_heads)
     }
+
+    /// Rotates the q and k heads of `qkv` (`[num_tokens, heads + 2 * kv_heads, head_dim]`,
+    /// contiguous) in place and writes its k and v heads into this layer's cache at the step's
+    /// slots (one kernel on CUDA).
+    pub fn rotate_and_cache_(
+        &self,
+        qkv: &Tensor,
+        positions: &Tensor,
+        heads: (usize, usize),
+        cache: &(Tensor, Tensor),
+        meta: &rserve_kernels::AttentionMetadata,
+    ) -> Result<()> {
+        rserve_kernels::rotary_qk_cache_(
+            qkv, positions, &self.cos, &self.sin, heads, &cache.0, &cache.1, meta,
+        )
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,562 @@
+// Kernel micro-benchmark: times the decode-path kernels of rserve alone on the GPU with CUDA
+// events, at the shapes of Llama-3.1-8B and Llama-3.2-1B in bf16, and checks each candidate
+// against a plain reference. Weights and caches are spread over enough distinct copies that no
+// timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
+//
+// Build: make kbench (nvcc, no cargo); run: target/gpu-bundle/kbench [sections], sections from
+// gemv,step,attn,attn1,attn256,small,chain (default: all but attn1 and attn256, which
+// run one case each for a profiler). Output: one line per measurement.
+#include "kernels.cu"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                              \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));          \
+      exit(1);                                                                             \
+    }                                                                                      \
+  } while (0)
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------- candidates
+// The production GEMV template (csrc/gemv.cu) at other tile shapes.
+template <int M, int R, int U, int NT>
+__global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf16* w, int m, int n,
+                                                int k) {
+  gemv_impl<bf16, M, R, U, NT>(y, x, w, m, n, k);
+}
+
+// The production decode-attention template at other load depths.
+template <int KU, int VU>
+__global__ void __launch_bounds__(128) decode_cand(
+    bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache, const uint32_t* block_tables,
+    const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* seqs, int width,
+    int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window, long q_stride,
+    int split_keys, long total_rows, float* part_acc, float* part_ml) {
+  paged_decode_impl<bf16, 4, KU, VU>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
+                                     seqs, width, num_heads, kv_heads, head_dim, block_size, scale,
+                                     window, q_stride, split_keys, total_rows, part_acc, part_ml);
+}
+typedef void (*DecodeFn)(bf16*, const bf16*, const bf16*, const bf16*, const uint32_t*,
+                         const uint32_t*, const uint32_t*, const uint32_t*, int, int, int, int, int,
+                         float, int, long, int, long, float*, float*);
+struct Decode {
+  const char* name;
+  DecodeFn fn;
+};
+static const Decode kDecodes[] = {{"prod", paged_decode_g4_bf16},
+                                  {"k4v4", decode_cand<4, 4>},
+                                  {"k8v4", decode_cand<8, 4>},
+                                  {"k8v8", decode_cand<8, 8>},
+                                  {"k16v8", decode_cand<16, 8>},
+                                  {"k8v16", decode_cand<8, 16>}};
+
+__global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= n) return;
+  for (int i = 0; i < m; ++i) {
+    double s = 0;
+    for (int c = 0; c < k; ++c)
+      s += (double)__bfloat162float(x[(size_t)i * k + c]) * __bfloat162float(w[(size_t)row * k + c]);
+    y[(size_t)i * n + row] = (float)s;
+  }
+}
+
+__global__ void fill(bf16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)(i * 2654435761u) ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16(((h & 0xffff) / 65535.f - 0.5f) * scale);
+  }
+}
+
+// ---------------------------------------------------------------- harness
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+  }
+  void start() { CK(cudaEventRecord(a)); }
+  float stop_ms() {
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  }
+};
+
+static bf16* alloc_bf16(size_t n, uint32_t seed, float scale) {
+  bf16* p;
+  CK(cudaMalloc(&p, n * sizeof(bf16)));
+  fill<<<1024, 256>>>(p, n, seed, scale);
+  CK(cudaGetLastError());
+  return p;
+}
+
+typedef void (*GemvFn)(bf16*, const bf16*, const bf16*, int, int, int);
+static cublasHandle_t g_cublas;
+// A kernel, or cuBLAS (fn null): y [m, n] = x [m, k] W^T with W [n, k] row-major.
+struct Gemv {
+  std::string name;
+  GemvFn fn;
+  int rows_per_cta, threads, max_m;
+  void launch(bf16* y, const bf16* x, const bf16* w, int m, int n, int k) const {
+    if (fn) {
+      fn<<<(n + rows_per_cta - 1) / rows_per_cta, threads>>>(y, x, w, m, n, k);
+      return;
+    }
+    const float one = 1.f, zero = 0.f;
+    const cublasStatus_t st =
+        cublasGemmEx(g_cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16BF, k, x,
+                     CUDA_R_16BF, k, &zero, y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      fprintf(stderr, "cublasGemmEx: %d\n", (int)st);
+      exit(1);
+    }
+  }
+};
+
+template <int M, int R, int U, int NT>
+Gemv cand() {
+  char name[64];
+  snprintf(name, sizeof name, "cta_m%d_r%d_u%d_t%d", M, R, U, NT);
+  return {name, gemv_cand<M, R, U, NT>, R, NT, M};
+}
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+
+static const Shape kShapes8b[] = {{"8b.qkv", 6144, 4096},
+                                  {"8b.o", 4096, 4096},
+                                  {"8b.gate_up", 28672, 4096},
+                                  {"8b.down", 4096, 14336},
+                                  {"8b.lm_head", 128256, 4096}};
+static const Shape kShapes1b[] = {{"1b.qkv", 3072, 2048},
+                                  {"1b.o", 2048, 2048},
+                                  {"1b.gate_up", 16384, 2048},
+                                  {"1b.down", 2048, 8192},
+                                  {"1b.lm_head", 128256, 2048}};
+
+template <int M>
+static void add_cands(std::vector<Gemv>& v) {
+  v.push_back(cand<M, 2, 2, 256>());
+  v.push_back(cand<M, 4, 1, 256>());
+  v.push_back(cand<M, 4, 2, 256>());
+  v.push_back(cand<M, 8, 1, 256>());
+  v.push_back(cand<M, 2, 2, 128>());
+  v.push_back(cand<M, 4, 2, 128>());
+}
+
+static std::vector<Gemv> variants(int m) {
+  std::vector<Gemv> v;
+  switch (m) {
+    case 1:
+      v.push_back({"prod_m1", gemv_m1_bf16, 4, 256, 1});
+      add_cands<1>(v);
+      break;
+    case 2:
+      v.push_back({"prod_m2", gemv_m2_bf16, 4, 256, 2});
+      add_cands<2>(v);
+      break;
+    case 4:
+      v.push_back({"prod_m4", gemv_m4_bf16, 4, 128, 4});
+      add_cands<4>(v);
+      break;
+    default:
+      add_cands<8>(v);
+  }
+  v.push_back({"cublas", nullptr, 0, 0, 64});
+  return v;
+}
+
+// Whether the comma-separated list `sections` (null: every section) names `s`.
+static bool want(const char* sections, const char* s) {
+  if (!sections) return strcmp(s, "attn1") != 0 && strcmp(s, "attn256") != 0;
+  const std::string list = std::string(",") + sections + ",";
+  return list.find(std::string(",") + s + ",") != std::string::npos;
+}
+
+// Each variant on each shape: mean time per launch over many launches that cycle through
+// enough weight copies (>= 2 GB) to defeat L2; max error against the f64 reference.
+static void bench_gemv(int m) {
+  const size_t pool_elems = (size_t)2300 << 20;  // 4.6 GB of bf16
+  bf16* pool = alloc_bf16(pool_elems, 1, 0.05f);
+  bf16* x = alloc_bf16((size_t)8 * 16384, 2, 1.0f);
+  bf16* y;
+  CK(cudaMalloc(&y, (size_t)8 * 128256 * sizeof(bf16)));
+  float* yref;
+  CK(cudaMalloc(&yref, (size_t)8 * 128256 * sizeof(float)));
+  std::vector<float> ref(8 * 128256);
+  std::vector<bf16> got(8 * 128256);
+  Timer t;
+  for (const auto* shapes : {kShapes8b, kShapes1b}) {
+    for (int si = 0; si < 5; ++si) {
+      const Shape s = shapes[si];
+      const size_t elems = (size_t)s.n * s.k;
+      const int copies = (int)std::min<size_t>(64, pool_elems / elems);
+      gemv_reference<<<(s.n + 127) / 128, 128>>>(yref, x, pool, m, s.n, s.k);
+      CK(cudaMemcpy(ref.data(), yref, (size_t)m * s.n * 4, cudaMemcpyDeviceToHost));
+      double ref_max = 0;
+      for (int i = 0; i < m * s.n; ++i) ref_max = std::max(ref_max, (double)fabsf(ref[i]));
+      for (const Gemv& g : variants(m)) {
+        g.launch(y, x, pool, m, s.n, s.k);
+        CK(cudaMemcpy(got.data(), y, (size_t)m * s.n * 2, cudaMemcpyDeviceToHost));
+        double err = 0;
+        for (int i = 0; i < m * s.n; ++i)
+          err = std::max(err, (double)fabsf(__bfloat162float(got[i]) - ref[i]));
+        const int reps = std::max(3, 512 / copies);
+        for (int c = 0; c < copies; ++c) g.launch(y, x, pool + (size_t)c * elems, m, s.n, s.k);
+        t.start();
+        for (int r = 0; r < reps; ++r)
+          for (int c = 0; c < copies; ++c) g.launch(y, x, pool + (size_t)c * elems, m, s.n, s.k);
+        const double us = t.stop_ms() * 1e3 / (reps * copies);
+        printf("gemv m=%d %-11s %-20s %8.2f us %6.2f TB/s  err %.2e of %.2e\n", m, s.name,
+               g.name.c_str(), us, elems * 2 / us / 1e6, err, ref_max);
+      }
+    }
+  }
+  CK(cudaFree(pool));
+  CK(cudaFree(x));
+  CK(cudaFree(y));
+  CK(cudaFree(yref));
+}
+
+// The 8B decode step's weight products at batch 1 (32 layers of qkv, o, gate_up, down, distinct
+// weights, then the LM head), each variant for every product, and the best per product.
+static void bench_step() {
+  const Shape* s = kShapes8b;
+  size_t layer = 0;
+  for (int i = 0; i < 4; ++i) layer += (size_t)s[i].n * s[i].k;
+  const size_t total = 32 * layer + (size_t)s[4].n * s[4].k;
+  bf16* w = alloc_bf16(total, 3, 0.05f);
+  bf16* x = alloc_bf16(16384, 4, 1.0f);
+  bf16* y;
+  CK(cudaMalloc(&y, (size_t)128256 * sizeof(bf16)));
+  Timer t;
+  auto run = [&](const std::vector<const Gemv*>& pick) {
+    bf16* p = w;
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i) {
+        pick[i]->launch(y, x, p, 1, s[i].n, s[i].k);
+        p += (size_t)s[i].n * s[i].k;
+      }
+    pick[4]->launch(y, x, p, 1, s[4].n, s[4].k);
+  };
+  const auto vs = variants(1);
+  std::vector<std::vector<double>> per(5);
+  for (const Gemv& g : vs) {
+    std::vector<const Gemv*> pick(5, &g);
+    run(pick);
+    t.start();
+    for (int r = 0; r < 5; ++r) run(pick);
+    const double ms = t.stop_ms() / 5;
+    printf("step8b gemv b1 %-20s %7.3f ms %6.2f TB/s\n", g.name.c_str(), ms, total * 2 / ms / 1e9);
+  }
+  CK(cudaFree(w));
+  CK(cudaFree(x));
+  CK(cudaFree(y));
+}
+
+// Decode attention (8B: 32 query heads, 8 KV heads, head dim 128, blocks of 16) for a batch of
+// sequences of ctx keys, with the engine's split rule, then the split merge.
+static int decode_split_keys(int ctas, int ctx, int sms) {
+  const int splits = std::min((2 * sms + ctas - 1) / ctas, ctx / 64);
+  if (splits < 2) return 0;
+  return ((ctx + splits - 1) / splits + 15) / 16 * 16;
+}
+
+static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Decode& dk = kDecodes[0]) {
+  const int H = 32, KVH = 8, D = 128, BS = 16, G = 4;
+  const int width = (ctx + BS - 1) / BS;
+  const size_t slots = (size_t)B * width * BS;
+  const size_t layer_elems = slots * KVH * D;
+  const int layers = (int)std::max<size_t>(2, std::min<size_t>(32, ((size_t)2 << 30) / (layer_elems * 4)));
+  bf16* k = alloc_bf16(layer_elems * layers, 5, 1.0f);
+  bf16* v = alloc_bf16(layer_elems * layers, 6, 1.0f);
+  bf16* q = alloc_bf16((size_t)B * H * D, 7, 1.0f);
+  bf16* out;
+  CK(cudaMalloc(&out, (size_t)B * H * D * 2));
+  std::vector<uint32_t> tables((size_t)B * width), lens(B, ctx), starts(B + 1), seqs(B);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < width; ++j) tables[(size_t)b * width + j] = b * width + j;
+    starts[b] = b;
+    seqs[b] = b;
+  }
+  starts[B] = B;
+  uint32_t *dt, *dl, *ds, *dq;
+  CK(cudaMalloc(&dt, tables.size() * 4));
+  CK(cudaMalloc(&dl, B * 4));
+  CK(cudaMalloc(&ds, (B + 1) * 4));
+  CK(cudaMalloc(&dq, B * 4));
+  CK(cudaMemcpy(dt, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dl, lens.data(), B * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(ds, starts.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dq, seqs.data(), B * 4, cudaMemcpyHostToDevice));
+  const int split = forced_split >= 0 ? forced_split : decode_split_keys(B * KVH, ctx, sms);
+  const int count = split > 0 ? (ctx + split - 1) / split : 1;
+  const long rows = (long)B * H;
+  float *acc, *ml;
+  CK(cudaMalloc(&acc, (size_t)count * rows * D * 4));
+  CK(cudaMalloc(&ml, (size_t)count * rows * 2 * 4));
+  const int smem = 4 * (G * D + G * 256 + 3 * G + 256);
+  const float scale = 1.f / sqrtf((float)D);
+  auto attn = [&](int l) {
+    dk.fn<<<dim3(B, KVH, count), 128, smem>>>(
+        out, q, k + (size_t)l * layer_elems, v + (size_t)l * layer_elems, dt, dl, ds, dq, width,
+        H, KVH, D, BS, scale, 0, (long)H * D, split, rows, acc, ml);
+  };
+  auto merge = [&]() {
+    if (count > 1) paged_attention_combine_bf16<<<rows, 128>>>(out, acc, ml, count, rows, D);
+  };
+  Timer t;
+  const int reps = std::max(4, 256 / layers);
+  auto time = [&](auto&& f) {
+    for (int l = 0; l < layers; ++l) f(l);
+    t.start();
+    for (int r = 0; r < reps; ++r)
+      for (int l = 0; l < layers; ++l) f(l);
+    return t.stop_ms() * 1e3 / (reps * layers);
+  };
+  const double us_attn = time([&](int l) { attn(l); });
+  const double us_merge = time([&](int) { merge(); });
+  const double us_both = time([&](int l) {
+    attn(l);
+    merge();
+  });
+  const double bytes = 2.0 * B * ctx * KVH * D * 2;
+  printf("attn %-6s b=%-3d ctx=%-5d split=%-4d (x%-3d) kernel %8.2f us  merge %6.2f us  both %8.2f us"
+         "  %6.0f GB/s\n",
+         dk.name, B, ctx, split, count, us_attn, us_merge, us_both, bytes / us_both / 1e3);
+  for (void* p : {(void*)k, (void*)v, (void*)q, (void*)out, (void*)dt, (void*)dl, (void*)ds,
+                  (void*)dq, (void*)acc, (void*)ml})
+    CK(cudaFree(p));
+}
+
+static void bench_attn(int sms) {
+  for (int split : {-1, 0, 32, 64, 128, 256}) bench_attn_case(1, 768, split, sms);
+  for (const Decode& dk : kDecodes) {
+    bench_attn_case(1, 768, -1, sms, dk);
+    bench_attn_case(1, 4096, -1, sms, dk);
+    for (int B : {8, 64, 256}) bench_attn_case(B, 768, -1, sms, dk);
+    bench_attn_case(64, 4096, -1, sms, dk);
+  }
+}
+
+// Batch-1 element-wise kernels as the 8B layer launches them, 64 launches in a row each.
+static void bench_small() {
+  const int hidden = 4096, inter = 14336, D = 128, H = 32, KVH = 8;
+  bf16* a = alloc_bf16((size_t)2 * inter, 8, 1.0f);
+  bf16* b = alloc_bf16((size_t)2 * inter, 9, 1.0f);
+  bf16* o = alloc_bf16((size_t)2 * inter, 10, 1.0f);
+  bf16* w = alloc_bf16(hidden, 11, 1.0f);
+  bf16* qkv = alloc_bf16((size_t)(H + 2 * KVH) * D, 12, 1.0f);
+  bf16* cs = alloc_bf16((size_t)8192 * D / 2, 13, 1.0f);
+  bf16* cache = alloc_bf16((size_t)4096 * KVH * D, 14, 1.0f);
+  uint32_t* pos;
+  CK(cudaMalloc(&pos, 4));
+  CK(cudaMemset(pos, 0, 4));
+  int64_t* slot;
+  CK(cudaMalloc(&slot, 8));
+  CK(cudaMemset(slot, 0, 8));
+  Timer t;
+  auto time = [&](const char* name, auto&& f) {
+    f();
+    t.start();
+    for (int i = 0; i < 64; ++i) f();
+    printf("small %-18s %6.2f us per launch\n", name, t.stop_ms() * 1e3 / 64);
+  };
+  time("add_rms_norm", [&] { add_rms_norm_bf16<<<1, 1024>>>(o, a, b, w, 1, hidden, 1e-5f); });
+  time("rotary_qk", [&] {
+    rotary_qk_bf16<<<1, 512>>>(qkv, pos, cs, cs, H + KVH, D, (long)(H + 2 * KVH) * D);
+  });
+  time("reshape_and_cache", [&] {
+    reshape_and_cache_bf16<<<1, 256>>>(cache, qkv + (H * D), slot, KVH * D, (long)(H + 2 * KVH) * D);
+  });
+  time("rotary_qk_cache", [&] {
+    rotary_qk_cache_bf16<<<1, 1024>>>(qkv, pos, cs, cs, H, KVH, D, (long)(H + 2 * KVH) * D, cache,
+                                      cache + (size_t)2048 * KVH * D, slot);
+  });
+  time("silu_and_mul", [&] {
+    silu_and_mul_bf16<<<(inter + 255) / 256, 256>>>(o, a, (long)inter, inter);
+  });
+  time("empty(1 CTA)", [&] { reshape_and_cache_bf16<<<1, 32>>>(cache, qkv, slot, 0, 0); });
+  for (void* p : {(void*)a, (void*)b, (void*)o, (void*)w, (void*)qkv, (void*)cs, (void*)cache,
+                  (void*)pos, (void*)slot})
+    CK(cudaFree(p));
+}
+
+// The whole batch-1 decode step of the 8B shape on the device, kernel for kernel as the engine
+// launches it (32 layers of: add + RMSNorm, qkv product, rotary with the K and V cache writes,
+// decode attention with its split merge, o product, add + RMSNorm, gate-up product, SiLU-and-mul, down
+// product; then the LM head), issued to a stream and replayed from a CUDA graph: the difference
+// is what launch gaps cost.
+static void bench_chain(int sms) {
+  const int hidden = 4096, inter = 14336, H = 32, KVH = 8, D = 128, BS = 16, ctx = 768;
+  const int qkv_n = (H + 2 * KVH) * D, vocab = 128256, G = 4;
+  const size_t per_layer = (size_t)qkv_n * hidden + (size_t)hidden * H * D +
+                           (size_t)2 * inter * hidden + (size_t)hidden * inter;
+  bf16* w = alloc_bf16(32 * per_layer + (size_t)vocab * hidden, 20, 0.05f);
+  const int width = ctx / BS;
+  const size_t cache_layer = (size_t)width * BS * KVH * D;
+  bf16* kc = alloc_bf16(32 * cache_layer, 21, 1.0f);
+  bf16* vc = alloc_bf16(32 * cache_layer, 22, 1.0f);
+  bf16* x = alloc_bf16(hidden, 23, 1.0f);
+  bf16* res = alloc_bf16(hidden, 24, 1.0f);
+  bf16* norm = alloc_bf16(2 * hidden, 25, 1.0f);
+  bf16* nw = alloc_bf16(hidden, 26, 1.0f);
+  bf16* qkv = alloc_bf16(qkv_n, 27, 1.0f);
+  bf16* att = alloc_bf16(H * D, 28, 1.0f);
+  bf16* gu = alloc_bf16(2 * inter, 29, 1.0f);
+  bf16* act = alloc_bf16(inter, 30, 1.0f);
+  bf16* logits = alloc_bf16(vocab, 31, 1.0f);
+  bf16* cs = alloc_bf16((size_t)8192 * D / 2, 32, 1.0f);
+  std::vector<uint32_t> tables(width);
+  for (int j = 0; j < width; ++j) tables[j] = j;
+  uint32_t *dt, *dl, *ds, *dq, *pos;
+  int64_t* slot;
+  CK(cudaMalloc(&dt, width * 4));
+  CK(cudaMalloc(&dl, 4));
+  CK(cudaMalloc(&ds, 8));
+  CK(cudaMalloc(&dq, 4));
+  CK(cudaMalloc(&pos, 4));
+  CK(cudaMalloc(&slot, 8));
+  CK(cudaMemcpy(dt, tables.data(), width * 4, cudaMemcpyHostToDevice));
+  const uint32_t len = ctx, starts[2] = {0, 1}, zero = 0, p = ctx - 1;
+  const int64_t sl = ctx - 1;
+  CK(cudaMemcpy(dl, &len, 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(ds, starts, 8, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dq, &zero, 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(pos, &p, 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(slot, &sl, 8, cudaMemcpyHostToDevice));
+  const int split = decode_split_keys(KVH, ctx, sms);
+  const int count = split > 0 ? (ctx + split - 1) / split : 1;
+  float *acc, *ml;
+  CK(cudaMalloc(&acc, (size_t)count * H * D * 4));
+  CK(cudaMalloc(&ml, (size_t)count * H * 2 * 4));
+  const int smem = 4 * (G * D + G * 256 + 3 * G + 256);
+  const float scale = 1.f / sqrtf((float)D);
+  const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  bool pdl = false;
+  auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
+    if (!pdl) {
+      g1.fn<<<(n + 3) / 4, 256, 0, st>>>(y, in, wt, 1, n, k);
+      return;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((n + 3) / 4);
+    cfg.blockDim = dim3(256);
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const int one = 1;
+    CK(cudaLaunchKernelEx(&cfg, g1.fn, y, in, wt, one, n, k));
+  };
+  auto step = [&]() {
+    const bf16* wp = w;
+    for (int l = 0; l < 32; ++l) {
+      add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
+      gemv(qkv, norm + hidden, wp, qkv_n, hidden);
+      wp += (size_t)qkv_n * hidden;
+      rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
+                                               kc + l * cache_layer, vc + l * cache_layer, slot);
+      paged_decode_g4_bf16<<<dim3(1, KVH, count), 128, smem, st>>>(
+          att, qkv, kc + l * cache_layer, vc + l * cache_layer, dt, dl, ds, dq, width, H, KVH, D,
+          BS, scale, 0, qkv_n, split, H, acc, ml);
+      if (count > 1) paged_attention_combine_bf16<<<H, 128, 0, st>>>(att, acc, ml, count, H, D);
+      gemv(x, att, wp, hidden, H * D);
+      wp += (size_t)hidden * H * D;
+      add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
+      gemv(gu, norm + hidden, wp, 2 * inter, hidden);
+      wp += (size_t)2 * inter * hidden;
+      silu_and_mul_bf16<<<(inter + 255) / 256, 256, 0, st>>>(act, gu, (long)inter, inter);
+      gemv(x, act, wp, hidden, inter);
+      wp += (size_t)hidden * inter;
+    }
+    gemv(logits, norm + hidden, wp, vocab, hidden);
+  };
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  auto timed = [&](auto&& f, int reps) {
+    f();
+    CK(cudaEventRecord(a, st));
+    for (int r = 0; r < reps; ++r) f();
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    return ms / reps;
+  };
+  const double weights = (32 * per_layer + (size_t)vocab * hidden) * 2.0;
+  for (bool p : {false, true}) {
+    pdl = p;
+    const float ms_stream = timed(step, 10);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    step();
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 10);
+    printf("chain8b b1 %s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
+           p ? "pdl  " : "plain", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
+           weights / ms_stream / 1e9, weights / ms_graph / 1e9);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+  }
+  CK(cudaStreamDestroy(st));
+  for (void* q : {(void*)w, (void*)kc, (void*)vc, (void*)x, (void*)res, (void*)norm, (void*)nw,
+                  (void*)qkv, (void*)att, (void*)gu, (void*)act, (void*)logits, (void*)cs,
+                  (void*)dt, (void*)dl, (void*)ds, (void*)dq, (void*)pos, (void*)slot, (void*)acc,
+                  (void*)ml})
+    CK(cudaFree(q));
+}
+
+int main(int argc, char** argv) {
+  const char* sections = argc > 1 ? argv[1] : nullptr;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  for (const Decode& dk : kDecodes)
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 << 10));
+  if (cublasCreate(&g_cublas) != CUBLAS_STATUS_SUCCESS) {
+    fprintf(stderr, "cublasCreate failed\n");
+    return 1;
+  }
+  if (want(sections, "gemv")) {
+    for (int m : {1, 2, 4, 8}) bench_gemv(m);
+  }
+  if (want(sections, "step")) bench_step();
+  if (want(sections, "attn")) bench_attn(prop.multiProcessorCount);
+  if (want(sections, "attn1")) bench_attn_case(1, 768, -1, prop.multiProcessorCount);
+  if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount);
+  if (want(sections, "small")) bench_small();
+  if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
+  return 0;
+}
