@@ -39,8 +39,8 @@ __global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf
 }
 
 // The production decode-attention template at other load depths.
-template <int KU, int VU>
-__global__ void __launch_bounds__(128) decode_cand(
+template <int KU, int VU, int MINB = 1>
+__global__ void __launch_bounds__(128, MINB) decode_cand(
     bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache, const uint32_t* block_tables,
     const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* seqs, int width,
     int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window, long q_stride,
@@ -61,7 +61,10 @@ static const Decode kDecodes[] = {{"prod", paged_decode_g4_bf16},
                                   {"k8v4", decode_cand<8, 4>},
                                   {"k8v8", decode_cand<8, 8>},
                                   {"k16v8", decode_cand<16, 8>},
-                                  {"k8v16", decode_cand<8, 16>}};
+                                  {"k8v16", decode_cand<8, 16>},
+                                  {"k4v8b6", decode_cand<4, 8, 6>},
+                                  {"k4v8b8", decode_cand<4, 8, 8>},
+                                  {"k4v4b8", decode_cand<4, 4, 8>}};
 
 __global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;

@@ -110,15 +110,18 @@ impl StepProfile {
 }
 
 /// Where a step's time goes, averaged and logged at debug level every 200 steps: host work up to
-/// the last kernel issued (schedule, batch, launches), waiting for the device and reading the
-/// sampled tokens (or logits), and the host work after (stops, detokenizing, sending).
+/// the last kernel issued (schedule and batch inputs, then the forward pass's launches), waiting
+/// for the device and reading the sampled tokens (or logits), and the host work after (stops,
+/// detokenizing, sending).
 #[derive(Debug, Default)]
 struct StepTiming {
     steps: u32,
     tokens: usize,
+    prepare_s: f64,
     issue_s: f64,
     wait_s: f64,
     after_s: f64,
+    prepared: Option<Instant>,
     issued: Option<Instant>,
     sampled: Option<Instant>,
 }
@@ -126,19 +129,25 @@ struct StepTiming {
 impl StepTiming {
     fn finish(&mut self, started: Instant) {
         let end = Instant::now();
-        let (Some(issued), Some(sampled)) = (self.issued.take(), self.sampled.take()) else {
+        let (Some(prepared), Some(issued), Some(sampled)) = (
+            self.prepared.take(),
+            self.issued.take(),
+            self.sampled.take(),
+        ) else {
             return;
         };
         self.steps += 1;
+        self.prepare_s += prepared.duration_since(started).as_secs_f64();
         self.issue_s += issued.duration_since(started).as_secs_f64();
         self.wait_s += sampled.duration_since(issued).as_secs_f64();
         self.after_s += end.duration_since(sampled).as_secs_f64();
         if self.steps == 200 {
             let n = f64::from(self.steps);
             tracing::debug!(
-                "steps: {:.1} tokens/step; per step {:.2} ms host issue, {:.2} ms device wait + read, {:.2} ms host after",
+                "steps: {:.1} tokens/step; per step {:.2} ms host issue (of which {:.2} ms schedule + inputs), {:.2} ms device wait + read, {:.2} ms host after",
                 self.tokens as f64 / n,
                 self.issue_s / n * 1e3,
+                self.prepare_s / n * 1e3,
                 self.wait_s / n * 1e3,
                 self.after_s / n * 1e3
             );
@@ -533,10 +542,10 @@ impl Engine {
                 .and_then(|(rid, _)| self.requests.get(rid))
                 .is_some_and(|st| st.req.params.prompt_logprobs.is_some())
         };
-        let result = self
-            .runner
-            .prepare(&self.scheduler, &out, wants)
-            .and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)));
+        let prepared = self.runner.prepare(&self.scheduler, &out, wants);
+        self.timing.prepared = Some(Instant::now());
+        let result =
+            prepared.and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)));
         self.timing.issued = Some(Instant::now());
         self.timing.tokens += out.num_batched_tokens;
         let (logits, rows) = match result {
