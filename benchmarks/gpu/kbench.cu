@@ -461,14 +461,15 @@ static void bench_chain(int sms) {
   const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  bool pdl = false;
-  auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
+  bool pdl = false, glu = false;
+  // n: rows of W; the GLU form writes n / 2 outputs
+  auto launch = [&](GemvFn fn, int outs, bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     if (!pdl) {
-      g1.fn<<<(n + 3) / 4, 256, 0, st>>>(y, in, wt, 1, n, k);
+      fn<<<(outs + 3) / 4, 256, 0, st>>>(y, in, wt, 1, n, k);
       return;
     }
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((n + 3) / 4);
+    cfg.gridDim = dim3((outs + 3) / 4);
     cfg.blockDim = dim3(256);
     cfg.stream = st;
     cudaLaunchAttribute attr[1];
@@ -477,7 +478,10 @@ static void bench_chain(int sms) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     const int one = 1;
-    CK(cudaLaunchKernelEx(&cfg, g1.fn, y, in, wt, one, n, k));
+    CK(cudaLaunchKernelEx(&cfg, fn, y, in, wt, one, n, k));
+  };
+  auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
+    launch(g1.fn, n, y, in, wt, n, k);
   };
   auto step = [&]() {
     const bf16* wp = w;
@@ -494,9 +498,13 @@ static void bench_chain(int sms) {
       gemv(x, att, wp, hidden, H * D);
       wp += (size_t)hidden * H * D;
       add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
-      gemv(gu, norm + hidden, wp, 2 * inter, hidden);
+      if (glu) {
+        launch(gemv_glu_m1_bf16, inter, act, norm + hidden, wp, 2 * inter, hidden);
+      } else {
+        gemv(gu, norm + hidden, wp, 2 * inter, hidden);
+        silu_and_mul_bf16<<<(inter + 255) / 256, 256, 0, st>>>(act, gu, (long)inter, inter);
+      }
       wp += (size_t)2 * inter * hidden;
-      silu_and_mul_bf16<<<(inter + 255) / 256, 256, 0, st>>>(act, gu, (long)inter, inter);
       gemv(x, act, wp, hidden, inter);
       wp += (size_t)hidden * inter;
     }
@@ -517,8 +525,9 @@ static void bench_chain(int sms) {
     return ms / reps;
   };
   const double weights = (32 * per_layer + (size_t)vocab * hidden) * 2.0;
-  for (bool p : {false, true}) {
-    pdl = p;
+  for (int mode = 0; mode < 3; ++mode) {
+    pdl = mode > 0;
+    glu = mode > 1;
     const float ms_stream = timed(step, 10);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -528,7 +537,7 @@ static void bench_chain(int sms) {
     CK(cudaGraphInstantiate(&exec, graph, 0));
     const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 10);
     printf("chain8b b1 %s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
-           p ? "pdl  " : "plain", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
+           mode == 0 ? "plain  " : mode == 1 ? "pdl    " : "pdl+glu", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
            weights / ms_stream / 1e9, weights / ms_graph / 1e9);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));

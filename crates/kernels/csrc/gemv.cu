@@ -5,6 +5,11 @@
 // shared memory. Compared with a warp per row this keeps more bytes in flight per thread and
 // reads x once per R rows. x: [m, k], W: [n, k], y: [m, n], all contiguous; k a multiple of 8,
 // m <= M. Launch: ceil(n / R) CTAs of NT threads (the host's table in gemv.rs).
+//
+// GLU: W is a fused gate-up projection ([2I, k], gate rows then up rows) and y = silu(x G^T) *
+// (x U^T), [m, I]: a CTA owns R/2 gate rows and the R/2 up rows of the same outputs, so the
+// SiLU-and-multiply runs in its epilogue (on the products rounded to T, as the separate ops do).
+// Launch: ceil(I / (R/2)) CTAs.
 #include "common.cuh"
 
 namespace {
@@ -12,18 +17,22 @@ namespace {
 constexpr int kGemvRows = 4;  // R
 constexpr int kGemvSteps = 2;  // U
 
-template <typename T, int M, int R, int U, int NT>
+template <typename T, int M, int R, int U, int NT, bool GLU = false>
 __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,
                           int m, int n, int k) {
+  constexpr int RO = GLU ? R / 2 : R;  // output rows per CTA
   const int tid = threadIdx.x;
-  const int row0 = blockIdx.x * R;
-  const int rows = min(R, n - row0);
+  const int outs = GLU ? n / 2 : n;    // width of y
+  const int row0 = blockIdx.x * RO;
+  const int rows = min(RO, outs - row0);
   const int chunks = k / 8;  // 16-byte chunks per row
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* wr[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)(row0 + min(r, rows - 1)) * k);
+  for (int r = 0; r < R; ++r) {
+    const int wrow = row0 + min(r % RO, rows - 1) + (GLU && r >= RO ? outs : 0);
+    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)wrow * k);
+  }
   float acc[R][M];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -81,12 +90,19 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
       if (lane == 0) red[warp][r * M + i] = v;
     }
   __syncthreads();
-  if (tid < R * M) {
+  if (tid < RO * M) {
     const int r = tid / M, i = tid % M;
     float s = 0.f;
 #pragma unroll
     for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
-    if (r < rows && i < m) y[(size_t)i * n + row0 + r] = from_f32<T>(s);
+    if (GLU) {
+      float u = 0.f;
+#pragma unroll
+      for (int wp = 0; wp < NT / 32; ++wp) u += red[wp][RO * M + tid];
+      const float g = to_f32(from_f32<T>(s));
+      s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(u));
+    }
+    if (r < rows && i < m) y[(size_t)i * outs + row0 + r] = from_f32<T>(s);
   }
 }
 
@@ -98,6 +114,14 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
       T* y, const T* x, const T* w, int m, int n, int k) {                                          \
     gemv_impl<T, M, kGemvRows, kGemvSteps, NT>(y, x, w, m, n, k);                                   \
   }
-#define GEMV(T, NAME) GEMV_M(T, NAME, 1, 256) GEMV_M(T, NAME, 2, 256) GEMV_M(T, NAME, 4, 128)
+// gemv_glu_m<M>_<dtype>: the GLU form, 4 gate + 4 up rows per CTA, one step in flight (the same
+// loads in flight per thread as the plain form).
+#define GEMV_GLU_M(T, NAME, M, NT)                                                                  \
+  extern "C" __global__ void __launch_bounds__(NT) gemv_glu_m##M##_##NAME(                          \
+      T* y, const T* x, const T* w, int m, int n, int k) {                                          \
+    gemv_impl<T, M, 2 * kGemvRows, 1, NT, true>(y, x, w, m, n, k);                                  \
+  }
+#define GEMV(T, NAME) GEMV_M(T, NAME, 1, 256) GEMV_M(T, NAME, 2, 256) GEMV_M(T, NAME, 4, 128) \
+  GEMV_GLU_M(T, NAME, 1, 256) GEMV_GLU_M(T, NAME, 2, 256) GEMV_GLU_M(T, NAME, 4, 128)
 GEMV(__nv_bfloat16, bf16)
 GEMV(__half, f16)

@@ -19,9 +19,25 @@ pub fn linear_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if kernel_applies(x, w) {
-        return x.contiguous()?.apply_op2_no_bwd(w, &cuda::Gemv);
+        return x
+            .contiguous()?
+            .apply_op2_no_bwd(w, &cuda::Gemv { glu: false });
     }
     x.matmul(&w.t()?)
+}
+
+/// `silu(x G^T) * (x U^T)` for a fused gate-up weight `w` = `[2 * inter, k]` (gate rows, then up
+/// rows) and `x` `[m, k]`: `[m, inter]`. For decode batches on CUDA one kernel that applies the
+/// SiLU-and-multiply in the product's epilogue; elsewhere [`linear_rows`] then
+/// [`crate::silu_and_mul`], which is also the reference.
+pub fn silu_glu_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if kernel_applies(x, w) && w.dim(0)?.is_multiple_of(2) && x.dim(1)? == w.dim(1)? {
+        return x
+            .contiguous()?
+            .apply_op2_no_bwd(w, &cuda::Gemv { glu: true });
+    }
+    crate::silu_and_mul(&linear_rows(x, w)?)
 }
 
 /// Whether [`linear_rows`] takes the streaming kernel for `x` `[m, k]` and `w` `[n, k]`.
@@ -48,14 +64,20 @@ mod cuda {
     use half::{bf16, f16};
     use std::ffi::c_void;
 
-    pub struct Gemv;
+    /// The streaming product; with `glu`, the gate-up form with SiLU-and-multiply.
+    pub struct Gemv {
+        pub glu: bool,
+    }
 
     fn run<T: CudaDType + WithDType + DeviceRepr>(
+        glu: bool,
         x: (&CudaStorage, &Layout),
         w: (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         let (m, k) = (x.1.dims()[0], x.1.dims()[1]);
-        let n = w.1.dims()[0];
+        let wn = w.1.dims()[0];
+        // width of y
+        let n = if glu { wn / 2 } else { wn };
         let dev = x.0.device().clone();
         let xv = view::<T>(x.0, x.1, "x")?;
         let wv = view::<T>(w.0, w.1, "weight")?;
@@ -68,10 +90,11 @@ mod cuda {
                 2 => (2, 256),
                 _ => (4, 128),
             };
-            let name = format!("gemv_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
+            let form = if glu { "gemv_glu" } else { "gemv" };
+            let name = format!("{form}_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
             let func = function(&dev, &name)?;
             let stream = dev.cuda_stream();
-            let (mut mi, mut ni, mut ki) = (m as i32, n as i32, k as i32);
+            let (mut mi, mut ni, mut ki) = (m as i32, wn as i32, k as i32);
             {
                 let (mut yp, _y) = y.device_ptr_mut(&stream);
                 let (mut xp, _x) = xv.device_ptr(&stream);
@@ -84,12 +107,13 @@ mod cuda {
                     (&raw mut ni).cast::<c_void>(),
                     (&raw mut ki).cast::<c_void>(),
                 ];
-                // four rows of W per CTA (kGemvRows)
+                // four outputs per CTA (kGemvRows; in the GLU form 4 gate + 4 up rows of W)
                 let grid = n.div_ceil(4) as u32;
-                // SAFETY: the parameters are `gemv_m<M>_<dtype>`'s (csrc/gemv.cu) in order: y, x,
-                // W as device pointers, then m, n, k as i32; m <= M, k % 8 == 0 and both
-                // operands contiguous (checked by `kernel_applies` and `view`); the kernel waits
-                // for the previous kernel before it reads x or writes y.
+                // SAFETY: the parameters are `gemv[_glu]_m<M>_<dtype>`'s (csrc/gemv.cu) in order:
+                // y, x, W as device pointers, then m, W's rows (even for GLU) and k as i32;
+                // m <= M, k % 8 == 0 and both operands contiguous (checked by `kernel_applies`
+                // and `view`); the kernel waits for the previous kernel before it reads x or
+                // writes y.
                 unsafe { launch_dependent(&func, &stream, grid, threads, &mut params) }?;
             }
         }
@@ -122,8 +146,8 @@ mod cuda {
                 candle_core::bail!("gemv: dtypes differ");
             }
             match x.dtype() {
-                DType::BF16 => run::<bf16>((x, xl), (w, wl)),
-                DType::F16 => run::<f16>((x, xl), (w, wl)),
+                DType::BF16 => run::<bf16>(self.glu, (x, xl), (w, wl)),
+                DType::F16 => run::<f16>(self.glu, (x, xl), (w, wl)),
                 dt => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
             }
         }

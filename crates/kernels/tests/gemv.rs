@@ -3,7 +3,8 @@
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
-use rserve_kernels::gemv::{kernel_applies, linear_rows, GEMV_MAX_ROWS};
+use rserve_kernels::gemv::{kernel_applies, linear_rows, silu_glu_rows, GEMV_MAX_ROWS};
+use rserve_kernels::silu_and_mul;
 
 fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()> {
     let cpu = Device::Cpu;
@@ -33,6 +34,43 @@ fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()>
         "{dtype:?} m {m} n {n} k {k}: max abs error {err} (tol {tol})"
     );
     Ok(())
+}
+
+/// The gate-up form against SiLU-and-multiply of the f32 product (computed on the CPU).
+fn check_glu(dev: &Device, dtype: DType, m: usize, inter: usize, k: usize) -> Result<()> {
+    let cpu = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (m, k), &cpu)?.to_dtype(dtype)?;
+    let w = (Tensor::randn(0f32, 1., (2 * inter, k), &cpu)? * 0.05)?.to_dtype(dtype)?;
+    let want = silu_and_mul(
+        &x.to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?)?,
+    )?;
+    let got = silu_glu_rows(&x.to_device(dev)?, &w.to_device(dev)?)?;
+    assert_eq!(got.dims(), &[m, inter]);
+    let got = got.to_device(&cpu)?.to_dtype(DType::F32)?;
+    let scale = want
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?
+        .max(1.0);
+    let err = (got - &want)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    // the product rounded to the dtype before the SiLU, then the output
+    let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 } * scale;
+    assert!(
+        err <= tol,
+        "glu {dtype:?} m {m} inter {inter} k {k}: max abs error {err} (tol {tol})"
+    );
+    Ok(())
+}
+
+#[test]
+fn cpu_glu_is_silu_of_the_product() -> Result<()> {
+    check_glu(&Device::Cpu, DType::F32, 2, 5, 16)
 }
 
 #[test]
@@ -65,5 +103,18 @@ mod cuda {
         }
         // a row width that is not a multiple of 8 falls back to matmul
         check(&dev, DType::BF16, 2, 5, 12)
+    }
+
+    #[test]
+    fn cuda_glu_matches_silu_of_the_product() -> Result<()> {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::BF16, DType::F16] {
+            for m in 1..=GEMV_MAX_ROWS + 1 {
+                for (inter, k) in [(1, 8), (3, 64), (33, 264), (2050, 4096), (70, 14336)] {
+                    check_glu(&dev, dtype, m, inter, k)?;
+                }
+            }
+        }
+        Ok(())
     }
 }

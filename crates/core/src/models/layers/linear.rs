@@ -66,6 +66,15 @@ impl Linear {
         &self.weight
     }
 
+    /// For a fused gate-up projection (gate rows, then up rows): `silu(gate) * up`,
+    /// `[num_tokens, out / 2]` (one kernel for decode batches on CUDA when there is no bias).
+    pub fn forward_silu_glu(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.bias {
+            None => rserve_kernels::silu_glu_rows(x, &self.weight),
+            Some(_) => rserve_kernels::silu_and_mul(&self.forward(x)?),
+        }
+    }
+
     /// `x`: `[num_tokens, in]` -> `[num_tokens, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = rserve_kernels::linear_rows(x, &self.weight)?;

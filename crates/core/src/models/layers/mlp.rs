@@ -34,7 +34,7 @@ impl Mlp {
 
     /// `x`: `[num_tokens, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = rserve_kernels::silu_and_mul(&self.gate_up_proj.forward(x)?)?;
+        let h = self.gate_up_proj.forward_silu_glu(x)?;
         self.down_proj.forward(&h)
     }
 }
