@@ -6,17 +6,28 @@ use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::gemv::{kernel_applies, linear_rows, silu_glu_rows, GEMV_MAX_ROWS};
 use rserve_kernels::silu_and_mul;
 
-fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()> {
+/// Random `x` `[m, k]` and `w` `[rows, k]` in `dtype`, `op` on `dev` against `reference` in f32 on
+/// the CPU: the output shape, and the largest error within `rel` (per dtype: bf16, f16) of the
+/// largest output magnitude.
+fn compare(
+    dev: &Device,
+    dtype: DType,
+    (m, rows, k): (usize, usize, usize),
+    op: fn(&Tensor, &Tensor) -> Result<Tensor>,
+    reference: fn(&Tensor) -> Result<Tensor>,
+    out: usize,
+    rel: (f32, f32),
+) -> Result<()> {
     let cpu = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (m, k), &cpu)?.to_dtype(dtype)?;
-    let w = (Tensor::randn(0f32, 1., (n, k), &cpu)? * 0.05)?.to_dtype(dtype)?;
-    let want = x
-        .to_dtype(DType::F32)?
-        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
-    let got = linear_rows(&x.to_device(dev)?, &w.to_device(dev)?)?;
-    assert_eq!(got.dims(), &[m, n]);
+    let w = (Tensor::randn(0f32, 1., (rows, k), &cpu)? * 0.05)?.to_dtype(dtype)?;
+    let want = reference(
+        &x.to_dtype(DType::F32)?
+            .matmul(&w.to_dtype(DType::F32)?.t()?)?,
+    )?;
+    let got = op(&x.to_device(dev)?, &w.to_device(dev)?)?;
+    assert_eq!(got.dims(), &[m, out]);
     let got = got.to_device(&cpu)?.to_dtype(DType::F32)?;
-    // one rounding of the output plus f32 accumulation order
     let scale = want
         .abs()?
         .flatten_all()?
@@ -28,44 +39,39 @@ fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()>
         .flatten_all()?
         .max(0)?
         .to_scalar::<f32>()?;
-    let tol = if dtype == DType::BF16 { 1e-2 } else { 2e-3 } * scale;
+    let tol = if dtype == DType::BF16 { rel.0 } else { rel.1 } * scale;
     assert!(
         err <= tol,
-        "{dtype:?} m {m} n {n} k {k}: max abs error {err} (tol {tol})"
+        "{dtype:?} m {m} rows {rows} k {k}: max abs error {err} (tol {tol})"
     );
     Ok(())
 }
 
-/// The gate-up form against SiLU-and-multiply of the f32 product (computed on the CPU).
+/// The product: one rounding of the output plus f32 accumulation order.
+fn check(dev: &Device, dtype: DType, m: usize, n: usize, k: usize) -> Result<()> {
+    compare(
+        dev,
+        dtype,
+        (m, n, k),
+        linear_rows,
+        |y| Ok(y.clone()),
+        n,
+        (1e-2, 2e-3),
+    )
+}
+
+/// The gate-up form against SiLU-and-multiply of the f32 product: the product is rounded to the
+/// dtype before the SiLU, then the output.
 fn check_glu(dev: &Device, dtype: DType, m: usize, inter: usize, k: usize) -> Result<()> {
-    let cpu = Device::Cpu;
-    let x = Tensor::randn(0f32, 1., (m, k), &cpu)?.to_dtype(dtype)?;
-    let w = (Tensor::randn(0f32, 1., (2 * inter, k), &cpu)? * 0.05)?.to_dtype(dtype)?;
-    let want = silu_and_mul(
-        &x.to_dtype(DType::F32)?
-            .matmul(&w.to_dtype(DType::F32)?.t()?)?,
-    )?;
-    let got = silu_glu_rows(&x.to_device(dev)?, &w.to_device(dev)?)?;
-    assert_eq!(got.dims(), &[m, inter]);
-    let got = got.to_device(&cpu)?.to_dtype(DType::F32)?;
-    let scale = want
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()?
-        .max(1.0);
-    let err = (got - &want)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_scalar::<f32>()?;
-    // the product rounded to the dtype before the SiLU, then the output
-    let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 } * scale;
-    assert!(
-        err <= tol,
-        "glu {dtype:?} m {m} inter {inter} k {k}: max abs error {err} (tol {tol})"
-    );
-    Ok(())
+    compare(
+        dev,
+        dtype,
+        (m, 2 * inter, k),
+        silu_glu_rows,
+        silu_and_mul,
+        inter,
+        (2e-2, 4e-3),
+    )
 }
 
 #[test]
