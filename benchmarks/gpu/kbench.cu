@@ -3,7 +3,7 @@
 // against a plain reference. Weights and caches are spread over enough distinct copies that no
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
-// Build: make kbench (nvcc, no cargo); run: target/gpu-bundle/kbench [sections], sections from
+// Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
 // gemv,step,attn,attn1,attn256,small,chain (default: all but attn1 and attn256, which
 // run one case each for a profiler). Output: one line per measurement.
 #include "kernels.cu"
