@@ -50,31 +50,12 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
   }
 }
 
-// One CTA per token. qkv: [tokens, heads + 2 * kv_heads, D] (rows `row_stride` apart); the first
-// heads + kv_heads heads (q then k) are rotated in place with cos/sin: [max_positions, D / 2]
-// (the "rotate half" layout of Hugging Face Llama).
-template <typename T>
-__device__ void rotary_qk_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
-                               const T* __restrict__ cos, const T* __restrict__ sin, int rotated_heads,
-                               int head_dim, long row_stride) {
-  const int half = head_dim / 2;
-  const long pos = positions[blockIdx.x];
-  T* row = qkv + (long)blockIdx.x * row_stride;
-  const T* c = cos + pos * half;
-  const T* s = sin + pos * half;
-  for (int i = threadIdx.x; i < rotated_heads * half; i += blockDim.x) {
-    const int h = i / half, j = i % half;
-    T* p = row + (long)h * head_dim;
-    const float x1 = to_f32(p[j]), x2 = to_f32(p[j + half]);
-    const float cj = to_f32(c[j]), sj = to_f32(s[j]);
-    p[j] = from_f32<T>(x1 * cj - x2 * sj);
-    p[j + half] = from_f32<T>(x2 * cj + x1 * sj);
-  }
-}
-
-// rotary_qk and the cache write in one launch, one CTA per token: q heads rotate in place, k
-// heads rotate in place and into k_cache at the token's slot, v heads are copied into v_cache
-// (caches [slots, kv_heads * D]; a negative slot skips the writes, others were validated).
+// Rotary embedding with the cache write, one CTA per token. qkv: [tokens, heads + 2 * kv_heads,
+// D] (rows `row_stride` apart); q heads rotate in place with cos/sin: [max_positions, D / 2] (the
+// "rotate half" layout of Hugging Face Llama), k heads rotate in place and into k_cache at the
+// token's slot, v heads are copied into v_cache (caches [slots, kv_heads * D]; a negative slot
+// skips the writes, others were validated). With slots null nothing is written to a cache: the
+// first `heads` heads are rotated (rotary_qk, kv_heads 0).
 template <typename T>
 __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
                                      const T* __restrict__ cos, const T* __restrict__ sin,
@@ -83,7 +64,7 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
                                      const int64_t* __restrict__ slots) {
   const int half = head_dim / 2;
   const long pos = positions[blockIdx.x];
-  const int64_t slot = slots[blockIdx.x];
+  const int64_t slot = slots ? slots[blockIdx.x] : -1;
   const long kv_row = (long)kv_heads * head_dim;
   T* row = qkv + (long)blockIdx.x * row_stride;
   T* kd = slot >= 0 ? k_cache + slot * kv_row : nullptr;
@@ -123,7 +104,8 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
   extern "C" __global__ void rotary_qk_##NAME(T* qkv, const uint32_t* positions, const T* cos,     \
                                               const T* sin, int rotated_heads, int head_dim,       \
                                               long row_stride) {                                   \
-    rotary_qk_impl<T>(qkv, positions, cos, sin, rotated_heads, head_dim, row_stride);              \
+    rotary_qk_cache_impl<T>(qkv, positions, cos, sin, rotated_heads, 0, head_dim, row_stride,      \
+                            nullptr, nullptr, nullptr);                                            \
   }                                                                                                \
   extern "C" __global__ void rotary_qk_cache_##NAME(                                               \
       T* qkv, const uint32_t* positions, const T* cos, const T* sin, int heads, int kv_heads,      \

@@ -358,7 +358,7 @@ mod cuda {
                 .arg(&eps);
             let cfg = LaunchConfig {
                 grid_dim: (t as u32, 1, 1),
-                block_dim: (h.next_multiple_of(32).clamp(32, 1024) as u32, 1, 1),
+                block_dim: (block_threads(h, 1024), 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu.

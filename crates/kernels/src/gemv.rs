@@ -32,7 +32,7 @@ pub fn linear_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// [`crate::silu_and_mul`], which is also the reference.
 pub fn silu_glu_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if kernel_applies(x, w) && w.dim(0)?.is_multiple_of(2) && x.dim(1)? == w.dim(1)? {
+    if kernel_applies(x, w) && w.dim(0)?.is_multiple_of(2) {
         return x
             .contiguous()?
             .apply_op2_no_bwd(w, &cuda::Gemv { glu: true });
@@ -42,10 +42,11 @@ pub fn silu_glu_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// Whether [`linear_rows`] takes the streaming kernel for `x` `[m, k]` and `w` `[n, k]`.
 pub fn kernel_applies(x: &Tensor, w: &Tensor) -> bool {
-    let Ok((m, k)) = x.dims2() else {
+    let (Ok((m, k)), Ok((_, wk))) = (x.dims2(), w.dims2()) else {
         return false;
     };
     x.device().is_cuda()
+        && k == wk
         && (1..=GEMV_MAX_ROWS).contains(&m)
         && k.is_multiple_of(8)
         && matches!(x.dtype(), DType::BF16 | DType::F16)

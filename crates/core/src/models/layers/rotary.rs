@@ -92,12 +92,6 @@ impl RotaryEmbedding {
         Ok(Self { cos, sin })
     }
 
-    /// Rotates, in place, the first `rotated_heads` heads of `qkv` (`[num_tokens, heads, head_dim]`,
-    /// contiguous) at `positions` (`[num_tokens]` u32).
-    pub fn rotate_(&self, qkv: &Tensor, positions: &Tensor, rotated_heads: usize) -> Result<()> {
-        rserve_kernels::rotary_qk_(qkv, positions, &self.cos, &self.sin, rotated_heads)
-    }
-
     /// Rotates the q and k heads of `qkv` (`[num_tokens, heads + 2 * kv_heads, head_dim]`,
     /// contiguous) in place and writes its k and v heads into this layer's cache at the step's
     /// slots (one kernel on CUDA).
@@ -151,7 +145,7 @@ mod tests {
         };
         let r = RotaryEmbedding::new(4, 8, &cfg, DType::F32, &dev)?;
         let x = Tensor::new(&[[[1f32, 2., 3., 4.]]], &dev)?; // [1 token, 1 head, 4]
-        r.rotate_(&x, &Tensor::new(&[3u32], &dev)?, 1)?;
+        rserve_kernels::rotary_qk_(&x, &Tensor::new(&[3u32], &dev)?, &r.cos, &r.sin, 1)?;
         let y = x.flatten_all()?.to_vec1::<f32>()?;
         let f = inv_freq(4, &cfg);
         let (a0, a1) = (3.0 * f[0], 3.0 * f[1]);
