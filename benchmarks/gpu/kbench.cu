@@ -282,10 +282,12 @@ static void bench_step() {
 
 // Decode attention (8B: 32 query heads, 8 KV heads, head dim 128, blocks of 16) for a batch of
 // sequences of ctx keys, with the engine's split rule, then the split merge.
-static int decode_split_keys(int ctas, int ctx, int sms) {
-  const int splits = std::min((2 * sms + ctas - 1) / ctas, ctx / 64);
-  if (splits < 2) return 0;
-  return ((ctx + splits - 1) / splits + 15) / 16 * 16;
+// Key slices per sequence (1: no split); the kernel cuts each context into that many slices of at
+// least kMinSplitKeys keys.
+constexpr int kMinSplitKeys = 64;
+static int decode_splits(int ctas, int ctx, int sms) {
+  if (ctas >= 2 * sms) return 1;
+  return std::max(1, std::min((2 * sms + ctas - 1) / ctas, ctx / kMinSplitKeys));
 }
 
 static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Decode& dk = kDecodes[0]) {
@@ -315,8 +317,10 @@ static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Dec
   CK(cudaMemcpy(dl, lens.data(), B * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(ds, starts.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dq, seqs.data(), B * 4, cudaMemcpyHostToDevice));
-  const int split = forced_split >= 0 ? forced_split : decode_split_keys(B * KVH, ctx, sms);
-  const int count = split > 0 ? (ctx + split - 1) / split : 1;
+  // forced_split: keys per slice (0: no split)
+  const int count = forced_split >= 0 ? (forced_split > 0 ? (ctx + forced_split - 1) / forced_split : 1)
+                                      : decode_splits(B * KVH, ctx, sms);
+  const int split = count > 1 ? std::max(kMinSplitKeys, forced_split) : 0;
   const long rows = (long)B * H;
   float *acc, *ml;
   CK(cudaMalloc(&acc, (size_t)count * rows * D * 4));
@@ -451,8 +455,8 @@ static void bench_chain(int sms) {
   CK(cudaMemcpy(dq, &zero, 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(pos, &p, 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(slot, &sl, 8, cudaMemcpyHostToDevice));
-  const int split = decode_split_keys(KVH, ctx, sms);
-  const int count = split > 0 ? (ctx + split - 1) / split : 1;
+  const int count = decode_splits(KVH, ctx, sms);
+  const int split = kMinSplitKeys;
   float *acc, *ml;
   CK(cudaMalloc(&acc, (size_t)count * H * D * 4));
   CK(cudaMalloc(&ml, (size_t)count * H * 2 * 4));

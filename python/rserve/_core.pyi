@@ -30,6 +30,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         chat_template: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

@@ -39,7 +39,13 @@ _DRAIN_MAX = 64  # outputs one poll hands back at most
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
 _ENGINE_KWARGS = frozenset(
-    {"max_num_batched_tokens", "block_size", "chat_template", "gpu_memory_utilization"}
+    {
+        "max_num_batched_tokens",
+        "block_size",
+        "chat_template",
+        "gpu_memory_utilization",
+        "enforce_eager",
+    }
 )
 
 
@@ -203,7 +209,8 @@ class LLM:
 
     `model` is a local directory in Hugging Face layout or a hub id (`org/name`), downloaded into
     the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
-    `block_size`, `chat_template` (a file or inline Jinja replacing the model's template).
+    `block_size`, `chat_template` (a file or inline Jinja replacing the model's template),
+    `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps).
     """
 
     def __init__(

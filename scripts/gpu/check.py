@@ -12,6 +12,8 @@ Parts (choose with --parts, comma-separated):
            of 1,000 positions vs transformers bf16; load time; decode throughput at batch 1 and 64
            next to transformers eager generate in the same run
   coldstart  launch -> /health -> first token with an empty and a warm driver JIT cache
+
+RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -51,7 +54,8 @@ class Server:
         self.log_path = out / f"server-{port}-{Path(model).name}{tag}.log"
         self.t0 = time.time()
         self.proc = subprocess.Popen(
-            [*(prefix or []), str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra],
+            [*(prefix or []), str(binary), "serve", model, "--port", str(port), "--device", "cuda", *extra,
+             *shlex.split(os.environ.get("RSERVE_SERVE_ARGS", ""))],
             stdout=open(self.log_path, "w"),
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -341,7 +345,7 @@ def part_big(a, out: Path) -> None:
         subprocess.run(["sync"])
         srv = Server(
             a.binary, str(path), a.port, out, "--max-model-len", "9000",
-            env={"RUST_LOG": "warn,rserve_core::engine=debug"},
+            env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"},
         )
         try:
             rs = teacher_forced_rserve(srv, ids)
@@ -468,7 +472,7 @@ def part_speed(a, out: Path) -> None:
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
         srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
-                     env={"RUST_LOG": "warn,rserve_core::engine=debug"})
+                     env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"})
         rec["ready_s"] = srv.ready_s
         try:
             if "b1" in want:

@@ -11,6 +11,7 @@ pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats
 pub use crate::engine_types::{EngineHandle, OutputStream};
 use crate::kv_cache::KvCache;
 use crate::loader::{load_model, LoadedModel};
+use crate::model_runner::graphs::GraphPlan;
 use crate::model_runner::{LogitRow, ModelRunner};
 use crate::request::{
     CompletionOutput, EngineRequest, FinishReason, RequestId, RequestOutput, StopReason,
@@ -191,13 +192,25 @@ fn gpu_kv_budget(
         .saturating_sub(before.pool_used + scratch);
     let in_use = before.total - before.free;
     let allowed = (before.total as f64 * cfg.gpu_memory_utilization) as usize;
-    let budget = allowed.saturating_sub(in_use + peak);
+    // decode graphs: the shared logits buffer, and activations of the largest bucket
+    let graphs = if cfg.enforce_eager {
+        0
+    } else {
+        let largest = GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size)
+            .buckets
+            .last()
+            .copied()
+            .unwrap_or(0);
+        largest * loaded.model.config().vocab_size * 4 + peak * largest / tokens.max(1)
+    };
+    let budget = allowed.saturating_sub(in_use + peak + graphs);
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading, activation peak {:.2} GiB for {tokens} tokens; KV cache budget {:.2} GiB at utilization {}",
+        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading, activation peak {:.2} GiB for {tokens} tokens, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
         gib(before.total),
         gib(in_use),
         gib(peak),
+        gib(graphs),
         gib(budget),
         cfg.gpu_memory_utilization
     );
@@ -336,7 +349,9 @@ impl Engine {
         device
             .synchronize()
             .map_err(|e| EngineError::Model(e.to_string()))?;
-        let runner = ModelRunner::new(loaded.model, kv, device);
+        let graphs = (!cfg.enforce_eager)
+            .then(|| GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size));
+        let runner = ModelRunner::new(loaded.model, kv, device, graphs);
         let engine = Engine {
             info: info.clone(),
             stats: stats.clone(),
@@ -545,7 +560,7 @@ impl Engine {
         let prepared = self.runner.prepare(&self.scheduler, &out, wants);
         self.timing.prepared = Some(Instant::now());
         let result =
-            prepared.and_then(|(batch, rows)| Ok((self.runner.execute(&out, &batch)?, rows)));
+            prepared.and_then(|(step, rows)| Ok((self.runner.execute(&out, &step)?, rows)));
         self.timing.issued = Some(Instant::now());
         self.timing.tokens += out.num_batched_tokens;
         let (logits, rows) = match result {

@@ -44,6 +44,8 @@ pub struct EngineConfig {
     pub seed: u64,
     /// A chat template (Jinja source) replacing the model's own.
     pub chat_template: Option<String>,
+    /// Run every step eagerly: no CUDA graphs of decode steps.
+    pub enforce_eager: bool,
 }
 
 impl EngineConfig {
@@ -60,6 +62,7 @@ impl EngineConfig {
             gpu_memory_utilization: 0.9,
             seed: 0,
             chat_template: None,
+            enforce_eager: false,
         }
     }
 }

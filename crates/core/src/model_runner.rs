@@ -2,15 +2,22 @@
 //! positions, slot mapping, block tables, sequence lengths, which rows need logits), applies
 //! copy-on-write block copies, and runs the model.
 //!
+//! On a GPU, a step of decode rows only replays a CUDA graph captured for the smallest batch
+//! bucket that holds it ([`graphs`]): its inputs are written into the bucket's tensors, padding
+//! rows are inert, and one driver call issues the whole forward pass.
+//!
 //! Owns the model and the KV tensors. Does not decide what runs (the scheduler does) nor what is
 //! sampled (the engine does). Row order of the logits equals the order of [`LogitRow`]s returned
 //! by [`ModelRunner::prepare`].
+
+pub mod graphs;
 
 use crate::kv_cache::KvCache;
 use crate::models::Model;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::SeqId;
 use candle_core::{Device, Result, Tensor};
+use graphs::{DecodeGraphs, GraphPlan};
 use rserve_kernels::AttentionMetadata;
 use std::sync::Arc;
 
@@ -22,6 +29,73 @@ pub struct ForwardBatch {
     pub logits_indices: Tensor, // [num_logit_rows] u32
     /// Slot mapping, block tables, sequence lengths and query starts, shared by every layer.
     pub attn: Arc<AttentionMetadata>,
+}
+
+/// One step's inputs as host arrays, before they go to the device.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HostBatch {
+    pub input_ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub slots: Vec<i64>,
+    /// `[seqs, width]` block ids.
+    pub block_tables: Vec<u32>,
+    pub width: usize,
+    pub seq_lens: Vec<u32>,
+    pub query_start_loc: Vec<u32>,
+    pub logits_indices: Vec<u32>,
+}
+
+impl HostBatch {
+    /// Whether every sequence has exactly one query token and each token is a logit row of its
+    /// own, in order: a step a decode graph can run.
+    pub fn is_plain_decode(&self) -> bool {
+        let n = self.seq_lens.len();
+        n > 0
+            && self.input_ids.len() == n
+            && self
+                .query_start_loc
+                .iter()
+                .zip(0u32..)
+                .all(|(&q, j)| q == j)
+            && self.logits_indices.len() == n
+            && self.logits_indices.iter().zip(0u32..).all(|(&i, j)| i == j)
+    }
+
+    /// Uploads the arrays as a [`ForwardBatch`] on `device`.
+    fn upload(self, device: &Device) -> Result<ForwardBatch> {
+        let t = self.input_ids.len();
+        let rows = self.logits_indices.len();
+        Ok(ForwardBatch {
+            input_ids: Tensor::from_vec(self.input_ids, t, device)?,
+            positions: Tensor::from_vec(self.positions, t, device)?,
+            // a step of prompt chunks only has no logit rows; an empty tensor stays on the host
+            // (a GPU launch over zero elements is an error)
+            logits_indices: if rows == 0 {
+                Tensor::zeros(0, candle_core::DType::U32, &Device::Cpu)?
+            } else {
+                Tensor::from_vec(self.logits_indices, rows, device)?
+            },
+            attn: Arc::new(AttentionMetadata::new(
+                self.slots,
+                self.block_tables,
+                self.width,
+                self.seq_lens,
+                self.query_start_loc,
+                device,
+            )?),
+        })
+    }
+}
+
+/// A step ready to run: uploaded for an eager forward pass, or written into a graph bucket.
+#[derive(Debug)]
+pub enum PreparedStep {
+    Eager(ForwardBatch),
+    /// Replay the graph of `bucket` (rows past `rows` are padding).
+    Graph {
+        bucket: usize,
+        rows: usize,
+    },
 }
 
 /// What one row of the returned logits is for.
@@ -38,11 +112,27 @@ pub struct ModelRunner {
     model: Box<dyn Model>,
     kv: KvCache,
     device: Device,
+    graphs: Option<DecodeGraphs>,
 }
 
 impl ModelRunner {
-    pub fn new(model: Box<dyn Model>, kv: KvCache, device: Device) -> Self {
-        Self { model, kv, device }
+    /// A runner; `graphs` plans the decode graphs (`None`: every step runs eagerly). Graphs are
+    /// used on CUDA devices only.
+    pub fn new(
+        model: Box<dyn Model>,
+        kv: KvCache,
+        device: Device,
+        graphs: Option<GraphPlan>,
+    ) -> Self {
+        let graphs = graphs
+            .filter(|_| device.is_cuda())
+            .map(|plan| DecodeGraphs::new(plan, model.config().vocab_size));
+        Self {
+            model,
+            kv,
+            device,
+            graphs,
+        }
     }
 
     pub fn model(&self) -> &dyn Model {
@@ -57,24 +147,16 @@ impl ModelRunner {
         &self.device
     }
 
-    /// Builds the batch for `out`. `wants_prompt_logprobs(seq)` says whether a sequence asked for
-    /// prompt logprobs (rows for every prompt position in its chunk are then added).
-    pub fn prepare(
-        &self,
+    /// Builds the host arrays for `out`. `wants_prompt_logprobs(seq)` says whether a sequence
+    /// asked for prompt logprobs (rows for every prompt position in its chunk are then added).
+    pub fn host_batch(
         sched: &Scheduler,
         out: &SchedulerOutput,
         wants_prompt_logprobs: impl Fn(SeqId) -> bool,
-    ) -> Result<(ForwardBatch, Vec<LogitRow>)> {
+    ) -> Result<(HostBatch, Vec<LogitRow>)> {
         let bs = sched.kv().block_size();
         let n = out.scheduled.len();
-        let mut input_ids = Vec::with_capacity(out.num_batched_tokens);
-        let mut positions = Vec::with_capacity(out.num_batched_tokens);
-        let mut slots = Vec::with_capacity(out.num_batched_tokens);
-        let mut seq_lens = Vec::with_capacity(n);
-        let mut qsl = Vec::with_capacity(n + 1);
-        qsl.push(0u32);
-        let mut rows = Vec::new();
-        let mut logit_idx = Vec::new();
+        let tokens = out.num_batched_tokens;
         let width = out
             .scheduled
             .iter()
@@ -82,29 +164,40 @@ impl ModelRunner {
             .max()
             .unwrap_or(1)
             .max(1);
-        let mut tables = vec![0u32; n * width];
+        let mut h = HostBatch {
+            input_ids: Vec::with_capacity(tokens),
+            positions: Vec::with_capacity(tokens),
+            slots: Vec::with_capacity(tokens),
+            block_tables: vec![0u32; n * width],
+            width,
+            seq_lens: Vec::with_capacity(n),
+            query_start_loc: Vec::with_capacity(n + 1),
+            logits_indices: Vec::new(),
+        };
+        h.query_start_loc.push(0);
+        let mut rows = Vec::new();
         for (i, s) in out.scheduled.iter().enumerate() {
             let seq = sched.seq(s.seq_id).ok_or_else(|| {
                 candle_core::Error::Msg(format!("scheduled unknown sequence {}", s.seq_id))
             })?;
             let table = sched.kv().block_table(s.seq_id);
             for (j, b) in table.iter().enumerate() {
-                tables[i * width + j] = b.0;
+                h.block_tables[i * width + j] = b.0;
             }
-            let start = input_ids.len();
+            let start = h.input_ids.len();
             for p in s.num_computed..s.num_computed + s.num_new {
                 let tok = *seq.tokens.get(p).ok_or_else(|| {
                     candle_core::Error::Msg(format!("sequence {} has no token {p}", s.seq_id))
                 })?;
-                input_ids.push(tok);
-                positions.push(p as u32);
+                h.input_ids.push(tok);
+                h.positions.push(p as u32);
                 let block = table.get(p / bs).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
                         "sequence {} has no block for position {p}",
                         s.seq_id
                     ))
                 })?;
-                slots.push((block.0 as usize * bs + p % bs) as i64);
+                h.slots.push((block.0 as usize * bs + p % bs) as i64);
             }
             if wants_prompt_logprobs(s.seq_id) {
                 let end = (s.num_computed + s.num_new).min(seq.prompt_len.saturating_sub(1));
@@ -113,37 +206,41 @@ impl ModelRunner {
                         seq: s.seq_id,
                         pos: p,
                     });
-                    logit_idx.push((start + p - s.num_computed) as u32);
+                    h.logits_indices.push((start + p - s.num_computed) as u32);
                 }
             }
             if s.samples {
                 rows.push(LogitRow::Sample(s.seq_id));
-                logit_idx.push((input_ids.len() - 1) as u32);
+                h.logits_indices.push((h.input_ids.len() - 1) as u32);
             }
-            seq_lens.push((s.num_computed + s.num_new) as u32);
-            qsl.push(input_ids.len() as u32);
+            h.seq_lens.push((s.num_computed + s.num_new) as u32);
+            h.query_start_loc.push(h.input_ids.len() as u32);
         }
-        let d = &self.device;
-        let t = input_ids.len();
-        let batch = ForwardBatch {
-            input_ids: Tensor::from_vec(input_ids, t, d)?,
-            positions: Tensor::from_vec(positions, t, d)?,
-            // a step of prompt chunks only has no logit rows; an empty tensor stays on the host
-            // (a GPU launch over zero elements is an error)
-            logits_indices: if logit_idx.is_empty() {
-                Tensor::zeros(0, candle_core::DType::U32, &Device::Cpu)?
-            } else {
-                Tensor::from_vec(logit_idx.clone(), logit_idx.len(), d)?
-            },
-            attn: Arc::new(AttentionMetadata::new(
-                slots, tables, width, seq_lens, qsl, d,
-            )?),
-        };
-        Ok((batch, rows))
+        Ok((h, rows))
+    }
+
+    /// Builds the step for `out`: written into a decode graph's inputs when one applies, else
+    /// uploaded for an eager pass. See [`ModelRunner::host_batch`] for `wants_prompt_logprobs`.
+    pub fn prepare(
+        &mut self,
+        sched: &Scheduler,
+        out: &SchedulerOutput,
+        wants_prompt_logprobs: impl Fn(SeqId) -> bool,
+    ) -> Result<(PreparedStep, Vec<LogitRow>)> {
+        let (host, rows) = Self::host_batch(sched, out, wants_prompt_logprobs)?;
+        if let Some(g) = self.graphs.as_mut() {
+            if let Some(bucket) = g.bucket_for(&host) {
+                let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
+                let n = host.seq_lens.len();
+                g.write_inputs(bucket, &host, num_blocks, bs, &self.device)?;
+                return Ok((PreparedStep::Graph { bucket, rows: n }, rows));
+            }
+        }
+        Ok((PreparedStep::Eager(host.upload(&self.device)?), rows))
     }
 
     /// Applies the step's block copies and runs the model; f32 logits `[rows, vocab]`.
-    pub fn execute(&self, out: &SchedulerOutput, batch: &ForwardBatch) -> Result<Tensor> {
+    pub fn execute(&mut self, out: &SchedulerOutput, step: &PreparedStep) -> Result<Tensor> {
         if !out.block_copies.is_empty() {
             let pairs: Vec<(usize, usize)> = out
                 .block_copies
@@ -152,7 +249,15 @@ impl ModelRunner {
                 .collect();
             self.kv.copy_blocks(&pairs)?;
         }
-        self.model.forward(batch, &self.kv)
+        match step {
+            PreparedStep::Eager(batch) => self.model.forward(batch, &self.kv),
+            PreparedStep::Graph { bucket, rows } => {
+                let g = self.graphs.as_mut().ok_or_else(|| {
+                    candle_core::Error::Msg("a graph step without decode graphs".into())
+                })?;
+                g.run(*bucket, *rows, self.model.as_ref(), &self.kv, &self.device)
+            }
+        }
     }
 }
 

@@ -69,6 +69,63 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
     assert_sound(&h);
 }
 
+/// Runs every prompt at once (greedy, with logprobs; prompt `i` for `8 + 3 * i` tokens) and
+/// returns each one's tokens and logprobs.
+fn run_together(h: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, f32)>> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, q)| {
+            let mut p = greedy(8 + 3 * i);
+            p.logprobs = Some(0);
+            h.submit(EngineRequest {
+                prompt_token_ids: q.clone(),
+                params: p,
+            })
+            .expect("submit")
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            let out = s.wait().expect("done");
+            let lps = out.outputs[0].logprobs.clone().expect("logprobs asked for");
+            lps.iter().map(|t| (t.token_id, t.logprob)).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn decode_graphs_match_eager_steps() {
+    // on a GPU the default engine replays CUDA graphs for decode steps (batch buckets 8, 4, 2, 1
+    // here, as requests finish at different lengths); the eager engine never does
+    let prompts = prompts();
+    let eager = start("qwen2", |c| c.enforce_eager = true);
+    let want = run_together(&eager, &prompts);
+    assert_sound(&eager);
+    let graphs = start("qwen2", |c| c.max_num_seqs = 8);
+    for round in 0..2 {
+        let got = run_together(&graphs, &prompts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let ids = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(ids(g), ids(w), "round {round}, prompt {i}");
+            for (a, b) in g.iter().zip(w) {
+                assert!(
+                    (a.1 - b.1).abs() <= tolerance(),
+                    "round {round}, prompt {i}: {a:?} vs {b:?}"
+                );
+            }
+        }
+        // one request alone: the batch-1 bucket
+        let solo = run_together(&graphs, &prompts[..1]);
+        assert_eq!(
+            solo[0].iter().map(|x| x.0).collect::<Vec<_>>(),
+            want[0].iter().map(|x| x.0).collect::<Vec<_>>()
+        );
+    }
+    assert_sound(&graphs);
+}
+
 #[test]
 fn a_prompt_alone_in_many_chunks_matches_one_pass() {
     // steps that carry only a prompt chunk produce no logit rows at all

@@ -6,8 +6,11 @@
 // broadcast from shared memory; the chunk's softmax runs one warp per head (online across chunks);
 // for P.V each thread owns 16 bytes of output columns and a stream of keys, so a V row is read by
 // a few threads in 16-byte pieces and each thread keeps several rows in flight; the streams' sums
-// meet through warp shuffles, then shared memory. With a key split the unnormalised partial
-// results go to the same buffers as paged_attention's split, merged by paged_attention_combine.
+// meet through warp shuffles, then shared memory. With a key split (gridDim.z > 1) each sequence's
+// visible keys are cut into gridDim.z slices of at least split_keys keys (a multiple of 16), so a
+// grid fixed in advance (a captured CUDA graph) serves any context; slices past a short context
+// are empty. The unnormalised partial results go to the same buffers as paged_attention's split,
+// merged by paged_attention_combine.
 //
 // Host guarantees: head_dim * sizeof(T) is a multiple of 16 and head_dim <= 256; the group of
 // query heads per KV head is <= G; every listed sequence has exactly one query token.
@@ -40,10 +43,12 @@ __device__ void paged_decode_impl(
   const int tok = query_start[seq];
   const int ctx = seq_lens[seq];
   const int lo = window > 0 ? max(0, ctx - window) : 0;
+  const bool split = gridDim.z > 1;
   int k_begin = lo, k_end = ctx;
-  if (split_keys > 0) {
-    k_begin = max(lo, (int)blockIdx.z * split_keys);
-    k_end = min(ctx, ((int)blockIdx.z + 1) * split_keys);
+  if (split) {
+    const int per = max(split_keys, ((ctx - lo + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15);
+    k_begin = min(ctx, lo + (int)blockIdx.z * per);
+    k_end = min(ctx, k_begin + per);
   }
 
   pdl_trigger();  // without a split, the o product may start streaming its weights
@@ -213,7 +218,7 @@ __device__ void paged_decode_impl(
     const int g = i / D, c = i % D;
     const size_t row = (size_t)tok * num_heads + h0 + g;
     const float a = ss[i];
-    if (split_keys > 0) {
+    if (split) {
       const size_t prow = (size_t)blockIdx.z * total_rows + row;
       part_acc[prow * D + c] = a;
       if (c == 0) {

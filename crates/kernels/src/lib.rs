@@ -20,6 +20,8 @@ pub mod cuda;
 pub mod elem;
 pub mod fused;
 pub mod gemv;
+#[cfg(feature = "cuda")]
+pub mod graph;
 pub mod metadata;
 pub mod paged_attention;
 pub mod sampling;
@@ -27,5 +29,5 @@ pub mod sampling;
 pub use cache::{copy_blocks, reshape_and_cache};
 pub use fused::{add_rms_norm, rotary_qk_, rotary_qk_cache_, silu_and_mul};
 pub use gemv::{linear_rows, silu_glu_rows};
-pub use metadata::AttentionMetadata;
+pub use metadata::{AttentionMetadata, DeviceArrays};
 pub use paged_attention::{paged_attention, reference_attention, PagedAttentionParams};

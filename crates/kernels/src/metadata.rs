@@ -24,6 +24,8 @@ pub struct AttentionMetadata {
     num_decode: usize,
     /// The GPU attention kernels' lists built so far in this step (at most a few).
     work: Mutex<Vec<(ListKey, Tensor)>>,
+    /// The longest context the decode kernel's key split is planned for.
+    split_context: usize,
     /// The cache geometry (blocks, block size) these arrays were last checked against: every
     /// layer's cache has the same one, so the check runs once per step, not once per layer.
     checked: Mutex<Option<(usize, usize)>>,
@@ -38,9 +40,10 @@ enum ListKey {
     Decode,
 }
 
-#[derive(Debug)]
+/// The metadata arrays as device tensors (see [`AttentionMetadata`] for each one's meaning).
+#[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct DeviceArrays {
+pub struct DeviceArrays {
     pub slots: Tensor,           // [num_tokens] i64
     pub block_tables: Tensor,    // [num_seqs, width] u32
     pub seq_lens: Tensor,        // [num_seqs] u32
@@ -94,6 +97,7 @@ impl AttentionMetadata {
             .windows(2)
             .filter(|w| w[1] - w[0] == 1)
             .count();
+        let split_context = seq_lens.iter().copied().max().unwrap_or(0) as usize;
         Ok(Self {
             num_decode,
             slots,
@@ -104,8 +108,48 @@ impl AttentionMetadata {
             device: device.clone(),
             dev,
             work: Mutex::new(Vec::new()),
+            split_context,
             checked: Mutex::new(None),
         })
+    }
+
+    /// These host arrays (built on the CPU device) served from arrays that already live on a
+    /// device, for a step of decode rows only: a captured CUDA graph's inputs, rewritten in place
+    /// before each replay, the host arrays being their values while capturing. `decode_seqs` is
+    /// `[num_seqs]` u32 `0..num_seqs`; the decode key split is planned for contexts up to
+    /// `split_context`.
+    pub fn on_device(
+        mut self,
+        arrays: DeviceArrays,
+        decode_seqs: Tensor,
+        split_context: usize,
+    ) -> Result<Self> {
+        let n = self.num_seqs();
+        if self.num_decode != n || self.num_tokens() != n {
+            candle_core::bail!("attention metadata: a decode graph takes one query per sequence");
+        }
+        if decode_seqs.dims() != [n] || arrays.block_tables.dims() != [n, self.width] {
+            candle_core::bail!(
+                "attention metadata: {:?} decode sequences and a {:?} table for {n} sequences of width {}",
+                decode_seqs.dims(),
+                arrays.block_tables.dims(),
+                self.width
+            );
+        }
+        self.device = decode_seqs.device().clone();
+        self.dev = Some(arrays);
+        self.split_context = split_context.max(self.split_context);
+        self.work
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("work list lock poisoned".into()))?
+            .push((ListKey::Decode, decode_seqs));
+        Ok(self)
+    }
+
+    /// The longest context the decode kernel's key split is planned for: the longest in this
+    /// step, or a captured graph's limit.
+    pub fn split_context(&self) -> usize {
+        self.split_context
     }
 
     pub fn num_tokens(&self) -> usize {

@@ -250,19 +250,27 @@ impl LaunchPlan {
     }
 }
 
-/// Keys per split of the decode kernel (0: no split): when `ctas` (sequence, KV head) pairs fill
-/// fewer than two CTAs per multiprocessor, contexts are cut into slices of at least 64 keys so
-/// the grid does; a second pass merges the slices.
-pub fn decode_split_keys(ctas: usize, max_context: usize, multiprocessors: usize) -> usize {
-    if ctas == 0 || ctas >= 2 * multiprocessors || max_context < 128 {
-        return 0;
+/// Fewest keys in one slice of a split decode (the kernel sizes slices per sequence).
+pub const DECODE_MIN_SPLIT_KEYS: usize = 64;
+
+/// Key slices per sequence of the decode kernel (1: no split): when `ctas` (sequence, KV head)
+/// pairs fill fewer than two CTAs per multiprocessor, contexts of up to `max_context` keys are cut
+/// into slices of at least [`DECODE_MIN_SPLIT_KEYS`] keys so the grid does; a second pass merges
+/// the slices. The kernel cuts each sequence's own context, so the count may be planned for the
+/// longest context a captured graph will see.
+pub fn decode_splits(ctas: usize, max_context: usize, multiprocessors: usize) -> usize {
+    if ctas == 0 || ctas >= 2 * multiprocessors {
+        return 1;
     }
-    let splits = (2 * multiprocessors).div_ceil(ctas).min(max_context / 64);
-    if splits < 2 {
-        return 0;
-    }
-    max_context.div_ceil(splits).next_multiple_of(16)
+    let splits = (2 * multiprocessors)
+        .div_ceil(ctas)
+        .min(max_context / DECODE_MIN_SPLIT_KEYS)
+        .min(MAX_SPLITS);
+    splits.max(1)
 }
+
+/// Most key splits the merge kernel takes (`kMaxSplits` in `csrc/paged_attention.cu`).
+const MAX_SPLITS: usize = 512;
 
 /// Query heads per KV head the decode kernel is instantiated for (the group rounded up), if any.
 pub fn decode_group_bucket(group: usize) -> Option<usize> {
@@ -363,19 +371,16 @@ mod launch {
     }
 
     impl Splits {
-        /// Buffers for slices of `keys` keys (0: no split) of contexts up to `max_context`.
+        /// Buffers for `count` slices (1: no split) of `rows` rows; `keys` is the kernel's split
+        /// argument (keys per slice, or the fewest keys per slice for the decode kernel).
         pub fn new(
             dev: &CudaDevice,
+            count: usize,
             keys: usize,
-            max_context: usize,
             rows: usize,
             d: usize,
         ) -> Result<Self> {
-            let count = if keys > 0 {
-                max_context.div_ceil(keys)
-            } else {
-                1
-            };
+            let count = count.max(1);
             let n = if count > 1 { count * rows } else { 1 };
             // SAFETY: a splitting launch writes every (split, row) entry that the merge reads;
             // a launch that does not split never touches them.
@@ -408,10 +413,11 @@ mod launch {
             if self.count <= 1 {
                 return Ok(());
             }
-            if self.count > 512 {
+            if self.count > super::MAX_SPLITS {
                 candle_core::bail!(
-                    "paged_attention: {} key splits (the merge takes 512)",
-                    self.count
+                    "paged_attention: {} key splits (the merge takes {})",
+                    self.count,
+                    super::MAX_SPLITS
                 );
             }
             let combine = function(dev, &format!("paged_attention_combine_{suffix}"))?;
@@ -519,12 +525,12 @@ impl PagedAttention<'_> {
             let (seqs_g, _) = seqs.storage_and_layout();
             let seqs_s = cuda_slice::<u32>(&seqs_g, "decode sequences")?;
             // only a decode-only step splits: the merge rewrites every row of the step
-            let split_keys = if n_dec == num_seqs {
-                decode_split_keys(n_dec * kvh, max_ctx, sms)
+            let count = if n_dec == num_seqs {
+                decode_splits(n_dec * kvh, meta.split_context(), sms)
             } else {
-                0
+                1
             };
-            let mut splits = Splits::new(&dev, split_keys, max_ctx, total_rows, d)?;
+            let mut splits = Splits::new(&dev, count, DECODE_MIN_SPLIT_KEYS, total_rows, d)?;
             let func = function(&dev, &format!("paged_decode_g{g}_{suffix}"))?;
             let iv = ints(&[width, num_heads, kvh, d, bs]);
             let cfg = LaunchConfig {
@@ -573,7 +579,12 @@ impl PagedAttention<'_> {
         } else {
             0
         };
-        let mut splits = Splits::new(&dev, split_keys, max_ctx, total_rows, d)?;
+        let count = if split_keys > 0 {
+            max_ctx.div_ceil(split_keys)
+        } else {
+            1
+        };
+        let mut splits = Splits::new(&dev, count, split_keys, total_rows, d)?;
         let (wg, _) = work.storage_and_layout();
         let items = cuda_slice::<u32>(&wg, "work")?;
         let func = function(&dev, &format!("paged_attention_{suffix}"))?;

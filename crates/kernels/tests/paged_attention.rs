@@ -25,6 +25,12 @@ struct Case<'a> {
 }
 
 fn check(dev: &Device, c: &Case) -> Result<()> {
+    check_planned(dev, c, None)
+}
+
+/// `check`, with a decode-only step's metadata served from device arrays and its key split
+/// planned for contexts up to `split_context` (a decode graph's metadata) when that is given.
+fn check_planned(dev: &Device, c: &Case, split_context: Option<usize>) -> Result<()> {
     let cpu = Device::Cpu;
     let num_blocks = c
         .seqs
@@ -71,7 +77,24 @@ fn check(dev: &Device, c: &Case) -> Result<()> {
     reshape_and_cache(&k_all, &v_all, &kc, &vc, &write)?;
 
     let q_slots = vec![-1i64; *qsl.last().unwrap() as usize];
-    let meta = AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), dev)?;
+    let meta = match split_context {
+        None => AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), dev)?,
+        Some(planned) => {
+            let n = lens.len();
+            let arrays = rserve_kernels::DeviceArrays {
+                slots: Tensor::new(q_slots.as_slice(), dev)?,
+                block_tables: Tensor::from_slice(&tables, (n, width), dev)?,
+                seq_lens: Tensor::new(lens.as_slice(), dev)?,
+                query_start_loc: Tensor::new(qsl.as_slice(), dev)?,
+            };
+            let seqs: Vec<u32> = (0..n as u32).collect();
+            AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), &cpu)?.on_device(
+                arrays,
+                Tensor::new(seqs.as_slice(), dev)?,
+                planned,
+            )?
+        }
+    };
     let q = Tensor::cat(&qs, 0)?.to_device(dev)?;
     let params = PagedAttentionParams {
         scale: 1.0 / (c.d as f32).sqrt(),
@@ -228,14 +251,16 @@ fn split_keys_only_when_the_grid_is_small_and_contexts_long() -> Result<()> {
 
 #[test]
 fn decode_splits_fill_the_gpu_only_when_needed() {
-    use rserve_kernels::paged_attention::{decode_group_bucket, decode_split_keys};
-    assert_eq!(decode_split_keys(512, 4000, 132), 0, "enough CTAs");
-    assert_eq!(decode_split_keys(8, 100, 132), 0, "short context");
-    let k = decode_split_keys(8, 600, 132);
-    assert!(
-        k >= 64 && k.is_multiple_of(16) && 600usize.div_ceil(k) >= 2,
-        "{k}"
+    use rserve_kernels::paged_attention::{decode_group_bucket, decode_splits};
+    assert_eq!(decode_splits(512, 4000, 132), 1, "enough CTAs");
+    assert_eq!(decode_splits(8, 100, 132), 1, "short context");
+    assert_eq!(decode_splits(8, 600, 132), 9, "slices of at least 64 keys");
+    assert_eq!(
+        decode_splits(8, 1 << 20, 132),
+        33,
+        "two CTAs per multiprocessor"
     );
+    assert_eq!(decode_splits(1, 1 << 20, 132), 264);
     assert_eq!(decode_group_bucket(1), Some(1));
     assert_eq!(decode_group_bucket(7), Some(8));
     assert_eq!(decode_group_bucket(17), None);
@@ -377,6 +402,35 @@ mod cuda {
                     tol: 2e-2,
                     last_rows: None,
                 },
+            )?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_decode_split_planned_for_longer_contexts() -> Result<()> {
+        // a decode graph's metadata: the split is planned for the longest context the graph
+        // serves, so most slices of these contexts are empty
+        let dev = gpu();
+        for (seqs, planned) in [
+            (&[(1, 3000), (1, 700), (1, 3), (1, 1025)][..], 131_072),
+            (&[(1, 20)][..], 8192),
+            (&[(1, 777)][..], 4096),
+        ] {
+            check_planned(
+                &dev,
+                &Case {
+                    dtype: DType::BF16,
+                    heads: 32,
+                    kvh: 8,
+                    d: 128,
+                    bs: 16,
+                    seqs,
+                    window: None,
+                    tol: 2e-2,
+                    last_rows: None,
+                },
+                Some(planned),
             )?;
         }
         Ok(())

@@ -57,6 +57,9 @@ pub struct EngineArgs {
     /// Engine seed for requests without their own.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Run every step eagerly (on a GPU, decode steps otherwise replay CUDA graphs).
+    #[arg(long)]
+    pub enforce_eager: bool,
 }
 
 #[derive(Debug, Args)]

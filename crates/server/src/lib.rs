@@ -48,6 +48,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.block_size = args.block_size;
     cfg.seed = args.seed;
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
+    cfg.enforce_eager = args.enforce_eager;
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }
