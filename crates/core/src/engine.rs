@@ -69,6 +69,18 @@ pub struct Engine {
     seed_rng: SeqRng,
     timing: StepTiming,
     profile: StepProfile,
+    /// Tokens accepted whose text is not worked out yet (see [`Engine::settle`]).
+    pending: Vec<PendingToken>,
+}
+
+/// A sampled token whose completion has it, waiting for detokenizing, stop strings and sending.
+#[derive(Debug, Clone, Copy)]
+struct PendingToken {
+    rid: RequestId,
+    idx: usize,
+    token: u32,
+    /// Whether the token is text (not a stop token or EOS that ended its completion).
+    text: bool,
 }
 
 /// `RSERVE_CUDA_PROFILE_STEPS=START:COUNT` brackets engine steps START..START+COUNT with the CUDA
@@ -112,8 +124,9 @@ impl StepProfile {
 
 /// Where a step's time goes, averaged and logged at debug level every 200 steps: host work up to
 /// the last kernel issued (schedule and batch inputs, then the forward pass's launches), waiting
-/// for the device and reading the sampled tokens (or logits), and the host work after (stops,
-/// detokenizing, sending).
+/// for the device and reading the sampled tokens (or logits), of which the previous step's
+/// detokenizing and sending done while the device runs, and the host work after (token stops, and
+/// the text work of a step with nothing after it).
 #[derive(Debug, Default)]
 struct StepTiming {
     steps: u32,
@@ -122,6 +135,7 @@ struct StepTiming {
     issue_s: f64,
     wait_s: f64,
     after_s: f64,
+    settle_s: f64,
     prepared: Option<Instant>,
     issued: Option<Instant>,
     sampled: Option<Instant>,
@@ -145,11 +159,12 @@ impl StepTiming {
         if self.steps == 200 {
             let n = f64::from(self.steps);
             tracing::debug!(
-                "steps: {:.1} tokens/step; per step {:.2} ms host issue (of which {:.2} ms schedule + inputs), {:.2} ms device wait + read, {:.2} ms host after",
+                "steps: {:.1} tokens/step; per step {:.2} ms host issue (of which {:.2} ms schedule + inputs), {:.2} ms device wait + read (of which {:.2} ms detokenize + send), {:.2} ms host after",
                 self.tokens as f64 / n,
                 self.issue_s / n * 1e3,
                 self.prepare_s / n * 1e3,
                 self.wait_s / n * 1e3,
+                self.settle_s / n * 1e3,
                 self.after_s / n * 1e3
             );
             *self = Self::default();
@@ -363,6 +378,7 @@ impl Engine {
             seed_rng: SeqRng::new(cfg.seed),
             timing: StepTiming::default(),
             profile: StepProfile::from_env(),
+            pending: Vec::new(),
         };
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -513,6 +529,7 @@ impl Engine {
     }
 
     fn fail_all(&mut self, err: EngineError) {
+        self.pending.clear();
         let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
             for s in self.scheduler.abort_request(id) {
@@ -572,32 +589,31 @@ impl Engine {
             }
         };
         self.scheduler.complete_step(&out);
-        let mut touched: Vec<RequestId> = Vec::new();
-        if self.device_sampling_applies(&rows) {
-            let settings = self.device_settings(&rows);
-            let picked = rserve_kernels::sampling::sample_rows(&logits, &settings).map(|v| {
-                v.into_iter()
-                    .map(|(token_id, logprob)| TokenLogprob {
-                        token_id,
-                        logprob,
-                        top: Vec::new(),
-                    })
-                    .collect::<Vec<_>>()
-            });
+        let settings = self
+            .device_sampling_applies(&rows)
+            .then(|| self.device_settings(&rows));
+        // the device runs this step while the previous step's tokens become text and go out
+        let settled = Instant::now();
+        self.settle();
+        self.timing.settle_s += settled.elapsed().as_secs_f64();
+        if let Some(settings) = settings {
+            let picked = rserve_kernels::sampling::sample_rows(&logits, &settings);
             self.timing.sampled = Some(Instant::now());
             match picked {
                 Ok(picked) => {
-                    for (row, tl) in rows.iter().zip(picked) {
+                    for (row, (token_id, logprob)) in rows.iter().zip(picked) {
                         if let LogitRow::Sample(seq) = *row {
-                            if let Some(rid) = self.on_token(seq, tl) {
-                                if !touched.contains(&rid) {
-                                    touched.push(rid);
-                                }
-                            }
+                            let tl = TokenLogprob {
+                                token_id,
+                                logprob,
+                                top: Vec::new(),
+                            };
+                            self.accept_token(seq, tl);
                         }
                     }
-                    for rid in touched {
-                        self.emit(rid);
+                    // with another step to come, the text work overlaps it
+                    if !self.scheduler.has_work() {
+                        self.settle();
                     }
                 }
                 Err(e) => {
@@ -677,15 +693,9 @@ impl Engine {
         }
         let sampled = self.sample_jobs(&jobs, &row_of, &mut logits, &mut extra);
         for ((_, seq), tl) in jobs.iter().zip(sampled) {
-            if let Some(rid) = self.on_token(*seq, tl) {
-                if !touched.contains(&rid) {
-                    touched.push(rid);
-                }
-            }
+            self.accept_token(*seq, tl);
         }
-        for rid in touched {
-            self.emit(rid);
-        }
+        self.settle();
     }
 
     /// Whether this step's tokens can be picked on the device: a GPU, and every row a sample of a
@@ -860,16 +870,21 @@ impl Engine {
         results
     }
 
-    /// Appends a sampled token to its sequence and completion; applies stop rules. Returns the
-    /// request it belongs to.
-    fn on_token(&mut self, seq: SeqId, tl: TokenLogprob) -> Option<RequestId> {
-        let (rid, idx) = *self.seq_owner.get(&seq)?;
+    /// Appends a sampled token to its sequence and completion and applies the stops that need no
+    /// text (stop token ids, EOS, length); the token's text waits in `pending` for `settle`.
+    fn accept_token(&mut self, seq: SeqId, tl: TokenLogprob) {
+        let Some(&(rid, idx)) = self.seq_owner.get(&seq) else {
+            return;
+        };
         self.scheduler.append_token(seq, tl.token_id);
         self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
-        let info = self.info.clone();
-        let st = self.requests.get_mut(&rid)?;
+        let Some(st) = self.requests.get_mut(&rid) else {
+            return;
+        };
         let p = &st.req.params;
-        let c = &mut st.completions[idx];
+        let Some(c) = st.completions.get_mut(idx) else {
+            return;
+        };
         let tok = tl.token_id;
         c.token_ids.push(tok);
         c.cumulative_logprob += tl.logprob;
@@ -877,7 +892,7 @@ impl Engine {
             c.logprobs.push(tl);
         }
         let n_out = c.token_ids.len();
-        let is_eos = info.generation.eos_token_ids.contains(&tok);
+        let is_eos = self.info.generation.eos_token_ids.contains(&tok);
         let mut finish = None;
         if n_out >= p.min_tokens && p.stop_token_ids.contains(&tok) {
             finish = Some((FinishReason::Stop, Some(StopReason::Token(tok))));
@@ -885,30 +900,72 @@ impl Engine {
             finish = Some((FinishReason::Stop, None));
         }
         // EOS and stop tokens are not part of the text.
-        if finish.is_none() {
-            match c.detok.push(&info.tokenizer, tok) {
-                Ok(Some(stop)) if n_out >= p.min_tokens => {
-                    finish = Some((FinishReason::Stop, Some(StopReason::Text(stop))));
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!("detokenizer: {e}"),
-            }
-        }
+        let text = finish.is_none();
         let total = st.req.prompt_token_ids.len() + n_out;
-        if finish.is_none() && (n_out >= st.max_tokens || total >= info.max_model_len) {
+        if finish.is_none() && (n_out >= st.max_tokens || total >= self.info.max_model_len) {
             finish = Some((FinishReason::Length, None));
         }
         if let Some((reason, stop)) = finish {
-            let _ = c.detok.flush(&info.tokenizer);
             c.finish = Some(reason);
             c.stop_reason = stop;
             self.scheduler.finish(seq);
             self.seq_owner.remove(&seq);
-            self.stats.record_finish(reason);
         }
-        let finished = c.finish.is_some();
-        c.delta.push_str(&c.detok.take_delta(finished));
-        Some(rid)
+        self.pending.push(PendingToken {
+            rid,
+            idx,
+            token: tok,
+            text,
+        });
+    }
+
+    /// Works out the text of the accepted tokens (a stop string found now ends its completion,
+    /// also when the token reached the length limit), and sends every request concerned its
+    /// output. Runs while the device computes the next step, so a completion ended by a stop
+    /// string may have been scheduled once more; that token is dropped.
+    fn settle(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let info = self.info.clone();
+        let mut touched: Vec<RequestId> = Vec::new();
+        for p in std::mem::take(&mut self.pending) {
+            let Some(st) = self.requests.get_mut(&p.rid) else {
+                continue;
+            };
+            let min_tokens = st.req.params.min_tokens;
+            let Some(c) = st.completions.get_mut(p.idx) else {
+                continue;
+            };
+            if p.text {
+                match c.detok.push(&info.tokenizer, p.token) {
+                    Ok(Some(stop)) if c.token_ids.len() >= min_tokens => {
+                        if c.finish.is_none() {
+                            if let Some(seq) = c.seq {
+                                self.scheduler.finish(seq);
+                                self.seq_owner.remove(&seq);
+                            }
+                        }
+                        c.finish = Some(FinishReason::Stop);
+                        c.stop_reason = Some(StopReason::Text(stop));
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::debug!("detokenizer: {e}"),
+                }
+            }
+            if let Some(reason) = c.finish {
+                let _ = c.detok.flush(&info.tokenizer);
+                self.stats.record_finish(reason);
+            }
+            let finished = c.finish.is_some();
+            c.delta.push_str(&c.detok.take_delta(finished));
+            if !touched.contains(&p.rid) {
+                touched.push(p.rid);
+            }
+        }
+        for rid in touched {
+            self.emit(rid);
+        }
     }
 
     fn snapshot(id: RequestId, st: &mut RequestState, finished: bool) -> RequestOutput {
