@@ -206,6 +206,19 @@ def test_unknown_llm_argument_is_a_type_error() -> None:
         LLM(str(QWEN2), tensor_parallel_size=2)
 
 
+def test_engine_options_pass_through(llm: LLM) -> None:
+    # vLLM's engine keywords reach the engine: eager mode gives the default engine's greedy tokens
+    eager = LLM(str(QWEN2), max_model_len=llm.max_model_len, enforce_eager=True, block_size=32)
+    try:
+        want = llm.generate("Hello there", greedy())[0]
+        got = eager.generate("Hello there", greedy())[0]
+        assert ids_of(got) == ids_of(want)
+    finally:
+        eager.shutdown()
+    with pytest.raises(TypeError):
+        LLM(str(QWEN2), enforce_eager="yes")
+
+
 def test_missing_model_dir_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a local directory"):
         LLM(str(tmp_path / "no" / "such" / "model"))

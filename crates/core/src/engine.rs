@@ -207,7 +207,8 @@ fn gpu_kv_budget(
         .saturating_sub(before.pool_used + scratch);
     let in_use = before.total - before.free;
     let allowed = (before.total as f64 * cfg.gpu_memory_utilization) as usize;
-    // decode graphs: the shared logits buffer, and activations of the largest bucket
+    // decode graphs: the shared f32 logits buffer, the largest bucket's logits inside its graph
+    // (model dtype, then f32) and its other activations
     let graphs = if cfg.enforce_eager {
         0
     } else {
@@ -216,7 +217,8 @@ fn gpu_kv_budget(
             .last()
             .copied()
             .unwrap_or(0);
-        largest * loaded.model.config().vocab_size * 4 + peak * largest / tokens.max(1)
+        let logits = largest * loaded.model.config().vocab_size;
+        logits * (8 + loaded.dtype.size_in_bytes()) + peak * largest / tokens.max(1)
     };
     let budget = allowed.saturating_sub(in_use + peak + graphs);
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
