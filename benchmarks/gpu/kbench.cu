@@ -554,6 +554,32 @@ static void bench_chain(int sms) {
     CK(cudaFree(q));
 }
 
+// cuBLAS on the 8B layer shapes at prompt-chunk sizes: TFLOP/s of x [m, k] W^T (prefill is
+// these products; decode at batch 256 is the m = 256 row).
+static void bench_gemm() {
+  const Gemv blas = {"cublas", nullptr, 0, 0, 1 << 20};
+  for (const Shape& s : kShapes8b) {
+    if (s.n > 100000) continue;  // the lm_head runs on sampled rows only
+    bf16* w = alloc_bf16((size_t)s.n * s.k, 1, 0.02f);
+    for (int m : {256, 2048, 8192}) {
+      bf16* x = alloc_bf16((size_t)m * s.k, 2, 1.0f);
+      bf16* y;
+      CK(cudaMalloc(&y, (size_t)m * s.n * sizeof(bf16)));
+      blas.launch(y, x, w, m, s.n, s.k);
+      Timer t;
+      const int reps = 20;
+      t.start();
+      for (int r = 0; r < reps; ++r) blas.launch(y, x, w, m, s.n, s.k);
+      const float us = t.stop_ms() * 1e3f / reps;
+      printf("gemm %-12s m=%-5d n=%-6d k=%-6d %9.1f us  %6.1f TFLOP/s\n", s.name, m, s.n, s.k, us,
+             2.0 * m * s.n * s.k / us / 1e6);
+      CK(cudaFree(x));
+      CK(cudaFree(y));
+    }
+    CK(cudaFree(w));
+  }
+}
+
 int main(int argc, char** argv) {
   const char* sections = argc > 1 ? argv[1] : nullptr;
   cudaDeviceProp prop;
@@ -574,5 +600,6 @@ int main(int argc, char** argv) {
   if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount);
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
+  if (want(sections, "gemm")) bench_gemm();
   return 0;
 }
