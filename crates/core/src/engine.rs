@@ -395,6 +395,8 @@ impl Engine {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
         loop {
             if !self.scheduler.has_work() {
+                // nothing to overlap with: what the last step produced goes out before waiting
+                self.settle();
                 match rx.recv() {
                     Ok(c) => {
                         if !self.handle(c) {
@@ -515,6 +517,8 @@ impl Engine {
     }
 
     fn abort(&mut self, id: RequestId) {
+        // tokens already accepted count (and may have finished the request) before the abort
+        self.settle();
         for s in self.scheduler.abort_request(id) {
             self.seq_owner.remove(&s);
         }
@@ -531,7 +535,8 @@ impl Engine {
     }
 
     fn fail_all(&mut self, err: EngineError) {
-        self.pending.clear();
+        // tokens of the step before the failure are good: they go out first
+        self.settle();
         let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
             for s in self.scheduler.abort_request(id) {
@@ -554,7 +559,8 @@ impl Engine {
         let out = self.scheduler.schedule();
         if out.is_empty() {
             // Only possible when every running sequence was preempted this step; the next call
-            // admits them again.
+            // admits them again. Tokens of the step before still go out now.
+            self.settle();
             return;
         }
         self.stats

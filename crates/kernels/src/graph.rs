@@ -11,7 +11,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Result, Tensor, WithDType};
 
-/// A recorded sequence of launches on the calling thread's stream.
+/// A recorded sequence of launches on the calling thread's stream (candle's per-thread stream): it
+/// must be launched from the thread that captured it, which also writes its inputs.
 pub struct Graph {
     graph: CudaGraph,
 }
@@ -35,9 +36,30 @@ impl Graph {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
         let recorded = work();
-        // the capture ends whatever happened, so the stream is usable again
+        // The capture must end whatever happened, or the stream stays unusable. Errors recorded
+        // by frees inside the capture would make cudarc's end_capture return before ending it:
+        // they are taken first, and the capture is ended directly if it is still open.
+        let freed = stream.context().check_err();
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        let open = !matches!(
+            stream.capture_status(),
+            Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        );
+        if open {
+            let mut partial: sys::CUgraph = std::ptr::null_mut();
+            // SAFETY: ends the capture begun above on this thread's stream; the partial graph it
+            // may return is destroyed at once. Failures here leave nothing more to undo.
+            unsafe {
+                if sys::cuStreamEndCapture(stream.cu_stream(), &mut partial)
+                    == sys::CUresult::CUDA_SUCCESS
+                    && !partial.is_null()
+                {
+                    sys::cuGraphDestroy(partial);
+                }
+            }
+        }
         recorded?;
+        freed.w()?;
         let graph = ended
             .w()?
             .ok_or_else(|| candle_core::Error::Msg("the captured graph is empty".into()))?;

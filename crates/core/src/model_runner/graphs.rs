@@ -288,7 +288,7 @@ fn run_bucket(
         }
     }
     match &bucket.graph {
-        Some(g) => g.launch(),
+        Some(g) => g.launch().inspect_err(|_| *failed = true),
         None => forward(&bucket.batch),
     }
 }
