@@ -14,6 +14,7 @@ Parts (choose with --parts, comma-separated):
   coldstart  launch -> /health -> first token with an empty and a warm driver JIT cache
 
 RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
+RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios.
 """
 
 from __future__ import annotations
@@ -435,7 +436,12 @@ def part_profile(a, out: Path) -> None:
     kind = a.big.split(",")[0]
     _, path = fresh_checkpoint(kind, Path(a.scratch))
     scenarios = [("b1", 1, 2, 512, 256, 150, 2), ("b64", 64, 64, 512, 256, 200, 1),
-                 ("p8k", 1, 1, 8192, 2, 0, 4)]
+                 ("p8k", 1, 1, 8192, 2, 0, 4),
+                 # 256 concurrent requests: two mixed steps of the prefill phase, two decode steps
+                 ("c256-mixed", 256, 256, 512, 256, 20, 2), ("c256-decode", 256, 256, 512, 256, 150, 2)]
+    only = os.environ.get("RSERVE_PROFILE_SCENARIOS")
+    if only:
+        scenarios = [s for s in scenarios if s[0] in only.split(",")]
     for tag, conc, prompts, inp, outp, start, count in scenarios:
         csv_path = out / f"ncu-{tag}.csv"
         prefix = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",

@@ -3,11 +3,31 @@
 // keys and values written into the paged cache). All compute in f32.
 #include "common.cuh"
 
-// out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [tokens, 2 * I], out: [tokens, I].
+// out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [tokens, 2 * I], out: [tokens, I]. When I is a
+// multiple of a 16-byte vector and both tensors are 16-byte aligned, each thread takes whole
+// vectors (one 16-byte load of gate, one of up, one 16-byte store); else single elements.
 template <typename T>
 __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu, long n, int inter) {
   pdl_trigger();  // the down product may start streaming its weights
-  for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+  constexpr int VN = Vec16<T>::N;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const bool vec = inter % VN == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(gu)) & 15) == 0;
+  if (vec) {
+    const int row_vecs = inter / VN;
+    for (long v = (long)blockIdx.x * blockDim.x + threadIdx.x; v < n / VN; v += stride) {
+      const long row = v / row_vecs;
+      const int c = (int)(v - row * row_vecs) * VN;
+      float g[VN], u[VN];
+      load16(gu + row * 2 * inter + c, g);
+      load16(gu + row * 2 * inter + inter + c, u);
+      alignas(16) T o[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) o[e] = from_f32<T>(g[e] / (1.f + __expf(-g[e])) * u[e]);
+      *reinterpret_cast<uint4*>(out + row * inter + c) = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
+  for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride) {
     const long row = idx / inter;
     const int c = idx % inter;
     const float g = to_f32(gu[row * 2 * inter + c]);
@@ -28,12 +48,33 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
   T* norm = out + ((long)tokens + row) * hidden;
   const T* xr = x + row * hidden;
   const T* rr = res + row * hidden;
+  // whole 16-byte vectors when rows are made of them and every tensor is aligned to them
+  constexpr int VN = Vec16<T>::N;
+  const bool vec = hidden % VN == 0 &&
+                   ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(x) |
+                     reinterpret_cast<uintptr_t>(res) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
   float ss = 0.f;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const T s = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
-    sum[i] = s;
-    const float v = to_f32(s);
-    ss += v * v;
+  if (vec) {
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float a[VN], b[VN];
+      load16(xr + i, a);
+      load16(rr + i, b);
+      alignas(16) T s[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) {
+        s[e] = from_f32<T>(a[e] + b[e]);
+        const float v = to_f32(s[e]);
+        ss += v * v;
+      }
+      *reinterpret_cast<uint4*>(sum + i) = *reinterpret_cast<const uint4*>(s);
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const T s = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
+      sum[i] = s;
+      const float v = to_f32(s);
+      ss += v * v;
+    }
   }
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
@@ -45,6 +86,19 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
   }
   __syncthreads();
   const float inv = partial[0];
+  if (vec) {
+    // this thread wrote these sums itself: a plain (coherent) load, not the read-only path
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float sv[VN], wv[VN];
+      Vec16<T>::unpack(*reinterpret_cast<const uint4*>(sum + i), sv);
+      load16(w + i, wv);
+      alignas(16) T o[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) o[e] = from_f32<T>(sv[e] * inv * wv[e]);
+      *reinterpret_cast<uint4*>(norm + i) = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
     norm[i] = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
   }

@@ -298,8 +298,15 @@ mod cuda {
             let mut b = stream.launch_builder(&func);
             let inter_i = inter as i32;
             b.arg(&mut out).arg(&input).arg(&n).arg(&inter_i);
+            // a thread per 16-byte vector when rows are whole vectors (the kernel loops otherwise)
+            let per = 16 / std::mem::size_of::<T>();
+            let items = if inter.is_multiple_of(per) {
+                n as u64 / per as u64
+            } else {
+                n as u64
+            };
             let cfg = LaunchConfig {
-                grid_dim: ((n as u64).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+                grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -356,9 +363,12 @@ mod cuda {
                 .arg(&ti)
                 .arg(&hi)
                 .arg(&eps);
+            // a thread per 16-byte vector of the row when the row is made of them
+            let per = 16 / std::mem::size_of::<T>();
+            let lanes = if h.is_multiple_of(per) { h / per } else { h };
             let cfg = LaunchConfig {
                 grid_dim: (t as u32, 1, 1),
-                block_dim: (block_threads(h, 1024), 1, 1),
+                block_dim: (block_threads(lanes, 1024), 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu.

@@ -209,7 +209,8 @@ mod cuda {
     fn cuda_silu_and_mul_matches_reference() -> Result<()> {
         let dev = gpu();
         for (dtype, tol) in CASES {
-            for (t, inter) in [(1, 8), (5, 14336), (300, 18944)] {
+            // whole 16-byte vectors per row, and rows that are not (the element-wise path)
+            for (t, inter) in [(1, 8), (5, 14336), (300, 18944), (2, 7), (3, 36)] {
                 let gu = Tensor::randn(0f32, 2., (t, 2 * inter), &Device::Cpu)?.to_dtype(dtype)?;
                 let want = silu_and_mul_reference(&gu)?;
                 let got = silu_and_mul(&gu.to_device(&dev)?)?.to_device(&Device::Cpu)?;
@@ -225,7 +226,15 @@ mod cuda {
     fn cuda_add_rms_norm_matches_reference() -> Result<()> {
         let dev = gpu();
         for (dtype, tol) in CASES {
-            for (t, hidden) in [(1, 64), (3, 4096), (257, 3584)] {
+            // rows of whole 16-byte vectors (several per thread in the last), and rows that are not
+            for (t, hidden) in [
+                (1, 64),
+                (3, 4096),
+                (257, 3584),
+                (2, 100),
+                (2, 30),
+                (2, 16384),
+            ] {
                 let cpu = Device::Cpu;
                 let x = Tensor::randn(0f32, 1., (t, hidden), &cpu)?.to_dtype(dtype)?;
                 let r = Tensor::randn(0f32, 1., (t, hidden), &cpu)?.to_dtype(dtype)?;
