@@ -173,15 +173,11 @@ impl AttentionMetadata {
 
     /// Checks that every slot is inside a cache of `total_slots` slots (negative slots are skipped).
     pub fn check_slots(&self, total_slots: usize) -> Result<()> {
-        let total = total_slots as i64;
-        if let Some(&bad) = self.slots.iter().find(|&&s| s >= total) {
-            candle_core::bail!("slot {bad} outside the cache ({total} slots)");
-        }
-        Ok(())
+        check_slots(&self.slots, total_slots)
     }
 
     /// Checks that every block a query needs is in the table and inside a cache of `num_blocks`
-    /// blocks of `block_size`, and that every slot is inside the cache.
+    /// blocks of `block_size`, and that every slot is inside the cache (once per geometry).
     pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
         let mut checked = self
             .checked
@@ -190,21 +186,43 @@ impl AttentionMetadata {
         if *checked == Some((num_blocks, block_size)) {
             return Ok(());
         }
-        self.check_slots(num_blocks * block_size)?;
-        for (s, &ctx) in self.seq_lens.iter().enumerate() {
+        Self::check_arrays(
+            &self.slots,
+            &self.block_tables,
+            self.width,
+            &self.seq_lens,
+            num_blocks,
+            block_size,
+        )?;
+        *checked = Some((num_blocks, block_size));
+        Ok(())
+    }
+
+    /// [`AttentionMetadata::validate`] over bare arrays (`block_tables` is `[seqs, width]`), for
+    /// callers that write them to the device themselves.
+    pub fn check_arrays(
+        slots: &[i64],
+        block_tables: &[u32],
+        width: usize,
+        seq_lens: &[u32],
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        check_slots(slots, num_blocks * block_size)?;
+        for (s, &ctx) in seq_lens.iter().enumerate() {
             let needed = (ctx as usize).div_ceil(block_size);
-            if needed > self.width {
+            if needed > width {
                 candle_core::bail!(
-                    "sequence {s}: context {ctx} needs {needed} blocks, table has {}",
-                    self.width
+                    "sequence {s}: context {ctx} needs {needed} blocks, table has {width}"
                 );
             }
-            let row = &self.block_tables[s * self.width..s * self.width + needed];
+            let row = block_tables
+                .get(s * width..s * width + needed)
+                .ok_or_else(|| candle_core::Error::Msg(format!("no table row for sequence {s}")))?;
             if let Some(&b) = row.iter().find(|&&b| b as usize >= num_blocks) {
                 candle_core::bail!("block id {b} outside the cache ({num_blocks} blocks)");
             }
         }
-        *checked = Some((num_blocks, block_size));
         Ok(())
     }
 
@@ -285,4 +303,13 @@ impl AttentionMetadata {
         cache.push((key, t.clone()));
         Ok((t, count))
     }
+}
+
+/// Checks that every slot is inside a cache of `total_slots` slots (negative slots are skipped).
+fn check_slots(slots: &[i64], total_slots: usize) -> Result<()> {
+    let total = total_slots as i64;
+    if let Some(&bad) = slots.iter().find(|&&s| s >= total) {
+        candle_core::bail!("slot {bad} outside the cache ({total} slots)");
+    }
+    Ok(())
 }

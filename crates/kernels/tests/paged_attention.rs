@@ -380,6 +380,27 @@ mod cuda {
         )
     }
 
+    /// Decode rows in bf16 over blocks of 16.
+    fn bf16_decode<'a>(
+        heads: usize,
+        kvh: usize,
+        d: usize,
+        seqs: &'a [(usize, usize)],
+        window: Option<usize>,
+    ) -> Case<'a> {
+        Case {
+            dtype: DType::BF16,
+            heads,
+            kvh,
+            d,
+            bs: 16,
+            seqs,
+            window,
+            tol: 2e-2,
+            last_rows: None,
+        }
+    }
+
     #[test]
     fn cuda_split_decode_long_contexts() -> Result<()> {
         // few decode rows over long contexts: the flash-decoding split and merge path
@@ -391,17 +412,13 @@ mod cuda {
         ] {
             check(
                 &dev,
-                &Case {
-                    dtype: DType::BF16,
+                &bf16_decode(
                     heads,
                     kvh,
                     d,
-                    bs: 16,
-                    seqs: &[(1, 3000), (1, 700), (1, 3), (1, 1025)],
+                    &[(1, 3000), (1, 700), (1, 3), (1, 1025)],
                     window,
-                    tol: 2e-2,
-                    last_rows: None,
-                },
+                ),
             )?;
         }
         Ok(())
@@ -417,21 +434,7 @@ mod cuda {
             (&[(1, 20)][..], 8192),
             (&[(1, 777)][..], 4096),
         ] {
-            check_planned(
-                &dev,
-                &Case {
-                    dtype: DType::BF16,
-                    heads: 32,
-                    kvh: 8,
-                    d: 128,
-                    bs: 16,
-                    seqs,
-                    window: None,
-                    tol: 2e-2,
-                    last_rows: None,
-                },
-                Some(planned),
-            )?;
+            check_planned(&dev, &bf16_decode(32, 8, 128, seqs, None), Some(planned))?;
         }
         Ok(())
     }

@@ -187,15 +187,14 @@ impl DecodeGraphs {
         block_size: usize,
         device: &Device,
     ) -> Result<()> {
-        AttentionMetadata::new(
-            host.slots.clone(),
-            host.block_tables.clone(),
+        AttentionMetadata::check_arrays(
+            &host.slots,
+            &host.block_tables,
             host.width,
-            host.seq_lens.clone(),
-            host.query_start_loc.clone(),
-            &Device::Cpu,
-        )?
-        .validate(num_blocks, block_size)?;
+            &host.seq_lens,
+            num_blocks,
+            block_size,
+        )?;
         let size = *self
             .plan
             .buckets
@@ -220,8 +219,8 @@ impl DecodeGraphs {
         kv: &KvCache,
         device: &Device,
     ) -> Result<Tensor> {
-        let largest = self.plan.buckets.last().copied().unwrap_or(1);
         if self.logits.is_none() {
+            let largest = self.plan.buckets.last().copied().unwrap_or(1);
             self.logits = Some(Tensor::zeros((largest, self.vocab), DType::F32, device)?);
         }
         let (Some(logits), Some(Some(bucket))) = (self.logits.as_ref(), self.buckets.get_mut(b))
