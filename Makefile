@@ -38,7 +38,7 @@ gpu-bundle: cuda-binary
 kbench:
 	eval "$$(scripts/cuda-toolchain.sh)" && mkdir -p target/kbench && \
 	  nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I crates/kernels/csrc \
-	  benchmarks/gpu/kbench.cu -L"$$CUDA_HOME/lib" -lcublas -o target/kbench/kbench
+	  benchmarks/gpu/kbench.cu -L"$$CUDA_HOME/lib" -lcublas -lcublasLt -o target/kbench/kbench
 
 gpu-pack: gpu-bundle kbench
 	mkdir -p target/gpu-pack && tar czf target/gpu-pack/bundle.tgz -C target gpu-bundle kbench

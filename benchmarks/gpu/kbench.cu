@@ -4,10 +4,11 @@
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
 // Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
-// gemv,step,attn,attn1,attn256,small,chain (default: all but attn1 and attn256, which
+// gemv,step,attn,attn1,attn256,small,chain,gemm,lt (default: all but attn1 and attn256, which
 // run one case each for a profiler). Output: one line per measurement.
 #include "kernels.cu"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -38,33 +39,36 @@ __global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf
   gemv_impl<bf16, M, R, U, NT>(y, x, w, m, n, k);
 }
 
-// The production decode-attention template at other load depths.
+// The direct decode-attention template at other load depths.
 template <int KU, int VU, int MINB = 1>
-__global__ void __launch_bounds__(128, MINB) decode_cand(
-    bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache, const uint32_t* block_tables,
-    const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* seqs, int width,
-    int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window, long q_stride,
-    int split_keys, long total_rows, float* part_acc, float* part_ml) {
-  paged_decode_impl<bf16, 4, KU, VU>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start,
-                                     seqs, width, num_heads, kv_heads, head_dim, block_size, scale,
-                                     window, q_stride, split_keys, total_rows, part_acc, part_ml);
+__global__ void __launch_bounds__(128, MINB) decode_cand(PAGED_DECODE_PARAMS(bf16)) {
+  paged_decode_impl<bf16, 4, KU, VU>(PAGED_DECODE_ARGS);
+}
+// The tensor-core decode kernel at other depths and grid orders.
+template <int S, bool HF, int MINB = 1>
+__global__ void __launch_bounds__(kTcThreads, MINB) decode_tc_cand(PAGED_DECODE_PARAMS(bf16)) {
+  paged_decode_tc_impl<bf16, 128, S, HF>(PAGED_DECODE_ARGS);
 }
 typedef void (*DecodeFn)(bf16*, const bf16*, const bf16*, const bf16*, const uint32_t*,
                          const uint32_t*, const uint32_t*, const uint32_t*, int, int, int, int, int,
                          float, int, long, int, long, float*, float*);
+// stages: 0 for the direct kernel, else the tensor-core kernel's depth; hf: heads-first grid.
 struct Decode {
   const char* name;
   DecodeFn fn;
+  int stages;
+  bool hf;
+  // dynamic shared bytes for G = 4, head dim 128, bf16
+  int smem() const {
+    const int G = 4, D = 128;
+    if (stages == 0) return 4 * (G * D + G * 256 + 3 * G + 256);
+    return (4 * stages * 2 * kTcKeys + 16) * (D + 8) * 2;
+  }
 };
-static const Decode kDecodes[] = {{"prod", paged_decode_g4_bf16},
-                                  {"k4v4", decode_cand<4, 4>},
-                                  {"k8v4", decode_cand<8, 4>},
-                                  {"k8v8", decode_cand<8, 8>},
-                                  {"k16v8", decode_cand<16, 8>},
-                                  {"k8v16", decode_cand<8, 16>},
-                                  {"k4v8b6", decode_cand<4, 8, 6>},
-                                  {"k4v8b8", decode_cand<4, 8, 8>},
-                                  {"k4v4b8", decode_cand<4, 4, 8>}};
+static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, false},
+                                  {"tc", paged_decode_tc_d128_bf16, 3, true},
+                                  {"tc2hf", decode_tc_cand<2, true>, 2, true},
+                                  {"tc3", decode_tc_cand<3, false>, 3, false}};
 
 __global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
@@ -291,7 +295,7 @@ static int decode_splits(int ctas, int ctx, int sms) {
 }
 
 static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Decode& dk = kDecodes[0]) {
-  const int H = 32, KVH = 8, D = 128, BS = 16, G = 4;
+  const int H = 32, KVH = 8, D = 128, BS = 16;
   const int width = (ctx + BS - 1) / BS;
   const size_t slots = (size_t)B * width * BS;
   const size_t layer_elems = slots * KVH * D;
@@ -325,10 +329,10 @@ static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Dec
   float *acc, *ml;
   CK(cudaMalloc(&acc, (size_t)count * rows * D * 4));
   CK(cudaMalloc(&ml, (size_t)count * rows * 2 * 4));
-  const int smem = 4 * (G * D + G * 256 + 3 * G + 256);
   const float scale = 1.f / sqrtf((float)D);
+  const dim3 grid = dk.hf ? dim3(KVH, B, count) : dim3(B, KVH, count);
   auto attn = [&](int l) {
-    dk.fn<<<dim3(B, KVH, count), 128, smem>>>(
+    dk.fn<<<grid, 128, dk.smem()>>>(
         out, q, k + (size_t)l * layer_elems, v + (size_t)l * layer_elems, dt, dl, ds, dq, width,
         H, KVH, D, BS, scale, 0, (long)H * D, split, rows, acc, ml);
   };
@@ -350,10 +354,26 @@ static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Dec
     attn(l);
     merge();
   });
+  // error against the direct kernel on layer 0
+  float err = 0.f;
+  {
+    const size_t n = (size_t)B * H * D;
+    std::vector<bf16> mine(n), ref(n);
+    attn(0);
+    merge();
+    CK(cudaMemcpy(mine.data(), out, n * 2, cudaMemcpyDeviceToHost));
+    const Decode& p = kDecodes[0];
+    p.fn<<<dim3(B, KVH, count), 128, p.smem()>>>(out, q, k, v, dt, dl, ds, dq, width, H, KVH, D, BS,
+                                                  scale, 0, (long)H * D, split, rows, acc, ml);
+    merge();
+    CK(cudaMemcpy(ref.data(), out, n * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; ++i)
+      err = std::max(err, std::fabs(__bfloat162float(mine[i]) - __bfloat162float(ref[i])));
+  }
   const double bytes = 2.0 * B * ctx * KVH * D * 2;
   printf("attn %-6s b=%-3d ctx=%-5d split=%-4d (x%-3d) kernel %8.2f us  merge %6.2f us  both %8.2f us"
-         "  %6.0f GB/s\n",
-         dk.name, B, ctx, split, count, us_attn, us_merge, us_both, bytes / us_both / 1e3);
+         "  %6.0f GB/s  err %.2e\n",
+         dk.name, B, ctx, split, count, us_attn, us_merge, us_both, bytes / us_both / 1e3, err);
   for (void* p : {(void*)k, (void*)v, (void*)q, (void*)out, (void*)dt, (void*)dl, (void*)ds,
                   (void*)dq, (void*)acc, (void*)ml})
     CK(cudaFree(p));
@@ -364,7 +384,8 @@ static void bench_attn(int sms) {
   for (const Decode& dk : kDecodes) {
     bench_attn_case(1, 768, -1, sms, dk);
     bench_attn_case(1, 4096, -1, sms, dk);
-    for (int B : {8, 64, 256}) bench_attn_case(B, 768, -1, sms, dk);
+    for (int B : {8, 64, 128, 256}) bench_attn_case(B, 768, -1, sms, dk);
+    bench_attn_case(256, 577, -1, sms, dk);
     bench_attn_case(64, 4096, -1, sms, dk);
   }
 }
@@ -419,7 +440,7 @@ static void bench_small() {
 // is what launch gaps cost.
 static void bench_chain(int sms) {
   const int hidden = 4096, inter = 14336, H = 32, KVH = 8, D = 128, BS = 16, ctx = 768;
-  const int qkv_n = (H + 2 * KVH) * D, vocab = 128256, G = 4;
+  const int qkv_n = (H + 2 * KVH) * D, vocab = 128256;
   const size_t per_layer = (size_t)qkv_n * hidden + (size_t)hidden * H * D +
                            (size_t)2 * inter * hidden + (size_t)hidden * inter;
   bf16* w = alloc_bf16(32 * per_layer + (size_t)vocab * hidden, 20, 0.05f);
@@ -460,7 +481,7 @@ static void bench_chain(int sms) {
   float *acc, *ml;
   CK(cudaMalloc(&acc, (size_t)count * H * D * 4));
   CK(cudaMalloc(&ml, (size_t)count * H * 2 * 4));
-  const int smem = 4 * (G * D + G * 256 + 3 * G + 256);
+  const int tc_smem = kDecodes[1].smem();
   const float scale = 1.f / sqrtf((float)D);
   const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
   cudaStream_t st;
@@ -495,7 +516,7 @@ static void bench_chain(int sms) {
       wp += (size_t)qkv_n * hidden;
       rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
                                                kc + l * cache_layer, vc + l * cache_layer, slot);
-      paged_decode_g4_bf16<<<dim3(1, KVH, count), 128, smem, st>>>(
+      paged_decode_tc_d128_bf16<<<dim3(KVH, 1, count), 128, tc_smem, st>>>(
           att, qkv, kc + l * cache_layer, vc + l * cache_layer, dt, dl, ds, dq, width, H, KVH, D,
           BS, scale, 0, qkv_n, split, H, acc, ml);
       if (count > 1) paged_attention_combine_bf16<<<H, 128, 0, st>>>(att, acc, ml, count, H, D);
@@ -580,13 +601,96 @@ static void bench_gemm() {
   }
 }
 
+// cuBLAS against cuBLASLt's candidate algorithms (heuristic order, each timed) on the 8B layer
+// products at decode-sized m, with the weights rotated over copies so that none is read from L2.
+static void bench_lt() {
+  cublasLtHandle_t lt;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) {
+    fprintf(stderr, "cublasLtCreate failed\n");
+    exit(1);
+  }
+  const size_t ws_bytes = 32u << 20;
+  void* ws;
+  CK(cudaMalloc(&ws, ws_bytes));
+  const Gemv blas = {"cublas", nullptr, 0, 0, 1 << 20};
+  for (const Shape& s : kShapes8b) {
+    const size_t wn = (size_t)s.n * s.k;
+    const int copies = (int)std::max<size_t>(2, std::min<size_t>(16, ((size_t)1 << 30) / (wn * 2)));
+    bf16* w = alloc_bf16(wn * copies, 1, 0.02f);
+    for (int m : {64, 128, 256, 512, 2048}) {
+      bf16* x = alloc_bf16((size_t)m * s.k, 2, 1.0f);
+      bf16* y;
+      CK(cudaMalloc(&y, (size_t)m * s.n * sizeof(bf16)));
+      Timer t;
+      const int reps = 4 * copies;
+      auto time = [&](auto&& f) {
+        for (int c = 0; c < copies; ++c) f(w + c * wn);
+        t.start();
+        for (int r = 0; r < reps; ++r) f(w + (r % copies) * wn);
+        return t.stop_ms() * 1e3f / reps;
+      };
+      const float us_blas = time([&](const bf16* wc) { blas.launch(y, x, wc, m, s.n, s.k); });
+
+      cublasLtMatmulDesc_t op;
+      cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+      const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+      cublasLtMatrixLayout_t la, lb, lc;
+      cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, s.k, s.n, s.k);
+      cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, s.k, m, s.k);
+      cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, s.n, m, s.n);
+      cublasLtMatmulPreference_t pref;
+      cublasLtMatmulPreferenceCreate(&pref);
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                           sizeof ws_bytes);
+      cublasLtMatmulHeuristicResult_t res[32];
+      int found = 0;
+      cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 32, res, &found);
+      float best = 1e30f, first = 0.f;
+      int best_i = -1;
+      for (int i = 0; i < found; ++i) {
+        if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        const float one = 1.f, zero = 0.f;
+        bool ok = true;
+        const float us = time([&](const bf16* wc) {
+          if (cublasLtMatmul(lt, op, &one, wc, la, x, lb, &zero, y, lc, y, lc, &res[i].algo, ws,
+                             ws_bytes, 0) != CUBLAS_STATUS_SUCCESS)
+            ok = false;
+        });
+        if (!ok) continue;
+        if (i == 0) first = us;
+        if (us < best) {
+          best = us;
+          best_i = i;
+        }
+      }
+      printf("lt %-12s m=%-5d n=%-6d k=%-6d cublas %7.1f us  lt#0 %7.1f us  best lt#%-2d %7.1f us"
+             "  (%d algos)  %5.1f -> %5.1f TFLOP/s\n",
+             s.name, m, s.n, s.k, us_blas, first, best_i, best, found,
+             2.0 * m * s.n * s.k / us_blas / 1e6, 2.0 * m * s.n * s.k / best / 1e6);
+      cublasLtMatmulPreferenceDestroy(pref);
+      cublasLtMatrixLayoutDestroy(la);
+      cublasLtMatrixLayoutDestroy(lb);
+      cublasLtMatrixLayoutDestroy(lc);
+      cublasLtMatmulDescDestroy(op);
+      CK(cudaFree(x));
+      CK(cudaFree(y));
+    }
+    CK(cudaFree(w));
+  }
+  CK(cudaFree(ws));
+  cublasLtDestroy(lt);
+}
+
 int main(int argc, char** argv) {
   const char* sections = argc > 1 ? argv[1] : nullptr;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   for (const Decode& dk : kDecodes)
-    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 << 10));
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            std::max(dk.smem(), 48 << 10)));
   if (cublasCreate(&g_cublas) != CUBLAS_STATUS_SUCCESS) {
     fprintf(stderr, "cublasCreate failed\n");
     return 1;
@@ -601,5 +705,6 @@ int main(int argc, char** argv) {
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
   if (want(sections, "gemm")) bench_gemm();
+  if (want(sections, "lt")) bench_lt();
   return 0;
 }

@@ -458,61 +458,73 @@ def part_profile(a, out: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def speed_benches(a, srv, out: Path, want: list, rec: dict, kind: str) -> None:
+    """The serving benchmarks named in `want` against a running server, into `rec`."""
+    if "b1" in want:
+        b1 = bench(a, srv, out, 1, 4, 512, 256)
+        rec["b1_decode_tok_s"] = 1000.0 / b1["tpot_ms"]["median"]
+        rec["b1_tpot_ms"] = b1["tpot_ms"]
+        rec["b1_ttft_ms"] = b1["ttft_ms"]["median"]
+    if "b64" in want:
+        b64 = bench(a, srv, out, 64, 128, 512, 256)
+        rec["b64_decode_tok_s"] = 64 * 1000.0 / b64["tpot_ms"]["median"]
+        rec["b64_output_tok_s"] = b64["output_throughput"]
+    if "c256" in want:
+        c = bench(a, srv, out, 256, 256, 512, 256)
+        rec.update(c256_output_tok_s=c["output_throughput"], c256_ttft_ms=c["ttft_ms"],
+                   c256_itl_ms=c["itl_ms"])
+    if "p8k" in want:
+        long = bench(a, srv, out, 1, 2, 8192, 16)
+        rec["ttft_8192_ms"] = long["ttft_ms"]
+    if "sweep" in want:
+        rec["sweep"] = {}
+        for conc in (1, 8, 32, 64, 128, 256):
+            r = bench(a, srv, out, conc, max(2 * conc, 8), 1024, 256)
+            rec["sweep"][conc] = {
+                "output_tok_s": round(r["output_throughput"], 1),
+                "ttft_ms_p50": round(r["ttft_ms"]["median"], 1), "ttft_ms_p99": round(r["ttft_ms"]["p99"], 1),
+                "itl_ms_p50": round(r["itl_ms"]["median"], 2), "itl_ms_p99": round(r["itl_ms"]["p99"], 2),
+            }
+            log(kind, conc, rec["sweep"][conc])
+
+
 def part_speed(a, out: Path) -> None:
     """Serving figures without the transformers side: batch 1 and 64 decode, 256 concurrent
     requests, an 8k prompt's TTFT, and (with `sweep` in --speed) the concurrency sweep; for each
-    model shape in --big."""
+    model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ..." each shape is served a second time
+    with those variables set (an A/B on one checkpoint and one machine)."""
     import torch
 
     want = a.speed.split(",")
+    ab_env = dict(kv.split("=", 1) for kv in shlex.split(os.environ.get("RSERVE_AB_ENV", "")))
     for kind in a.big.split(","):
         model, path = fresh_checkpoint(kind, Path(a.scratch), keep_model="hf" in want)
-        rec: dict = {"part": "speed", "model": kind}
+        hf: dict = {}
         if model is not None:
             # transformers eager generate in the same run, the side-by-side peer
-            rec["hf_eager_b1_decode_tok_s"] = hf_generate_tps(model, 1, 512, 256)
+            hf["hf_eager_b1_decode_tok_s"] = hf_generate_tps(model, 1, 512, 256)
             if "b64" in want:
-                rec["hf_eager_b64_decode_tok_s"] = hf_generate_tps(model, 64, 512, 256)
-            log(kind, rec)
+                hf["hf_eager_b64_decode_tok_s"] = hf_generate_tps(model, 64, 512, 256)
+            log(kind, hf)
             del model
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
-        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
-                     env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"})
-        rec["ready_s"] = srv.ready_s
-        try:
-            if "b1" in want:
-                b1 = bench(a, srv, out, 1, 4, 512, 256)
-                rec["b1_decode_tok_s"] = 1000.0 / b1["tpot_ms"]["median"]
-                rec["b1_tpot_ms"] = b1["tpot_ms"]
-                rec["b1_ttft_ms"] = b1["ttft_ms"]["median"]
-            if "b64" in want:
-                b64 = bench(a, srv, out, 64, 128, 512, 256)
-                rec["b64_decode_tok_s"] = 64 * 1000.0 / b64["tpot_ms"]["median"]
-                rec["b64_output_tok_s"] = b64["output_throughput"]
-            if "c256" in want:
-                c = bench(a, srv, out, 256, 256, 512, 256)
-                rec.update(c256_output_tok_s=c["output_throughput"], c256_ttft_ms=c["ttft_ms"],
-                           c256_itl_ms=c["itl_ms"])
-            if "p8k" in want:
-                long = bench(a, srv, out, 1, 2, 8192, 16)
-                rec["ttft_8192_ms"] = long["ttft_ms"]
-            if "sweep" in want:
-                rec["sweep"] = {}
-                for conc in (1, 8, 32, 64, 128, 256):
-                    r = bench(a, srv, out, conc, max(2 * conc, 8), 1024, 256)
-                    rec["sweep"][conc] = {
-                        "output_tok_s": round(r["output_throughput"], 1),
-                        "ttft_ms_p50": round(r["ttft_ms"]["median"], 1), "ttft_ms_p99": round(r["ttft_ms"]["p99"], 1),
-                        "itl_ms_p50": round(r["itl_ms"]["median"], 2), "itl_ms_p99": round(r["itl_ms"]["p99"], 2),
-                    }
-                    log(kind, conc, rec["sweep"][conc])
-        except Exception as e:  # keep what was measured
-            rec["error"] = repr(e)[-2000:]
-        finally:
-            srv.stop()
-        rec["steps"] = [ln.strip()[-130:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln][-8:]
-        emit(out, rec)
+        for variant in ([{}, ab_env] if ab_env else [{}]):
+            rec: dict = {"part": "speed", "model": kind, **hf}
+            if variant:
+                rec["env"] = variant
+            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
+                         env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
+                              **variant})
+            rec["ready_s"] = srv.ready_s
+            try:
+                speed_benches(a, srv, out, want, rec, kind)
+            except Exception as e:  # keep what was measured
+                rec["error"] = repr(e)[-2000:]
+            finally:
+                srv.stop()
+            rec["steps"] = [ln.strip()[-130:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln][-8:]
+            emit(out, rec)
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -16,11 +16,73 @@
 // query heads per KV head is <= G; every listed sequence has exactly one query token.
 // Shared bytes: 4 * (G * head_dim + G * kChunk + 3 * G + kChunk).
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
 constexpr int kDecThreads = 128;
 constexpr int kChunk = 256;
+
+// The end of a decode CTA: sums the key streams' P.V accumulators (thread: stream `st`, -1 when
+// idle, 16-byte column vector `cv`, `tpk` threads per V row) into `scratch` (G * head_dim floats,
+// free once the caller's last loop is done), then writes the group's rows: normalised to `out`, or
+// unnormalised with the running max and sum to the split buffers when gridDim.z > 1. When tpk
+// divides 32 a warp holds 32 / tpk whole streams, lanes tpk apart owning the same columns:
+// shuffles fold them and the warps add their sums one after another; otherwise the streams add one
+// after another.
+template <typename T, int G>
+__device__ void decode_finish(float (&acc)[G][Vec16<T>::N], float* scratch, const float* sm,
+                              const float* sl, int tpk, int st, int cv, T* __restrict__ out,
+                              int tok, int num_heads, int h0, int group, int D, long total_rows,
+                              float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  constexpr int VN = Vec16<T>::N;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int nthreads = blockDim.x;
+  const bool fold = tpk < 32 && 32 % tpk == 0;
+  if (fold) {
+    for (int o = tpk; o < 32; o <<= 1) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < VN; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+    }
+  }
+  const int rounds = fold ? nthreads / 32 : nthreads / tpk;
+  const int turn = fold ? (lane < tpk ? warp : -1) : st;
+  for (int r = 0; r < rounds; ++r) {
+    __syncthreads();
+    if (turn == r) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < VN; ++e) {
+          float* dst = scratch + g * D + cv * VN + e;
+          *dst = r == 0 ? acc[g][e] : *dst + acc[g][e];
+        }
+    }
+  }
+  __syncthreads();
+  const bool split = gridDim.z > 1;
+  for (int i = tid; i < group * D; i += nthreads) {
+    const int g = i / D, c = i % D;
+    const size_t row = (size_t)tok * num_heads + h0 + g;
+    const float a = scratch[i];
+    if (split) {
+      const size_t prow = (size_t)blockIdx.z * total_rows + row;
+      part_acc[prow * D + c] = a;
+      if (c == 0) {
+        part_ml[2 * prow] = sm[g];
+        part_ml[2 * prow + 1] = sl[g];
+      }
+    } else {
+      const float l = sl[g];
+      out[row * D + c] = from_f32<T>(l > 0.f ? a / l : 0.f);
+    }
+  }
+}
+
 
 // KU / VU: 16-byte K-row and V-row loads a thread issues before using any of them.
 template <typename T, int G, int KU = 4, int VU = 8>
@@ -186,64 +248,243 @@ __device__ void paged_decode_impl(
     }
   }
 
-  // Sum the key streams into the score buffer (G * D <= G * kChunk floats). When tpk divides 32
-  // a warp holds 32 / tpk whole streams, lanes tpk apart owning the same columns: shuffles fold
-  // them and the warps add their sums one after another; otherwise the streams add one after
-  // another.
-  const bool fold = tpk < 32 && 32 % tpk == 0;
-  if (fold) {
-    for (int o = tpk; o < 32; o <<= 1) {
+  decode_finish<T, G>(acc, ss, sm, sl, tpk, active ? st : -1, cv, out, tok, num_heads, h0, group,
+                      D, total_rows, part_acc, part_ml);
+}
+
+
+// The same attention on tensor cores, for 16-bit caches with head_dim 64 or 128 and up to 16
+// query heads per KV head: the group's queries are the rows of an m16n8k16 A operand (rows past
+// the group are zero), so a tile of 16 keys costs 2 * head_dim / 16 mma for the scores and as many
+// for P.V instead of 1,024 FMAs per key. Each of the 4 warps is an independent flash-decoding
+// worker over the CTA's keys: tiles of 16 keys, warp w taking tiles w, w + 4, ..., each copied
+// into the warp's own S-stage ring of shared memory with cp.async (zeros past the last key), so
+// the next tiles stream in while the current one is computed and no CTA barrier stands between
+// tiles. Softmax is online in registers (log2 domain, as the prompt kernel); P is rounded to the
+// cache type for P.V. At the end the warps' (max, sum, O) meet in shared memory. HF (heads first)
+// takes the KV head from blockIdx.x and the sequence from blockIdx.y, so CTAs resident together
+// read neighbouring pieces of the same cache rows.
+//
+// Shared bytes: decode_tc_shared_bytes in paged_attention.rs
+//             = (4 * S * 2 * 16 + 16) * (head_dim + 8) * sizeof(T).
+constexpr int kTcThreads = 128;
+constexpr int kTcKeys = 16;  // keys per warp tile
+
+template <typename T, int D, int S = 2, bool HF = true>
+__device__ void paged_decode_tc_impl(
+    T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    const uint32_t* __restrict__ seq_lens, const uint32_t* __restrict__ query_start,
+    const uint32_t* __restrict__ seqs, int width, int num_heads, int kv_heads, int /*head_dim*/,
+    int block_size, float scale, int window, long q_stride, int split_keys, long total_rows,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  constexpr int LD = D + 8;                 // padded row: ldmatrix rows hit distinct banks
+  constexpr int CH = D / 8;                 // 16-byte pieces per row
+  constexpr int KSTEP = 32 / CH;            // keys a warp's lanes cover per copy round
+  constexpr int NU = kTcKeys / KSTEP;       // copy rounds per tile
+  constexpr int WSTAGE = 2 * kTcKeys * LD;  // one warp stage: K tile, then V tile
+  constexpr int WARPS = kTcThreads / 32;
+  using Mma = tc_mma<T>;
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(WARPS * 16 * (D + 2) * 4 <= (WARPS * S * WSTAGE + 16 * LD) * (int)sizeof(T),
+                "the warps' results must fit in the rings");
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int g = lane >> 2;  // fragment rows g and g + 8
+  const int t = lane & 3;   // fragment columns 2t, 2t + 1
+
+  const int group = num_heads / kv_heads;
+  const int kvh = HF ? blockIdx.x : blockIdx.y;
+  const int h0 = kvh * group;
+  const int seq = seqs[HF ? blockIdx.y : blockIdx.x];
+  const int tok = query_start[seq];
+  const int ctx = seq_lens[seq];
+  const int lo = window > 0 ? max(0, ctx - window) : 0;
+  int k_begin = lo, k_end = ctx;
+  if (gridDim.z > 1) {
+    const int per = max(split_keys, ((ctx - lo + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15);
+    k_begin = min(ctx, lo + (int)blockIdx.z * per);
+    k_end = min(ctx, k_begin + per);
+  }
+  const int n_tiles = (k_end - k_begin + kTcKeys - 1) / kTcKeys;
+  const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
+
+  pdl_trigger();
+  extern __shared__ __align__(16) unsigned char tc_dec_smem[];
+  T* ring = reinterpret_cast<T*>(tc_dec_smem) + warp * S * WSTAGE;  // this warp's stages
+  T* sq = reinterpret_cast<T*>(tc_dec_smem) + WARPS * S * WSTAGE;   // [16, LD] queries
+
+  // this warp's j-th tile -> stage j % S: lane copies piece lane % CH of keys lane / CH + KSTEP u
+  const uint32_t* table = block_tables + (size_t)seq * width;
+  const size_t row_stride = (size_t)kv_heads * D;
+  const int key0 = lane / CH;
+  const int col = 8 * (lane % CH);
+  const auto load = [&](int j) {
+    const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
+    T* sk = ring + (j % S) * WSTAGE + key0 * LD + col;
 #pragma unroll
-      for (int g = 0; g < G; ++g)
+    for (int u = 0; u < NU; ++u) {
+      const int pos = k0 + key0 + KSTEP * u;
+      const bool valid = pos < k_end;
+      const size_t off =
+          valid ? ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_stride +
+                      (size_t)kvh * D + col
+                : 0;
+      tc_cp_async16(sk + KSTEP * u * LD, k_cache + off, valid);
+      tc_cp_async16(sk + (kTcKeys + KSTEP * u) * LD, v_cache + off, valid);
+    }
+  };
 #pragma unroll
-        for (int e = 0; e < VN; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+  for (int j = 0; j < S - 1; ++j) {
+    if (j < my_tiles) load(j);
+    tc_cp_async_commit();
+  }
+
+  // queries: rows past the group are zero
+  for (int i = tid; i < 16 * CH; i += kTcThreads) {
+    const int r = i / CH, c = 8 * (i % CH);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < group) v = ldg16(q + (size_t)tok * q_stride + (size_t)(h0 + r) * D + c);
+    *reinterpret_cast<uint4*>(sq + r * LD + c) = v;
+  }
+  __syncthreads();
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    tc_ldmatrix_x4(qa[kk], sq + (lane & 15) * LD + 16 * kk + 8 * (lane >> 4));
+
+  const float scale_log2 = scale * 1.4426950408889634f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};
+  float o[D / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+
+  for (int j = 0; j < my_tiles; ++j) {
+    tc_cp_async_wait<S - 2>();
+    __syncwarp();  // every lane's pieces of tile j are in; tile j - 1's stage is consumed
+    if (j + S - 1 < my_tiles) load(j + S - 1);
+    tc_cp_async_commit();
+    const T* sk = ring + (j % S) * WSTAGE;
+    const T* sv = sk + kTcKeys * LD;
+    const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
+
+    // S = Q K^T over 16 keys: one x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8 (bit 3)
+    float s[2][4];
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b[4];
+      tc_ldmatrix_x4(b, sk + ((lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk + 8 * ((lane >> 3) & 1));
+      Mma::run(s[0], qa[kk], b[0], b[1]);
+      Mma::run(s[1], qa[kk], b[2], b[3]);
+    }
+    // s[nb][e]: row g + 8 (e >> 1), key k0 + 8 nb + 2t + (e & 1)
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[nb][e] = k0 + 8 * nb + 2 * t + (e & 1) < k_end ? s[nb][e] * scale_log2 : -INFINITY;
+
+    tc_online_softmax(s, o, m, l);
+
+    // O += P V: the two key blocks' C fragments are the A fragment; one x4 .trans = keys
+    // +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane bit 4)
+    const uint32_t pa[4] = {Mma::pack(s[0][0], s[0][1]), Mma::pack(s[0][2], s[0][3]),
+                            Mma::pack(s[1][0], s[1][1]), Mma::pack(s[1][2], s[1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+      uint32_t b[4];
+      tc_ldmatrix_x4_trans(b, sv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * n +
+                                  8 * (lane >> 4));
+      Mma::run(o[2 * n], pa, b[0], b[1]);
+      Mma::run(o[2 * n + 1], pa, b[2], b[3]);
     }
   }
-  const int rounds = fold ? kDecThreads / 32 : streams;
-  const int turn = fold ? (lane < tpk ? warp : -1) : (active ? st : -1);
-  for (int r = 0; r < rounds; ++r) {
-    __syncthreads();
-    if (turn == r) {
+  tc_cp_async_wait<0>();
+  __syncthreads();  // every ring is free: it now holds the warps' results
+
+  // per warp: O [16, D] f32, then max and sum per row
+  float* wo = reinterpret_cast<float*>(tc_dec_smem);
+  float* wml = wo + WARPS * 16 * D;
 #pragma unroll
-      for (int g = 0; g < G; ++g)
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = g + 8 * h;
+    float* dst = wo + (warp * 16 + r) * D + 2 * t;
 #pragma unroll
-        for (int e = 0; e < VN; ++e) {
-          float* dst = ss + g * D + cv * VN + e;
-          *dst = r == 0 ? acc[g][e] : *dst + acc[g][e];
-        }
+    for (int nd = 0; nd < D / 8; ++nd) {
+      dst[8 * nd] = o[nd][2 * h];
+      dst[8 * nd + 1] = o[nd][2 * h + 1];
+    }
+    if (t == 0) {
+      wml[2 * (warp * 16 + r)] = m[h];
+      wml[2 * (warp * 16 + r) + 1] = sum;
     }
   }
   __syncthreads();
-  for (int i = tid; i < group * D; i += kDecThreads) {
-    const int g = i / D, c = i % D;
-    const size_t row = (size_t)tok * num_heads + h0 + g;
-    const float a = ss[i];
+  const bool split = gridDim.z > 1;
+  for (int i = tid; i < group * D; i += kTcThreads) {
+    const int r = i / D, c = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, wml[2 * (w * 16 + r)]);
+    float a = 0.f, sum = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = tc_exp2(wml[2 * (w * 16 + r)] - mx);  // 0 for a warp without keys
+        a += f * wo[(w * 16 + r) * D + c];
+        sum += f * wml[2 * (w * 16 + r) + 1];
+      }
+    }
+    const size_t row = (size_t)tok * num_heads + h0 + r;
     if (split) {
       const size_t prow = (size_t)blockIdx.z * total_rows + row;
       part_acc[prow * D + c] = a;
       if (c == 0) {
-        part_ml[2 * prow] = sm[g];
-        part_ml[2 * prow + 1] = sl[g];
+        part_ml[2 * prow] = mx * 0.6931471805599453f;  // natural-log domain, as the merge reads
+        part_ml[2 * prow + 1] = sum;
       }
     } else {
-      const float l = sl[g];
-      out[row * D + c] = from_f32<T>(l > 0.f ? a / l : 0.f);
+      out[row * D + c] = from_f32<T>(sum > 0.f ? a / sum : 0.f);
     }
   }
 }
 
 }  // namespace
 
-#define PAGED_DECODE_G(T, NAME, G)                                                                \
-  extern "C" __global__ void __launch_bounds__(kDecThreads) paged_decode_g##G##_##NAME(           \
-      T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
-      const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* seqs, int width,     \
+// Every decode kernel's arguments, in the order the host passes them (paged_attention.rs).
+#define PAGED_DECODE_PARAMS(T)                                                                    \
+  T *out, const T *q, const T *k_cache, const T *v_cache, const uint32_t *block_tables,           \
+      const uint32_t *seq_lens, const uint32_t *query_start, const uint32_t *seqs, int width,     \
       int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window,         \
-      long q_stride, int split_keys, long total_rows, float* part_acc, float* part_ml) {          \
-    paged_decode_impl<T, G>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs,  \
-                            width, num_heads, kv_heads, head_dim, block_size, scale, window,      \
-                            q_stride, split_keys, total_rows, part_acc, part_ml);                 \
+      long q_stride, int split_keys, long total_rows, float *part_acc, float *part_ml
+#define PAGED_DECODE_ARGS                                                                         \
+  out, q, k_cache, v_cache, block_tables, seq_lens, query_start, seqs, width, num_heads,          \
+      kv_heads, head_dim, block_size, scale, window, q_stride, split_keys, total_rows, part_acc,  \
+      part_ml
+
+#define PAGED_DECODE_G(T, NAME, G)                                                                \
+  extern "C" __global__ void __launch_bounds__(kDecThreads)                                       \
+      paged_decode_g##G##_##NAME(PAGED_DECODE_PARAMS(T)) {                                        \
+    paged_decode_impl<T, G>(PAGED_DECODE_ARGS);                                                   \
   }
 #define PAGED_DECODE(T, NAME) PAGED_DECODE_G(T, NAME, 1) PAGED_DECODE_G(T, NAME, 4) \
   PAGED_DECODE_G(T, NAME, 8) PAGED_DECODE_G(T, NAME, 16)
 RSERVE_FOR_DTYPES(PAGED_DECODE)
+
+#define PAGED_DECODE_TC(T, NAME, D)                                                               \
+  extern "C" __global__ void __launch_bounds__(kTcThreads)                                        \
+      paged_decode_tc_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                                     \
+    paged_decode_tc_impl<T, D, 3>(PAGED_DECODE_ARGS);                                             \
+  }
+PAGED_DECODE_TC(__nv_bfloat16, bf16, 64)
+PAGED_DECODE_TC(__nv_bfloat16, bf16, 128)
+PAGED_DECODE_TC(__half, f16, 64)
+PAGED_DECODE_TC(__half, f16, 128)
+#undef PAGED_DECODE_TC

@@ -26,6 +26,7 @@
 // Host guarantees: queries_per_cta * (num_heads / kv_heads) <= 64; block_size is a power of two;
 // q (and every row, q_stride being a multiple of 8), k_cache and v_cache are 16-byte aligned.
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
@@ -41,74 +42,6 @@ template <int D> struct pf_tile {
   static_assert(BK % 16 == 0 && pf_rows * LD <= STAGE, "Q staging must fit in one stage");
   static_assert((BK * CH) % pf_threads == 0, "tile chunks must split evenly over the threads");
 };
-
-template <typename T> struct pf_mma;
-template <> struct pf_mma<__nv_bfloat16> {
-  // c += a (16x16, row-major) * b (16x8, col-major)
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // two floats as one register of the A operand: lo is the lower column
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <> struct pf_mma<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-
-__device__ __forceinline__ uint32_t pf_smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronous; zeros instead when !valid (src is then not read).
-__device__ __forceinline__ void pf_cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pf_smem_addr(dst)),
-               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void pf_cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most one committed group of this thread is still in flight.
-__device__ __forceinline__ void pf_cp_async_wait_prev() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives
-// (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix i, or its transpose with .trans.
-__device__ __forceinline__ void pf_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(pf_smem_addr(p)));
-}
-__device__ __forceinline__ void pf_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(pf_smem_addr(p)));
-}
-
-// 2^x on the special function unit (x <= 0 here; -inf gives 0, tiny results flush to 0).
-__device__ __forceinline__ float pf_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ int pf_window_lo(int p, int window) {
   return window > 0 ? max(0, p + 1 - window) : 0;
@@ -128,7 +61,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     int window, long q_stride) {
   using Tile = pf_tile<D>;
   constexpr int BK = Tile::BK, LD = Tile::LD, STAGE = Tile::STAGE, CH = Tile::CH;
-  using Mma = pf_mma<T>;
+  using Mma = tc_mma<T>;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -162,9 +95,9 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     const T* src = valid ? q + (size_t)(qs + qi0 + r / group) * q_stride +
                                (size_t)(kvh * group + r % group) * D + 8 * c
                          : q;
-    pf_cp_async16(sq + r * LD + 8 * c, src, valid);
+    tc_cp_async16(sq + r * LD + 8 * c, src, valid);
   }
-  pf_cp_async_commit();
+  tc_cp_async_commit();
 
   // ---- K/V tile gather: thread tid copies the 16-byte column chunk tid % CH of the tile's keys
   // tid / CH + j * (128 / CH). Their block-table entries are read one tile ahead (blk), so that
@@ -193,8 +126,8 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
       const bool valid = pos < k_end;
       const size_t slot = ((size_t)blk[j] << bs_shift) + (pos & (block_size - 1));
       const size_t off = valid ? slot * slot_stride + (size_t)kvh * D + col : 0;
-      pf_cp_async16(sk + j * KEY_STEP * LD, k_cache + off, valid);
-      pf_cp_async16(sv + j * KEY_STEP * LD, v_cache + off, valid);
+      tc_cp_async16(sk + j * KEY_STEP * LD, k_cache + off, valid);
+      tc_cp_async16(sv + j * KEY_STEP * LD, v_cache + off, valid);
     }
   };
   if (n_tiles > 0) {
@@ -202,16 +135,16 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     load_tile(0);
     fetch_blocks(1);
   }
-  pf_cp_async_commit();
+  tc_cp_async_commit();
 
   // ---- phase 1b: Q fragments. Matrices of one x4: rows +0/+8 (lanes bit 3), columns +0/+8
   // (lanes bit 4), i.e. exactly a0..a3 of the m16n8k16 A operand.
-  pf_cp_async_wait_prev();  // the Q group has landed
+  tc_cp_async_wait<1>();  // the Q group has landed
   __syncthreads();
   uint32_t qa[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    pf_ldmatrix_x4(qa[kk], sq + (16 * warp + (lane & 15)) * LD + 16 * kk + 8 * (lane >> 4));
+    tc_ldmatrix_x4(qa[kk], sq + (16 * warp + (lane & 15)) * LD + 16 * kk + 8 * (lane >> 4));
   __syncthreads();  // stage 1 may be overwritten now
 
   // ---- per-warp and per-thread row facts (padding rows behave like row R - 1)
@@ -240,8 +173,8 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
       load_tile(it + 1);
       fetch_blocks(it + 2);
     }
-    pf_cp_async_commit();
-    pf_cp_async_wait_prev();
+    tc_cp_async_commit();
+    tc_cp_async_wait<1>();
     __syncthreads();
 
     const int k0 = k_begin + it * BK;
@@ -259,7 +192,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
 #pragma unroll
         for (int j = 0; j < BK / 16; ++j) {
           uint32_t b[4];
-          pf_ldmatrix_x4(b, sk + (16 * j + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk +
+          tc_ldmatrix_x4(b, sk + (16 * j + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk +
                                 8 * ((lane >> 3) & 1));
           Mma::run(s[2 * j], qa[kk], b[0], b[1]);
           Mma::run(s[2 * j + 1], qa[kk], b[2], b[3]);
@@ -281,30 +214,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
       }
 
       // ---- phase 3c: online softmax. A row lives in the 4 lanes of a quad.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[h], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key yet: keep p = 0, no NaN
-        const float corr = pf_exp2(m[h] - m_use);
-        m[h] = m_new;
-        l[h] *= corr;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          o[nd][2 * h] *= corr;
-          o[nd][2 * h + 1] *= corr;
-        }
-#pragma unroll
-        for (int nb = 0; nb < BK / 8; ++nb) {
-          s[nb][2 * h] = pf_exp2(s[nb][2 * h] - m_use);
-          s[nb][2 * h + 1] = pf_exp2(s[nb][2 * h + 1] - m_use);
-          l[h] += s[nb][2 * h] + s[nb][2 * h + 1];
-        }
-      }
+      tc_online_softmax(s, o, m, l);
 
       // ---- phase 3d: O += P V. The C fragments of key blocks 2ks, 2ks + 1 are the A fragment
       // of key step ks. One x4 .trans = keys +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane
@@ -318,7 +228,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
 #pragma unroll
         for (int n = 0; n < D / 16; ++n) {
           uint32_t b[4];
-          pf_ldmatrix_x4_trans(b, sv + (16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
+          tc_ldmatrix_x4_trans(b, sv + (16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
                                       16 * n + 8 * (lane >> 4));
           Mma::run(o[2 * n], pa, b[0], b[1]);
           Mma::run(o[2 * n + 1], pa, b[2], b[3]);

@@ -62,6 +62,25 @@ pub(crate) fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     Ok(f)
 }
 
+/// The kernel `name` on `dev`'s context, allowed `shared_bytes` of dynamic shared memory (the
+/// driver's opt-in above 48 KiB is made on every lookup that needs it; it is one attribute call).
+pub(crate) fn function_with_shared(
+    dev: &CudaDevice,
+    name: &str,
+    shared_bytes: usize,
+) -> Result<CudaFunction> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+    let f = function(dev, name)?;
+    if shared_bytes > 48 << 10 {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_bytes as i32,
+        )
+        .w()?;
+    }
+    Ok(f)
+}
+
 /// Loads the kernel image on `dev` now (startup), so the first request does not pay for it.
 pub fn preload(dev: &CudaDevice) -> Result<()> {
     function(dev, "reshape_and_cache_f32").map(|_| ())
@@ -122,6 +141,13 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
 pub(crate) fn dependent_launch_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("RSERVE_CUDA_PDL").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether decode attention over 16-bit caches runs on tensor cores where it can (on unless
+/// `RSERVE_CUDA_TC_DECODE=0`, which keeps the direct kernel everywhere, for comparisons).
+pub(crate) fn tensor_core_decode_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_TC_DECODE").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Launches `func` on `stream` as a programmatic dependent of the kernel before it in the stream

@@ -277,6 +277,16 @@ pub fn decode_group_bucket(group: usize) -> Option<usize> {
     [1, 4, 8, 16].into_iter().find(|&g| group <= g)
 }
 
+/// Key stages per warp of the tensor-core decode kernel (`S` of `paged_decode_tc_d<D>_<dtype>`
+/// in `csrc/decode.cu`).
+const DECODE_TC_STAGES: usize = 3;
+
+/// Dynamic shared memory of the tensor-core decode kernel: per warp (4) and stage a K and a V tile
+/// of 16 keys, then the 16 query rows; rows padded by eight elements.
+pub fn decode_tc_shared_bytes(head_dim: usize, elem_bytes: usize) -> usize {
+    (4 * DECODE_TC_STAGES * 2 * 16 + 16) * (head_dim + 8) * elem_bytes
+}
+
 /// Head dims of the tensor-core prompt kernel (16-bit types only).
 pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
 
@@ -455,7 +465,10 @@ impl PagedAttention<'_> {
             + candle_core::WithDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
-        use crate::cuda::{cuda_slice, dtype_suffix, function, token_rows};
+        use crate::cuda::{
+            cuda_slice, dtype_suffix, function, function_with_shared, tensor_core_decode_enabled,
+            token_rows,
+        };
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         use candle_core::cuda_backend::WrapErr;
         use launch::{multiprocessors, Operands, Splits};
@@ -531,19 +544,38 @@ impl PagedAttention<'_> {
                 1
             };
             let mut splits = Splits::new(&dev, count, DECODE_MIN_SPLIT_KEYS, total_rows, d)?;
-            let func = function(&dev, &format!("paged_decode_g{g}_{suffix}"))?;
+            // tensor cores where the prompt kernel's conditions hold and the group fits 16 rows;
+            // that kernel takes the KV head from the grid's x
+            let (name, grid, shared) = if tensor_core && group <= 16 && tensor_core_decode_enabled()
+            {
+                let grid = (kvh as u32, n_dec as u32, splits.count as u32);
+                (
+                    format!("paged_decode_tc_d{d}_{suffix}"),
+                    grid,
+                    decode_tc_shared_bytes(d, elem),
+                )
+            } else {
+                let grid = (n_dec as u32, kvh as u32, splits.count as u32);
+                (
+                    format!("paged_decode_g{g}_{suffix}"),
+                    grid,
+                    decode_shared_bytes(g, d),
+                )
+            };
+            let func = function_with_shared(&dev, &name, shared)?;
             let iv = ints(&[width, num_heads, kvh, d, bs]);
             let cfg = LaunchConfig {
-                grid_dim: (n_dec as u32, kvh as u32, splits.count as u32),
+                grid_dim: grid,
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: decode_shared_bytes(g, d) as u32,
+                shared_mem_bytes: shared as u32,
             };
             {
                 let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
                 splits.push(&mut b);
-                // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` in
-                // csrc/decode.cu; the group fits G, rows are 16-byte multiples, metadata
-                // validated.
+                // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` and
+                // `paged_decode_tc_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16 for the
+                // tensor-core kernel, whose head dim and q alignment are checked above), rows are
+                // 16-byte multiples, metadata validated.
                 unsafe { b.launch(cfg) }.w()?;
             }
             splits.merge(&dev, suffix, &mut out, d)?;

@@ -1,0 +1,105 @@
+// Tensor-core and asynchronous-copy building blocks (sm_80+ instructions) shared by the
+// attention kernels: mma.sync m16n8k16 with f32 accumulation, ldmatrix, cp.async, exp2.
+#pragma once
+#include "common.cuh"
+
+template <typename T> struct tc_mma;
+template <> struct tc_mma<__nv_bfloat16> {
+  // c += a (16x16, row-major) * b (16x8, col-major)
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // two floats as one register of the A operand: lo is the lower column
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <> struct tc_mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+__device__ __forceinline__ uint32_t tc_smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronous; zeros instead when !valid (src is then not read).
+__device__ __forceinline__ void tc_cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc_smem_addr(dst)),
+               "l"(__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void tc_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N> __device__ __forceinline__ void tc_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives
+// (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix i, or its transpose with .trans.
+__device__ __forceinline__ void tc_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(tc_smem_addr(p)));
+}
+__device__ __forceinline__ void tc_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(tc_smem_addr(p)));
+}
+
+// 2^x on the special function unit (x <= 0 here; -inf gives 0, tiny results flush to 0).
+__device__ __forceinline__ float tc_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One online-softmax step of flash attention over a tile's scores in C fragments (log2 domain):
+// s[nb][e] is row g + 8 (e >> 1) of key block nb, a row's keys spread over the 4 lanes of a quad.
+// Folds the tile's row max into m, rescales the accumulators o and the sums l, and replaces s by
+// exp2(s - m). A row that has seen no key yet keeps p = 0 and no NaN.
+template <int NB, int ND>
+__device__ __forceinline__ void tc_online_softmax(float (&s)[NB][4], float (&o)[ND][4],
+                                                  float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[h], mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    const float corr = tc_exp2(m[h] - m_use);
+    m[h] = m_new;
+    l[h] *= corr;
+#pragma unroll
+    for (int nd = 0; nd < ND; ++nd) {
+      o[nd][2 * h] *= corr;
+      o[nd][2 * h + 1] *= corr;
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      s[nb][2 * h] = tc_exp2(s[nb][2 * h] - m_use);
+      s[nb][2 * h + 1] = tc_exp2(s[nb][2 * h + 1] - m_use);
+      l[h] += s[nb][2 * h] + s[nb][2 * h + 1];
+    }
+  }
+}
