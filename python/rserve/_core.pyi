@@ -24,7 +24,7 @@ class Engine:
         device: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,

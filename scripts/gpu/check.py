@@ -491,12 +491,14 @@ def speed_benches(a, srv, out: Path, want: list, rec: dict, kind: str) -> None:
 def part_speed(a, out: Path) -> None:
     """Serving figures without the transformers side: batch 1 and 64 decode, 256 concurrent
     requests, an 8k prompt's TTFT, and (with `sweep` in --speed) the concurrency sweep; for each
-    model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ..." each shape is served a second time
-    with those variables set (an A/B on one checkpoint and one machine)."""
+    model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ..." and/or RSERVE_AB_ARGS="--flag value"
+    each shape is served a second time with those variables set and flags added (an A/B on one
+    checkpoint and one machine)."""
     import torch
 
     want = a.speed.split(",")
     ab_env = dict(kv.split("=", 1) for kv in shlex.split(os.environ.get("RSERVE_AB_ENV", "")))
+    ab_args = shlex.split(os.environ.get("RSERVE_AB_ARGS", ""))
     for kind in a.big.split(","):
         model, path = fresh_checkpoint(kind, Path(a.scratch), keep_model="hf" in want)
         hf: dict = {}
@@ -509,13 +511,16 @@ def part_speed(a, out: Path) -> None:
             del model
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
-        for variant in ([{}, ab_env] if ab_env else [{}]):
+        variants = [({}, [])] + ([(ab_env, ab_args)] if ab_env or ab_args else [])
+        for variant, extra in variants:
             rec: dict = {"part": "speed", "model": kind, **hf}
             if variant:
                 rec["env"] = variant
-            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000",
+            if extra:
+                rec["args"] = extra
+            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra,
                          env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
-                              **variant})
+                              **variant}, tag="-ab" if variant or extra else "")
             rec["ready_s"] = srv.ready_s
             try:
                 speed_benches(a, srv, out, want, rec, kind)

@@ -174,12 +174,27 @@ impl StepTiming {
 
 pub use crate::device::parse_device;
 
+/// The step token budget when none is given, as vLLM's server chooses it: 8192 tokens on GPUs
+/// of 70 GiB or more (H100, H200: fewer, larger prompt chunks keep the products at their
+/// ceiling), 2048 elsewhere (smaller GPUs, the CPU).
+pub fn default_batched_tokens(device: &Device) -> usize {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => match crate::device::gpu::memory(dev) {
+            Ok(m) if m.total >= 70 << 30 => 8192,
+            _ => 2048,
+        },
+        _ => 2048,
+    }
+}
+
 /// Bytes of KV cache a GPU can hold: `gpu_memory_utilization` of the card, less what is in use
 /// after loading (weights, context, other processes) and the activation peak of a forward pass over
-/// `max_num_batched_tokens` tokens, measured on the pool's high-water mark.
+/// `batched_tokens` tokens (the step budget), measured on the pool's high-water mark.
 #[cfg(feature = "cuda")]
 fn gpu_kv_budget(
     cfg: &EngineConfig,
+    batched_tokens: usize,
     loaded: &LoadedModel,
     device: &Device,
     max_model_len: usize,
@@ -191,7 +206,7 @@ fn gpu_kv_budget(
     let err = |e: String| EngineError::Model(format!("sizing the KV cache: {e}"));
     let before = gpu::memory(dev).map_err(err)?;
     gpu::reset_peak(dev).map_err(err)?;
-    let tokens = cfg.max_num_batched_tokens.min(max_model_len.max(1));
+    let tokens = batched_tokens.min(max_model_len.max(1));
     let rows = cfg.max_num_seqs.min(tokens);
     let scratch = crate::model_runner::profile_forward(
         loaded.model.as_ref(),
@@ -237,6 +252,7 @@ fn gpu_kv_budget(
 #[cfg(not(feature = "cuda"))]
 fn gpu_kv_budget(
     _cfg: &EngineConfig,
+    _batched_tokens: usize,
     _loaded: &LoadedModel,
     _device: &Device,
     _max_model_len: usize,
@@ -276,7 +292,10 @@ impl Engine {
         device: Device,
         max_model_len: usize,
     ) -> Result<EngineHandle, EngineError> {
-        if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 {
+        let batched_tokens = cfg
+            .max_num_batched_tokens
+            .unwrap_or_else(|| default_batched_tokens(&device));
+        if cfg.block_size == 0 || cfg.max_num_seqs == 0 || batched_tokens == 0 {
             return Err(EngineError::InvalidConfig(
                 "block_size, max_num_seqs and max_num_batched_tokens must be positive".into(),
             ));
@@ -301,7 +320,7 @@ impl Engine {
             KvBudget::Bytes(b) => b / per_block,
             KvBudget::Blocks(n) => n,
             KvBudget::Auto if !device.is_cpu() => {
-                let budget = gpu_kv_budget(&cfg, &loaded, &device, max_model_len)?;
+                let budget = gpu_kv_budget(&cfg, batched_tokens, &loaded, &device, max_model_len)?;
                 (budget / per_block).min(useful)
             }
             KvBudget::Auto => ((1usize << 30) / per_block).min(useful),
@@ -330,7 +349,7 @@ impl Engine {
         );
         let sched_cfg = SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_num_batched_tokens: batched_tokens,
             max_model_len,
             block_size: cfg.block_size,
             num_blocks,
@@ -1019,5 +1038,15 @@ impl Engine {
             // the caller dropped its stream: free everything now
             self.abort(rid);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_budget_defaults_to_the_small_one_off_large_gpus() {
+        assert_eq!(default_batched_tokens(&Device::Cpu), 2048);
     }
 }

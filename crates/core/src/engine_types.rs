@@ -36,7 +36,8 @@ pub struct EngineConfig {
     pub device: String,
     pub max_model_len: Option<usize>,
     pub max_num_seqs: usize,
-    pub max_num_batched_tokens: usize,
+    /// Token budget of one step; `None`: [`default_batched_tokens`] for the device.
+    pub max_num_batched_tokens: Option<usize>,
     pub block_size: usize,
     pub kv_cache: KvBudget,
     /// Fraction of GPU memory rserve may use in all (weights, activations, KV cache).
@@ -56,7 +57,7 @@ impl EngineConfig {
             device: "auto".into(),
             max_model_len: None,
             max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
+            max_num_batched_tokens: None,
             block_size: 16,
             kv_cache: KvBudget::Auto,
             gpu_memory_utilization: 0.9,

@@ -46,7 +46,7 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
         .collect();
     assert_sound(&solo_engine);
 
-    let h = start("qwen2", |c| c.max_num_batched_tokens = 9);
+    let h = start("qwen2", |c| c.max_num_batched_tokens = Some(9));
     let mut streams = Vec::new();
     for p in prompts() {
         let mut s = h
@@ -135,7 +135,7 @@ fn a_prompt_alone_in_many_chunks_matches_one_pass() {
         .expect("prompts");
     let whole = start("llama3", |_| {});
     let want = run_alone(&whole, &prompt, &greedy(8));
-    let chunked = start("llama3", |c| c.max_num_batched_tokens = 7);
+    let chunked = start("llama3", |c| c.max_num_batched_tokens = Some(7));
     assert_eq!(run_alone(&chunked, &prompt, &greedy(8)), want);
     assert_sound(&chunked);
 }

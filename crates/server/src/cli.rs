@@ -40,9 +40,10 @@ pub struct EngineArgs {
     /// Maximum number of sequences in one step.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
-    /// Token budget of one step (prefill chunks and decodes together).
-    #[arg(long, default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
+    /// Token budget of one step (prefill chunks and decodes together); default 8192 on GPUs of
+    /// 70 GiB or more, 2048 elsewhere.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,

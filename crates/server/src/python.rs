@@ -64,7 +64,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = 2048, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -73,7 +73,7 @@ impl PyEngine {
         device: String,
         max_model_len: Option<usize>,
         max_num_seqs: usize,
-        max_num_batched_tokens: usize,
+        max_num_batched_tokens: Option<usize>,
         block_size: usize,
         kv_cache_memory: Option<usize>,
         gpu_memory_utilization: f64,
