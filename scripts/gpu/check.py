@@ -437,8 +437,9 @@ def part_profile(a, out: Path) -> None:
     _, path = fresh_checkpoint(kind, Path(a.scratch))
     scenarios = [("b1", 1, 2, 512, 256, 150, 2), ("b64", 64, 64, 512, 256, 200, 1),
                  ("p8k", 1, 1, 8192, 2, 0, 4),
-                 # 256 concurrent requests: two mixed steps of the prefill phase, two decode steps
-                 ("c256-mixed", 256, 256, 512, 256, 20, 2), ("c256-decode", 256, 256, 512, 256, 150, 2)]
+                 # 256 concurrent requests: two mixed steps of the prefill phase (8,192-token budget), two
+                 # decode steps
+                 ("c256-mixed", 256, 256, 512, 256, 5, 2), ("c256-decode", 256, 256, 512, 256, 150, 2)]
     only = os.environ.get("RSERVE_PROFILE_SCENARIOS")
     if only:
         scenarios = [s for s in scenarios if s[0] in only.split(",")]

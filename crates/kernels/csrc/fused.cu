@@ -147,6 +147,28 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
   }
 }
 
+// out[i] = x[i] as f32 (logits leaving the LM head): 16-byte loads and two or four 16-byte stores
+// per thread where both pointers allow, single elements for the rest.
+template <typename T>
+__device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, long n) {
+  constexpr int VN = Vec16<T>::N;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  long done = 0;
+  if (((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(x)) & 15) == 0) {
+    const long nv = n / VN;
+    for (long v = first; v < nv; v += stride) {
+      float f[VN];
+      load16(x + v * VN, f);
+      float4* o = reinterpret_cast<float4*>(out + v * VN);
+#pragma unroll
+      for (int e = 0; e < VN; e += 4) o[e / 4] = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+    }
+    done = nv * VN;
+  }
+  for (long i = done + first; i < n; i += stride) out[i] = to_f32(x[i]);
+}
+
 #define FUSED_OPS(T, NAME)                                                                         \
   extern "C" __global__ void silu_and_mul_##NAME(T* out, const T* gu, long n, int inter) {         \
     silu_and_mul_impl<T>(out, gu, n, inter);                                                       \
@@ -166,5 +188,8 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
       int head_dim, long row_stride, T* k_cache, T* v_cache, const int64_t* slots) {               \
     rotary_qk_cache_impl<T>(qkv, positions, cos, sin, heads, kv_heads, head_dim, row_stride,       \
                             k_cache, v_cache, slots);                                              \
+  }                                                                                                \
+  extern "C" __global__ void to_f32_##NAME(float* out, const T* x, long n) {                       \
+    to_f32_impl<T>(out, x, n);                                                                     \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)

@@ -19,6 +19,19 @@ pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `x` as f32 (the logits leaving the LM head): on CUDA one pass of 16-byte loads for 16-bit
+/// types; elsewhere candle's cast, which is also the reference. Values are exactly the cast's.
+pub fn to_f32(x: &Tensor) -> Result<Tensor> {
+    match (x.device(), x.dtype()) {
+        (_, DType::F32) => Ok(x.clone()),
+        #[cfg(feature = "cuda")]
+        (candle_core::Device::Cuda(_), DType::BF16 | DType::F16) if x.elem_count() > 0 => {
+            x.contiguous()?.apply_op1_no_bwd(&cuda::ToF32)
+        }
+        _ => x.to_dtype(DType::F32),
+    }
+}
+
 /// The candle composition of [`silu_and_mul`].
 pub fn silu_and_mul_reference(gate_up: &Tensor) -> Result<Tensor> {
     let inter = gate_up.dim(1)? / 2;
@@ -277,6 +290,53 @@ mod cuda {
                 dt => candle_core::bail!("unsupported dtype {dt:?}"),
             }
         };
+    }
+
+    pub struct ToF32;
+
+    fn to_f32<T: CudaDType + WithDType + DeviceRepr>(
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device().clone();
+        let input = view::<T>(s, l, "x")?;
+        let n = l.shape().elem_count();
+        // SAFETY: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(n) }?;
+        if n > 0 {
+            let func = function(&dev, &format!("to_f32_{}", dtype_suffix(T::DTYPE)?))?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            let n_i = n as i64;
+            b.arg(&mut out).arg(&input).arg(&n_i);
+            let per = 16 / std::mem::size_of::<T>();
+            let cfg = LaunchConfig {
+                grid_dim: ((n / per).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `to_f32_<dtype>` in csrc/fused.cu; `out` holds n floats.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((f32::wrap_cuda_slice(out, dev), l.shape().clone()))
+    }
+
+    impl candle_core::CustomOp1 for ToF32 {
+        fn name(&self) -> &'static str {
+            "to-f32"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("to_f32: the CPU path is candle's cast")
+        }
+
+        fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+            by_dtype!(s.dtype(), to_f32, s, l)
+        }
     }
 
     pub struct SiluAndMul;

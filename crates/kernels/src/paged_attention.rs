@@ -545,9 +545,9 @@ impl PagedAttention<'_> {
             };
             let mut splits = Splits::new(&dev, count, DECODE_MIN_SPLIT_KEYS, total_rows, d)?;
             // tensor cores where the prompt kernel's conditions hold and the group fits 16 rows;
-            // that kernel takes the KV head from the grid's x
-            let (name, grid, shared) = if tensor_core && group <= 16 && tensor_core_decode_enabled()
-            {
+            // that kernel takes the KV head from the grid's x and the sequence from its y
+            let tc = tensor_core && group <= 16 && n_dec <= 65_535 && tensor_core_decode_enabled();
+            let (name, grid, shared) = if tc {
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
                 (
                     format!("paged_decode_tc_d{d}_{suffix}"),

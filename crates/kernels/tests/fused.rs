@@ -206,6 +206,32 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_to_f32_equals_the_cast() -> Result<()> {
+        // whole vectors, a ragged tail, a strided input, and f32 passing through
+        let dev = gpu();
+        for dtype in [DType::BF16, DType::F16] {
+            for (rows, cols) in [(256, 4096), (3, 1001), (1, 5)] {
+                let x = Tensor::randn(0f32, 3.0, (rows, cols), &dev)?.to_dtype(dtype)?;
+                let got = rserve_kernels::to_f32(&x)?;
+                assert_eq!(got.dtype(), DType::F32);
+                assert_eq!(got.dims(), x.dims());
+                let want = x.to_dtype(DType::F32)?;
+                assert_eq!(max_err(&got, &want)?, 0.0, "{dtype:?} {rows}x{cols}");
+            }
+            let t = Tensor::randn(0f32, 1.0, (64, 24), &dev)?
+                .to_dtype(dtype)?
+                .t()?;
+            assert_eq!(
+                max_err(&rserve_kernels::to_f32(&t)?, &t.to_dtype(DType::F32)?)?,
+                0.0
+            );
+        }
+        let f = Tensor::randn(0f32, 1.0, (4, 4), &dev)?;
+        assert_eq!(max_err(&rserve_kernels::to_f32(&f)?, &f)?, 0.0);
+        Ok(())
+    }
+
+    #[test]
     fn cuda_silu_and_mul_matches_reference() -> Result<()> {
         let dev = gpu();
         for (dtype, tol) in CASES {

@@ -161,6 +161,6 @@ impl Model for Decoder {
         }
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
-        rserve_kernels::linear_rows(&x, &self.lm_head)?.to_dtype(DType::F32)
+        rserve_kernels::to_f32(&rserve_kernels::linear_rows(&x, &self.lm_head)?)
     }
 }
