@@ -39,11 +39,6 @@ __global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf
   gemv_impl<bf16, M, R, U, NT>(y, x, w, m, n, k);
 }
 
-// The direct decode-attention template at other load depths.
-template <int KU, int VU, int MINB = 1>
-__global__ void __launch_bounds__(128, MINB) decode_cand(PAGED_DECODE_PARAMS(bf16)) {
-  paged_decode_impl<bf16, 4, KU, VU>(PAGED_DECODE_ARGS);
-}
 // The tensor-core decode kernel at other depths and grid orders.
 template <int S, bool HF, int MINB = 1>
 __global__ void __launch_bounds__(kTcThreads, MINB) decode_tc_cand(PAGED_DECODE_PARAMS(bf16)) {

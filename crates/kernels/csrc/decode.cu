@@ -23,6 +23,21 @@ namespace {
 constexpr int kDecThreads = 128;
 constexpr int kChunk = 256;
 
+// The keys [k_begin, k_end) a decode CTA attends to: the visible keys of a context of ctx (the
+// last `window` when window > 0), or with a key split (gridDim.z > 1) slice blockIdx.z of them,
+// slices being at least split_keys keys (a multiple of 16) and empty past a short context.
+__device__ __forceinline__ void decode_key_range(int ctx, int window, int split_keys, int& k_begin,
+                                                 int& k_end) {
+  const int lo = window > 0 ? max(0, ctx - window) : 0;
+  k_begin = lo;
+  k_end = ctx;
+  if (gridDim.z > 1) {
+    const int per = max(split_keys, ((ctx - lo + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15);
+    k_begin = min(ctx, lo + (int)blockIdx.z * per);
+    k_end = min(ctx, k_begin + per);
+  }
+}
+
 // The end of a decode CTA: sums the key streams' P.V accumulators (thread: stream `st`, -1 when
 // idle, 16-byte column vector `cv`, `tpk` threads per V row) into `scratch` (G * head_dim floats,
 // free once the caller's last loop is done), then writes the group's rows: normalised to `out`, or
@@ -104,14 +119,8 @@ __device__ void paged_decode_impl(
   const int seq = seqs[blockIdx.x];
   const int tok = query_start[seq];
   const int ctx = seq_lens[seq];
-  const int lo = window > 0 ? max(0, ctx - window) : 0;
-  const bool split = gridDim.z > 1;
-  int k_begin = lo, k_end = ctx;
-  if (split) {
-    const int per = max(split_keys, ((ctx - lo + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15);
-    k_begin = min(ctx, lo + (int)blockIdx.z * per);
-    k_end = min(ctx, k_begin + per);
-  }
+  int k_begin, k_end;
+  decode_key_range(ctx, window, split_keys, k_begin, k_end);
 
   pdl_trigger();  // without a split, the o product may start streaming its weights
   extern __shared__ float smem[];
@@ -300,13 +309,8 @@ __device__ void paged_decode_tc_impl(
   const int seq = seqs[HF ? blockIdx.y : blockIdx.x];
   const int tok = query_start[seq];
   const int ctx = seq_lens[seq];
-  const int lo = window > 0 ? max(0, ctx - window) : 0;
-  int k_begin = lo, k_end = ctx;
-  if (gridDim.z > 1) {
-    const int per = max(split_keys, ((ctx - lo + (int)gridDim.z - 1) / (int)gridDim.z + 15) & ~15);
-    k_begin = min(ctx, lo + (int)blockIdx.z * per);
-    k_end = min(ctx, k_begin + per);
-  }
+  int k_begin, k_end;
+  decode_key_range(ctx, window, split_keys, k_begin, k_end);
   const int n_tiles = (k_end - k_begin + kTcKeys - 1) / kTcKeys;
   const int my_tiles = n_tiles > warp ? (n_tiles - warp + WARPS - 1) / WARPS : 0;
 

@@ -3,35 +3,26 @@
 #pragma once
 #include "common.cuh"
 
+// tc_mma<T>::run: c += a (16x16, row-major) * b (16x8, col-major); tc_mma<T>::pack: two floats
+// as one register of the A operand, lo being the lower column.
 template <typename T> struct tc_mma;
-template <> struct tc_mma<__nv_bfloat16> {
-  // c += a (16x16, row-major) * b (16x8, col-major)
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // two floats as one register of the A operand: lo is the lower column
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <> struct tc_mma<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
+#define TC_MMA(T, PTX_TYPE, T2, PACK2)                                                            \
+  template <> struct tc_mma<T> {                                                                \
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4],          \
+                                               uint32_t b0, uint32_t b1) {                      \
+      asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                        \
+          ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                        \
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                      \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                      \
+    }                                                                                           \
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                      \
+      const T2 v = PACK2(lo, hi);                                                               \
+      return *reinterpret_cast<const uint32_t*>(&v);                                            \
+    }                                                                                           \
+  };
+TC_MMA(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
+TC_MMA(__half, "f16", __half2, __floats2half2_rn)
+#undef TC_MMA
 
 __device__ __forceinline__ uint32_t tc_smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -23,16 +23,31 @@ pub(crate) fn dtype_suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-/// The kernel image loaded on one GPU, and the functions looked up in it so far (a launch looks
-/// its kernel up by name; the driver lookup is paid once per name).
+/// The kernel image loaded on one GPU, and the functions looked up in it so far with the dynamic
+/// shared memory each was opted into (a launch looks its kernel up by name; the driver lookup and
+/// the opt-in are paid once per name).
 struct Loaded {
     ordinal: usize,
     module: Arc<CudaModule>,
-    functions: HashMap<String, CudaFunction>,
+    functions: HashMap<String, (CudaFunction, usize)>,
 }
+
+/// Dynamic shared memory every kernel may use without opting in.
+const DEFAULT_SHARED_BYTES: usize = 48 << 10;
 
 /// The kernel `name` on `dev`'s context, loading the module on first use.
 pub(crate) fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    function_with_shared(dev, name, 0)
+}
+
+/// The kernel `name` on `dev`'s context, allowed `shared_bytes` of dynamic shared memory (the
+/// driver's opt-in above 48 KiB is made the first time a size needs it).
+pub(crate) fn function_with_shared(
+    dev: &CudaDevice,
+    name: &str,
+    shared_bytes: usize,
+) -> Result<CudaFunction> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
     static LOADED: OnceLock<Mutex<Vec<Loaded>>> = OnceLock::new();
     let stream = dev.cuda_stream();
     let ctx = stream.context();
@@ -54,31 +69,23 @@ pub(crate) fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
         }
     };
     let l = &mut loaded[i];
-    if let Some(f) = l.functions.get(name) {
-        return Ok(f.clone());
+    if !l.functions.contains_key(name) {
+        let f = l.module.load_function(name).w()?;
+        l.functions
+            .insert(name.to_string(), (f, DEFAULT_SHARED_BYTES));
     }
-    let f = l.module.load_function(name).w()?;
-    l.functions.insert(name.to_string(), f.clone());
-    Ok(f)
-}
-
-/// The kernel `name` on `dev`'s context, allowed `shared_bytes` of dynamic shared memory (the
-/// driver's opt-in above 48 KiB is made on every lookup that needs it; it is one attribute call).
-pub(crate) fn function_with_shared(
-    dev: &CudaDevice,
-    name: &str,
-    shared_bytes: usize,
-) -> Result<CudaFunction> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-    let f = function(dev, name)?;
-    if shared_bytes > 48 << 10 {
+    let Some((f, allowed)) = l.functions.get_mut(name) else {
+        candle_core::bail!("kernel {name} missing after loading");
+    };
+    if shared_bytes > *allowed {
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             shared_bytes as i32,
         )
         .w()?;
+        *allowed = shared_bytes;
     }
-    Ok(f)
+    Ok(f.clone())
 }
 
 /// Loads the kernel image on `dev` now (startup), so the first request does not pay for it.
@@ -140,14 +147,19 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
 /// (on unless `RSERVE_CUDA_PDL=0`): they start streaming weights while that kernel finishes.
 pub(crate) fn dependent_launch_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_PDL").map_or(true, |v| v.trim() != "0"))
+    switched_on(&ON, "RSERVE_CUDA_PDL")
 }
 
 /// Whether decode attention over 16-bit caches runs on tensor cores where it can (on unless
 /// `RSERVE_CUDA_TC_DECODE=0`, which keeps the direct kernel everywhere, for comparisons).
 pub(crate) fn tensor_core_decode_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_TC_DECODE").map_or(true, |v| v.trim() != "0"))
+    switched_on(&ON, "RSERVE_CUDA_TC_DECODE")
+}
+
+/// A switch that is on unless the environment variable `var` is `0`, read once into `cell`.
+fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v.trim() != "0"))
 }
 
 /// Launches `func` on `stream` as a programmatic dependent of the kernel before it in the stream
