@@ -126,11 +126,17 @@ impl StepProfile {
 /// the last kernel issued (schedule and batch inputs, then the forward pass's launches), waiting
 /// for the device and reading the sampled tokens (or logits), of which the previous step's
 /// detokenizing and sending done while the device runs, and the host work after (token stops, and
-/// the text work of a step with nothing after it).
+/// the text work of a step with nothing after it). At trace level every step is logged with its
+/// shape and the host time since the previous step ended (`rserve_core::engine=trace`).
 #[derive(Debug, Default)]
 struct StepTiming {
     steps: u32,
     tokens: usize,
+    /// This step's sequences, tokens and one-token (decode) rows, for the trace.
+    shape: (usize, usize, usize),
+    /// When the previous step ended and how many steps ran so far, for the trace.
+    last_end: Option<Instant>,
+    count: u64,
     prepare_s: f64,
     issue_s: f64,
     wait_s: f64,
@@ -151,6 +157,18 @@ impl StepTiming {
         ) else {
             return;
         };
+        let (seqs, tokens, decodes) = std::mem::take(&mut self.shape);
+        tracing::trace!(
+            "step {}: {seqs} seqs, {tokens} tokens, {decodes} decode rows; {:.2} ms since the last step, {:.2} ms issue, {:.2} ms wait, {:.2} ms after",
+            self.count,
+            self.last_end
+                .map_or(0.0, |t| started.duration_since(t).as_secs_f64() * 1e3),
+            issued.duration_since(started).as_secs_f64() * 1e3,
+            sampled.duration_since(issued).as_secs_f64() * 1e3,
+            end.duration_since(sampled).as_secs_f64() * 1e3
+        );
+        self.count += 1;
+        self.last_end = Some(end);
         self.steps += 1;
         self.prepare_s += prepared.duration_since(started).as_secs_f64();
         self.issue_s += issued.duration_since(started).as_secs_f64();
@@ -167,7 +185,11 @@ impl StepTiming {
                 self.settle_s / n * 1e3,
                 self.after_s / n * 1e3
             );
-            *self = Self::default();
+            *self = Self {
+                last_end: self.last_end,
+                count: self.count,
+                ..Self::default()
+            };
         }
     }
 }
@@ -402,13 +424,38 @@ impl Engine {
             pending: Vec::new(),
         };
         let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("rserve-engine".into())
-            .spawn(move || engine.run(rx))
+            .spawn(move || {
+                let mut engine = engine;
+                // graphs are captured and launched on the engine thread's stream
+                engine.capture_graphs();
+                let _ = ready_tx.send(());
+                engine.run(rx)
+            })
             .map_err(|e| {
                 EngineError::InvalidConfig(format!("cannot start the engine thread: {e}"))
             })?;
+        ready_rx.recv().map_err(|_| {
+            EngineError::Model("the engine thread ended while capturing its graphs".into())
+        })?;
         Ok(EngineHandle::new(tx, info, stats))
+    }
+
+    /// Captures the decode graphs before the first request, so no step pays for a capture.
+    fn capture_graphs(&mut self) {
+        let started = Instant::now();
+        match self.runner.capture_graphs() {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                "captured {n} decode graphs in {:.2} s",
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => tracing::warn!(
+                "capturing the decode graphs failed ({e}); steps capture them as they come"
+            ),
+        }
     }
 
     fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -607,6 +654,11 @@ impl Engine {
             prepared.and_then(|(step, rows)| Ok((self.runner.execute(&out, &step)?, rows)));
         self.timing.issued = Some(Instant::now());
         self.timing.tokens += out.num_batched_tokens;
+        self.timing.shape = (
+            out.scheduled.len(),
+            out.num_batched_tokens,
+            out.scheduled.iter().filter(|s| s.num_new == 1).count(),
+        );
         let (logits, rows) = match result {
             Ok(x) => x,
             Err(e) => {

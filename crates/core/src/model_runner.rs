@@ -135,6 +135,15 @@ impl ModelRunner {
         }
     }
 
+    /// Captures every decode graph not captured yet (see [`DecodeGraphs::capture_all`]); the
+    /// number of graphs ready, 0 without graphs.
+    pub fn capture_graphs(&mut self) -> Result<usize> {
+        match self.graphs.as_mut() {
+            Some(g) => g.capture_all(self.model.as_ref(), &self.kv, &self.device),
+            None => Ok(0),
+        }
+    }
+
     pub fn model(&self) -> &dyn Model {
         self.model.as_ref()
     }

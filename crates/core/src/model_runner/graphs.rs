@@ -8,8 +8,9 @@
 //! serves every context length. Logits land in a buffer shared by all buckets, of which the step's
 //! rows are returned.
 //!
-//! A bucket's graph is captured on its first step (that step runs during the capture); a bucket
-//! whose capture fails runs eagerly from then on.
+//! Every bucket's graph is captured when the engine starts ([`DecodeGraphs::capture_all`], the
+//! largest first, on inert inputs), so no step pays for a capture; a bucket not captured then is
+//! captured on its first step. A bucket whose capture fails runs eagerly from then on.
 
 use super::{ForwardBatch, HostBatch};
 use crate::kv_cache::KvCache;
@@ -209,8 +210,51 @@ impl DecodeGraphs {
         write(bucket, host)
     }
 
-    /// Runs bucket `b` (capturing its graph on first use) and returns the logits of its first
-    /// `rows` rows, `[rows, vocab]` f32.
+    /// The logits buffer every graph writes, `[largest bucket, vocab]` f32.
+    fn logits(&mut self, device: &Device) -> Result<Tensor> {
+        if let Some(l) = &self.logits {
+            return Ok(l.clone());
+        }
+        let largest = self.plan.buckets.last().copied().unwrap_or(1);
+        let l = Tensor::zeros((largest, self.vocab), DType::F32, device)?;
+        self.logits = Some(l.clone());
+        Ok(l)
+    }
+
+    /// Captures the graph of every bucket that has none, the largest first, on the buckets' inert
+    /// initial inputs (so the runs change no cache block); returns how many graphs exist then. A
+    /// bucket whose capture fails runs eagerly.
+    pub fn capture_all(
+        &mut self,
+        model: &dyn Model,
+        kv: &KvCache,
+        device: &Device,
+    ) -> Result<usize> {
+        let logits = self.logits(device)?;
+        let forward = |batch: &ForwardBatch| -> Result<()> {
+            let l = model.forward(batch, kv)?;
+            logits.slice_set(&l, 0, 0)
+        };
+        let mut captured = 0;
+        for b in (0..self.plan.buckets.len()).rev() {
+            if self.failed[b] {
+                continue;
+            }
+            let bucket = match &mut self.buckets[b] {
+                Some(bucket) => bucket,
+                slot @ None => slot.insert(Bucket::new(self.plan.buckets[b], &self.plan, device)?),
+            };
+            if capture_bucket(bucket, &forward, device) {
+                captured += 1;
+            } else {
+                self.failed[b] = true;
+            }
+        }
+        Ok(captured)
+    }
+
+    /// Runs bucket `b` (capturing its graph first if it has none) and returns the logits of its
+    /// first `rows` rows, `[rows, vocab]` f32.
     pub fn run(
         &mut self,
         b: usize,
@@ -219,12 +263,8 @@ impl DecodeGraphs {
         kv: &KvCache,
         device: &Device,
     ) -> Result<Tensor> {
-        if self.logits.is_none() {
-            let largest = self.plan.buckets.last().copied().unwrap_or(1);
-            self.logits = Some(Tensor::zeros((largest, self.vocab), DType::F32, device)?);
-        }
-        let (Some(logits), Some(Some(bucket))) = (self.logits.as_ref(), self.buckets.get_mut(b))
-        else {
+        let logits = self.logits(device)?;
+        let Some(Some(bucket)) = self.buckets.get_mut(b) else {
             candle_core::bail!("graph bucket {b} has no inputs");
         };
         let forward = |batch: &ForwardBatch| -> Result<()> {
@@ -254,6 +294,48 @@ fn write(_bucket: &Bucket, _host: &HostBatch) -> Result<()> {
     candle_core::bail!("decode graphs need the cuda feature")
 }
 
+/// Captures the bucket's graph if it has none; false when that fails (logged).
+#[cfg(feature = "cuda")]
+fn capture_bucket(
+    bucket: &mut Bucket,
+    forward: &dyn Fn(&ForwardBatch) -> Result<()>,
+    device: &Device,
+) -> bool {
+    use rserve_kernels::graph::{graph_memory, Graph};
+    if bucket.graph.is_some() {
+        return true;
+    }
+    let started = std::time::Instant::now();
+    match Graph::capture(device, || forward(&bucket.batch)) {
+        Ok(g) => {
+            tracing::debug!(
+                "captured the decode graph for batch {} in {:.0} ms; graph memory {:.0} MiB",
+                bucket.size,
+                started.elapsed().as_secs_f64() * 1e3,
+                graph_memory(device).unwrap_or(0) as f64 / (1u64 << 20) as f64
+            );
+            bucket.graph = Some(g);
+            true
+        }
+        Err(e) => {
+            tracing::warn!(
+                "decode graph for batch {} not captured ({e}); it runs eagerly",
+                bucket.size
+            );
+            false
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn capture_bucket(
+    _bucket: &mut Bucket,
+    _forward: &dyn Fn(&ForwardBatch) -> Result<()>,
+    _device: &Device,
+) -> bool {
+    false
+}
+
 /// Launches the bucket's graph, capturing it first if need be; a failed capture marks the bucket
 /// `failed` and runs this step eagerly.
 #[cfg(feature = "cuda")]
@@ -263,28 +345,8 @@ fn run_bucket(
     forward: &dyn Fn(&ForwardBatch) -> Result<()>,
     device: &Device,
 ) -> Result<()> {
-    use rserve_kernels::graph::{graph_memory, Graph};
-    if bucket.graph.is_none() {
-        let started = std::time::Instant::now();
-        match Graph::capture(device, || forward(&bucket.batch)) {
-            Ok(g) => {
-                tracing::info!(
-                    "captured the decode graph for batch {} in {:.0} ms; graph memory {:.0} MiB",
-                    bucket.size,
-                    started.elapsed().as_secs_f64() * 1e3,
-                    graph_memory(device).unwrap_or(0) as f64 / (1u64 << 20) as f64
-                );
-                bucket.graph = Some(g);
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "decode graph for batch {} not captured ({e}); it runs eagerly",
-                    bucket.size
-                );
-                *failed = true;
-                return forward(&bucket.batch);
-            }
-        }
+    if !capture_bucket(bucket, forward, device) {
+        *failed = true;
     }
     match &bucket.graph {
         Some(g) => g.launch().inspect_err(|_| *failed = true),
