@@ -39,31 +39,29 @@ __global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf
   gemv_impl<bf16, M, R, U, NT>(y, x, w, m, n, k);
 }
 
-// The tensor-core decode kernel at other depths and grid orders.
-template <int S, bool HF, int MINB = 1>
-__global__ void __launch_bounds__(kTcThreads, MINB) decode_tc_cand(PAGED_DECODE_PARAMS(bf16)) {
-  paged_decode_tc_impl<bf16, 128, S, HF>(PAGED_DECODE_ARGS);
-}
 typedef void (*DecodeFn)(bf16*, const bf16*, const bf16*, const bf16*, const uint32_t*,
                          const uint32_t*, const uint32_t*, const uint32_t*, int, int, int, int, int,
                          float, int, long, int, long, float*, float*);
-// stages: 0 for the direct kernel, else the tensor-core kernel's depth; hf: heads-first grid.
+// stages: 0 for the direct kernel, else the tensor-core kernel's depth; warps per CTA of it.
 struct Decode {
   const char* name;
   DecodeFn fn;
   int stages;
-  bool hf;
+  int warps;
   // dynamic shared bytes for G = 4, head dim 128, bf16
   int smem() const {
     const int G = 4, D = 128;
     if (stages == 0) return 4 * (G * D + G * 256 + 3 * G + 256);
-    return (4 * stages * 2 * kTcKeys + 16) * (D + 8) * 2;
+    return warps * stages * 2 * kTcKeys * (D + 8) * 2;
   }
+  dim3 grid(int B, int KVH, int count) const {
+    return stages == 0 ? dim3(B, KVH, count) : dim3(KVH, B, count);
+  }
+  int threads() const { return stages == 0 ? 128 : 32 * warps; }
 };
-static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, false},
-                                  {"tc", paged_decode_tc_d128_bf16, 3, true},
-                                  {"tc2hf", decode_tc_cand<2, true>, 2, true},
-                                  {"tc3", decode_tc_cand<3, false>, 3, false}};
+static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, 0},
+                                  {"tc_w4", paged_decode_tc_w4_d128_bf16, 3, 4},
+                                  {"tc_w2", paged_decode_tc_w2_d128_bf16, 3, 2}};
 
 __global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
@@ -325,9 +323,9 @@ static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Dec
   CK(cudaMalloc(&acc, (size_t)count * rows * D * 4));
   CK(cudaMalloc(&ml, (size_t)count * rows * 2 * 4));
   const float scale = 1.f / sqrtf((float)D);
-  const dim3 grid = dk.hf ? dim3(KVH, B, count) : dim3(B, KVH, count);
+  const dim3 grid = dk.grid(B, KVH, count);
   auto attn = [&](int l) {
-    dk.fn<<<grid, 128, dk.smem()>>>(
+    dk.fn<<<grid, dk.threads(), dk.smem()>>>(
         out, q, k + (size_t)l * layer_elems, v + (size_t)l * layer_elems, dt, dl, ds, dq, width,
         H, KVH, D, BS, scale, 0, (long)H * D, split, rows, acc, ml);
   };
@@ -511,7 +509,7 @@ static void bench_chain(int sms) {
       wp += (size_t)qkv_n * hidden;
       rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
                                                kc + l * cache_layer, vc + l * cache_layer, slot);
-      paged_decode_tc_d128_bf16<<<dim3(KVH, 1, count), 128, tc_smem, st>>>(
+      paged_decode_tc_w4_d128_bf16<<<dim3(KVH, 1, count), 128, tc_smem, st>>>(
           att, qkv, kc + l * cache_layer, vc + l * cache_layer, dt, dl, ds, dq, width, H, KVH, D,
           BS, scale, 0, qkv_n, split, H, acc, ml);
       if (count > 1) paged_attention_combine_bf16<<<H, 128, 0, st>>>(att, acc, ml, count, H, D);
@@ -612,7 +610,7 @@ static void bench_lt() {
     const size_t wn = (size_t)s.n * s.k;
     const int copies = (int)std::max<size_t>(2, std::min<size_t>(16, ((size_t)1 << 30) / (wn * 2)));
     bf16* w = alloc_bf16(wn * copies, 1, 0.02f);
-    for (int m : {64, 128, 256, 512, 2048}) {
+    for (int m : {64, 128, 256, 512, 2048, 8192}) {
       bf16* x = alloc_bf16((size_t)m * s.k, 2, 1.0f);
       bf16* y;
       CK(cudaMalloc(&y, (size_t)m * s.n * sizeof(bf16)));

@@ -265,21 +265,25 @@ __device__ void paged_decode_impl(
 // The same attention on tensor cores, for 16-bit caches with head_dim 64 or 128 and up to 16
 // query heads per KV head: the group's queries are the rows of an m16n8k16 A operand (rows past
 // the group are zero), so a tile of 16 keys costs 2 * head_dim / 16 mma for the scores and as many
-// for P.V instead of 1,024 FMAs per key. Each of the 4 warps is an independent flash-decoding
-// worker over the CTA's keys: tiles of 16 keys, warp w taking tiles w, w + 4, ..., each copied
-// into the warp's own S-stage ring of shared memory with cp.async (zeros past the last key), so
-// the next tiles stream in while the current one is computed and no CTA barrier stands between
-// tiles. Softmax is online in registers (log2 domain, as the prompt kernel); P is rounded to the
-// cache type for P.V. At the end the warps' (max, sum, O) meet in shared memory. HF (heads first)
-// takes the KV head from blockIdx.x and the sequence from blockIdx.y, so CTAs resident together
-// read neighbouring pieces of the same cache rows.
+// for P.V instead of 1,024 FMAs per key. Each of the WARPS warps is an independent
+// flash-decoding worker over the CTA's keys: tiles of 16 keys, warp w taking tiles w, w + WARPS,
+// ..., each copied into the warp's own S-stage ring of shared memory with cp.async (zeros past the
+// last key), so the next tiles stream in while the current one is computed and no CTA barrier
+// stands between tiles. Softmax is online in registers (log2 domain, as the prompt kernel); P is
+// rounded to the cache type for P.V. At the end the warps' (max, sum, O) meet in shared memory.
+// HF (heads first) takes the KV head from blockIdx.x and the sequence from blockIdx.y, so CTAs
+// resident together read neighbouring pieces of the same cache rows.
+//
+// Two widths are built: 4 warps for small grids (a few sequences, their keys split), 2 warps
+// (a quarter of a Hopper SM's shared memory, so 4 CTAs per SM) for grids of several CTAs per SM,
+// where more, longer CTAs per SM hide each one's start and end (decode_tc_warps in
+// paged_attention.rs chooses).
 //
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
-//             = (4 * S * 2 * 16 + 16) * (head_dim + 8) * sizeof(T).
-constexpr int kTcThreads = 128;
+//             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T).
 constexpr int kTcKeys = 16;  // keys per warp tile
 
-template <typename T, int D, int S = 2, bool HF = true>
+template <typename T, int D, int S, bool HF, int WARPS>
 __device__ void paged_decode_tc_impl(
     T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
@@ -292,10 +296,11 @@ __device__ void paged_decode_tc_impl(
   constexpr int KSTEP = 32 / CH;            // keys a warp's lanes cover per copy round
   constexpr int NU = kTcKeys / KSTEP;       // copy rounds per tile
   constexpr int WSTAGE = 2 * kTcKeys * LD;  // one warp stage: K tile, then V tile
-  constexpr int WARPS = kTcThreads / 32;
+  constexpr int THREADS = 32 * WARPS;
   using Mma = tc_mma<T>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
-  static_assert(WARPS * 16 * (D + 2) * 4 <= (WARPS * S * WSTAGE + 16 * LD) * (int)sizeof(T),
+  static_assert(S >= 2, "the queries borrow warp 0's last stage");
+  static_assert(WARPS * 16 * (D + 2) * 4 <= WARPS * S * WSTAGE * (int)sizeof(T),
                 "the warps' results must fit in the rings");
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -317,7 +322,8 @@ __device__ void paged_decode_tc_impl(
   pdl_trigger();
   extern __shared__ __align__(16) unsigned char tc_dec_smem[];
   T* ring = reinterpret_cast<T*>(tc_dec_smem) + warp * S * WSTAGE;  // this warp's stages
-  T* sq = reinterpret_cast<T*>(tc_dec_smem) + WARPS * S * WSTAGE;   // [16, LD] queries
+  // [16, LD] queries, in warp 0's last stage: no tile lands there before every warp holds them
+  T* sq = reinterpret_cast<T*>(tc_dec_smem) + (S - 1) * WSTAGE;
 
   // this warp's j-th tile -> stage j % S: lane copies piece lane % CH of keys lane / CH + KSTEP u
   const uint32_t* table = block_tables + (size_t)seq * width;
@@ -346,7 +352,7 @@ __device__ void paged_decode_tc_impl(
   }
 
   // queries: rows past the group are zero
-  for (int i = tid; i < 16 * CH; i += kTcThreads) {
+  for (int i = tid; i < 16 * CH; i += THREADS) {
     const int r = i / CH, c = 8 * (i % CH);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < group) v = ldg16(q + (size_t)tok * q_stride + (size_t)(h0 + r) * D + c);
@@ -357,6 +363,7 @@ __device__ void paged_decode_tc_impl(
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
     tc_ldmatrix_x4(qa[kk], sq + (lane & 15) * LD + 16 * kk + 8 * (lane >> 4));
+  __syncthreads();  // warp 0's last stage is free for tiles from here
 
   const float scale_log2 = scale * 1.4426950408889634f;
   float m[2] = {-INFINITY, -INFINITY};
@@ -432,7 +439,7 @@ __device__ void paged_decode_tc_impl(
   }
   __syncthreads();
   const bool split = gridDim.z > 1;
-  for (int i = tid; i < group * D; i += kTcThreads) {
+  for (int i = tid; i < group * D; i += THREADS) {
     const int r = i / D, c = i % D;
     float mx = -INFINITY;
 #pragma unroll
@@ -482,13 +489,15 @@ __device__ void paged_decode_tc_impl(
   PAGED_DECODE_G(T, NAME, 8) PAGED_DECODE_G(T, NAME, 16)
 RSERVE_FOR_DTYPES(PAGED_DECODE)
 
-#define PAGED_DECODE_TC(T, NAME, D)                                                               \
-  extern "C" __global__ void __launch_bounds__(kTcThreads)                                        \
-      paged_decode_tc_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                                     \
-    paged_decode_tc_impl<T, D, 3>(PAGED_DECODE_ARGS);                                             \
+#define PAGED_DECODE_TC_W(T, NAME, D, W)                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                            \
+      paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
+    paged_decode_tc_impl<T, D, 3, true, W>(PAGED_DECODE_ARGS);                                    \
   }
+#define PAGED_DECODE_TC(T, NAME, D) PAGED_DECODE_TC_W(T, NAME, D, 2) PAGED_DECODE_TC_W(T, NAME, D, 4)
 PAGED_DECODE_TC(__nv_bfloat16, bf16, 64)
 PAGED_DECODE_TC(__nv_bfloat16, bf16, 128)
 PAGED_DECODE_TC(__half, f16, 64)
 PAGED_DECODE_TC(__half, f16, 128)
 #undef PAGED_DECODE_TC
+#undef PAGED_DECODE_TC_W

@@ -277,14 +277,27 @@ pub fn decode_group_bucket(group: usize) -> Option<usize> {
     [1, 4, 8, 16].into_iter().find(|&g| group <= g)
 }
 
-/// Key stages per warp of the tensor-core decode kernel (`S` of `paged_decode_tc_d<D>_<dtype>`
-/// in `csrc/decode.cu`).
+/// Key stages per warp of the tensor-core decode kernel (`S` of
+/// `paged_decode_tc_w<W>_d<D>_<dtype>` in `csrc/decode.cu`).
 const DECODE_TC_STAGES: usize = 3;
 
-/// Dynamic shared memory of the tensor-core decode kernel: per warp (4) and stage a K and a V tile
-/// of 16 keys, then the 16 query rows; rows padded by eight elements.
-pub fn decode_tc_shared_bytes(head_dim: usize, elem_bytes: usize) -> usize {
-    (4 * DECODE_TC_STAGES * 2 * 16 + 16) * (head_dim + 8) * elem_bytes
+/// Dynamic shared memory of the tensor-core decode kernel of `warps` warps: per warp and stage a
+/// K and a V tile of 16 keys, rows padded by eight elements (the queries borrow warp 0's last
+/// stage).
+pub fn decode_tc_shared_bytes(warps: usize, head_dim: usize, elem_bytes: usize) -> usize {
+    warps * DECODE_TC_STAGES * 2 * 16 * (head_dim + 8) * elem_bytes
+}
+
+/// Warps per CTA of the tensor-core decode kernel for a grid of `ctas` CTAs on `sms`
+/// multiprocessors: 2 (four CTAs per SM) once there are more than two CTAs per SM, where more,
+/// longer CTAs per SM hide each one's start and end; 4 for smaller grids (few sequences, their
+/// keys split), which 4 warps per CTA spread over more of the GPU.
+pub fn decode_tc_warps(ctas: usize, sms: usize) -> usize {
+    if ctas > 2 * sms {
+        2
+    } else {
+        4
+    }
 }
 
 /// Head dims of the tensor-core prompt kernel (16-bit types only).
@@ -547,12 +560,14 @@ impl PagedAttention<'_> {
             // tensor cores where the prompt kernel's conditions hold and the group fits 16 rows;
             // that kernel takes the KV head from the grid's x and the sequence from its y
             let tc = tensor_core && group <= 16 && n_dec <= 65_535 && tensor_core_decode_enabled();
-            let (name, grid, shared) = if tc {
+            let (name, grid, shared, threads) = if tc {
+                let w = decode_tc_warps(kvh * n_dec * splits.count, sms);
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
                 (
-                    format!("paged_decode_tc_d{d}_{suffix}"),
+                    format!("paged_decode_tc_w{w}_d{d}_{suffix}"),
                     grid,
-                    decode_tc_shared_bytes(d, elem),
+                    decode_tc_shared_bytes(w, d, elem),
+                    32 * w as u32,
                 )
             } else {
                 let grid = (n_dec as u32, kvh as u32, splits.count as u32);
@@ -560,20 +575,21 @@ impl PagedAttention<'_> {
                     format!("paged_decode_g{g}_{suffix}"),
                     grid,
                     decode_shared_bytes(g, d),
+                    128,
                 )
             };
             let func = function_with_shared(&dev, &name, shared)?;
             let iv = ints(&[width, num_heads, kvh, d, bs]);
             let cfg = LaunchConfig {
                 grid_dim: grid,
-                block_dim: (128, 1, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
             {
                 let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
                 splits.push(&mut b);
                 // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` and
-                // `paged_decode_tc_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16 for the
+                // `paged_decode_tc_w<W>_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16 for the
                 // tensor-core kernel, whose head dim and q alignment are checked above), rows are
                 // 16-byte multiples, metadata validated.
                 unsafe { b.launch(cfg) }.w()?;

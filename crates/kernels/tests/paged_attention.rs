@@ -267,6 +267,19 @@ fn decode_splits_fill_the_gpu_only_when_needed() {
 }
 
 #[test]
+fn tensor_core_decode_narrows_its_ctas_for_large_grids() {
+    use rserve_kernels::paged_attention::{decode_tc_shared_bytes, decode_tc_warps};
+    assert_eq!(decode_tc_warps(96, 132), 4, "batch 1, split in 12");
+    assert_eq!(decode_tc_warps(264, 132), 4, "two CTAs per multiprocessor");
+    assert_eq!(decode_tc_warps(320, 132), 2, "40 sequences of 8 KV heads");
+    assert_eq!(decode_tc_warps(2048, 132), 2);
+    // four 2-warp CTAs of head dim 128 fit a Hopper multiprocessor's 228 KiB (1 KiB each kept)
+    assert_eq!(decode_tc_shared_bytes(2, 128, 2), 52_224);
+    assert!(4 * (decode_tc_shared_bytes(2, 128, 2) + 1024) <= 228 * 1024);
+    assert_eq!(decode_tc_shared_bytes(4, 128, 2), 2 * 52_224);
+}
+
+#[test]
 fn rejects_inconsistent_metadata() {
     let dev = Device::Cpu;
     // more queries than context
@@ -441,7 +454,9 @@ mod cuda {
 
     #[test]
     fn cuda_decode_batches() -> Result<()> {
-        // decode-only steps: many sequences (no split), few (split), every group bucket, f32 too
+        // decode-only steps: many sequences (no split), few (split), every group bucket, f32 too;
+        // 40 sequences of 8 KV heads take the 2-warp tensor-core kernel on 132 SMs, the others
+        // the 4-warp one
         let dev = gpu();
         let many: Vec<(usize, usize)> = (0..40).map(|i| (1, 1 + (i * 37) % 300)).collect();
         let few: &[(usize, usize)] = &[(1, 2000), (1, 129), (1, 64)];
