@@ -60,6 +60,20 @@ template <typename T> __device__ __forceinline__ uint4 ldg16(const T* p) {
 template <typename T> __device__ __forceinline__ void load16(const T* p, float* f) {
   Vec16<T>::unpack(ldg16(p), f);
 }
+// The same through the ordinary path, for memory the kernel also writes.
+template <typename T> __device__ __forceinline__ void load16_rw(const T* p, float* f) {
+  Vec16<T>::unpack(*reinterpret_cast<const uint4*>(p), f);
+}
+// Stores Vec16<T>::N floats at p (16-byte aligned) in one 128-bit store.
+template <typename T> __device__ __forceinline__ void store16(T* p, const float* f) {
+  alignas(16) T v[Vec16<T>::N];
+#pragma unroll
+  for (int e = 0; e < Vec16<T>::N; ++e) v[e] = from_f32<T>(f[e]);
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+}
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

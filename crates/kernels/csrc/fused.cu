@@ -126,6 +126,42 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
   const T* c = cos + pos * half;
   const T* s = sin + pos * half;
   const int rotated = (heads + kv_heads) * half;
+  // 16-byte vectors where every row and half row allows (head dims 64, 80, 96, 128, 256 in 16
+  // bits): a thread rotates VN pairs, or copies VN values of V
+  constexpr int VN = Vec16<T>::N;
+  if (half % VN == 0 && (row_stride * (long)sizeof(T)) % 16 == 0 && aligned16(qkv) &&
+      aligned16(cos) && aligned16(sin) && (!kd || aligned16(kd)) && (!vd || aligned16(vd))) {
+    const int hv = half / VN;  // vectors per half row
+    const int rv = (heads + kv_heads) * hv;
+    for (int i = threadIdx.x; i < rv + kv_row / VN; i += blockDim.x) {
+      if (i < rv) {
+        const int h = i / hv, j = (i % hv) * VN;
+        T* p = row + (long)h * head_dim;
+        float x1[VN], x2[VN], cj[VN], sj[VN], y1[VN], y2[VN];
+        load16_rw(p + j, x1);
+        load16_rw(p + j + half, x2);
+        load16(c + j, cj);
+        load16(s + j, sj);
+#pragma unroll
+        for (int e = 0; e < VN; ++e) {
+          y1[e] = x1[e] * cj[e] - x2[e] * sj[e];
+          y2[e] = x2[e] * cj[e] + x1[e] * sj[e];
+        }
+        store16(p + j, y1);
+        store16(p + j + half, y2);
+        if (h >= heads && kd) {
+          T* k = kd + (long)(h - heads) * head_dim;
+          store16(k + j, y1);
+          store16(k + j + half, y2);
+        }
+      } else if (vd) {
+        const long v = (long)(i - rv) * VN;
+        *reinterpret_cast<uint4*>(vd + v) =
+            *reinterpret_cast<const uint4*>(row + (long)(heads + kv_heads) * head_dim + v);
+      }
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < rotated + kv_row; i += blockDim.x) {
     if (i < rotated) {
       const int h = i / half, j = i % half;

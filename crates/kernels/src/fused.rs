@@ -497,6 +497,9 @@ mod cuda {
         let stream = dev.cuda_stream();
         let suffix = dtype_suffix(T::DTYPE)?;
         let stride = (heads * d) as i64;
+        // the kernel's 16-byte vectors (`VN` in csrc/fused.cu): VN pairs or values per thread
+        let vn = 16 / std::mem::size_of::<T>();
+        let per_thread = if (d / 2) % vn == 0 { vn } else { 1 };
         let Some(cw) = &op.cache else {
             let func = function(&dev, &format!("rotary_qk_{suffix}"))?;
             let mut b = stream.launch_builder(&func);
@@ -510,7 +513,11 @@ mod cuda {
                 .arg(&stride);
             let cfg = LaunchConfig {
                 grid_dim: (t as u32, 1, 1),
-                block_dim: (block_threads(op.rotated_heads * d / 2, 512), 1, 1),
+                block_dim: (
+                    block_threads(op.rotated_heads * d / 2 / per_thread, 512),
+                    1,
+                    1,
+                ),
                 shared_mem_bytes: 0,
             };
             // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu; positions index tables of
@@ -550,7 +557,7 @@ mod cuda {
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
             block_dim: (
-                block_threads(op.rotated_heads * d / 2 + kv_heads * d, 1024),
+                block_threads((op.rotated_heads * d / 2 + kv_heads * d) / per_thread, 1024),
                 1,
                 1,
             ),

@@ -6,7 +6,6 @@ use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::{rotary_qk_, rotary_qk_cache_, AttentionMetadata};
 
 /// Largest `|a - b| / max(1, |b|)`: one rounding step of the dtype at any magnitude.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn max_rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
     let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
     let scale = b.abs()?.maximum(1f32)?;
@@ -16,6 +15,7 @@ fn max_rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
         .to_scalar::<f32>()
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn max_err(a: &Tensor, b: &Tensor) -> Result<f32> {
     (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
         .abs()?
@@ -41,9 +41,10 @@ fn tables(max_pos: usize, d: usize, dtype: DType, dev: &Device) -> Result<(Tenso
     ))
 }
 
-/// Rotates q and k of a random qkv on `dev` and compares with candle's `rope_thd` on the CPU.
-fn rotary_case(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
-    let (t, h, kvh, d, max_pos) = (7, 4, 2, 64, 50);
+/// Rotates q and k of a random qkv of head dim `d` on `dev` and compares with candle's `rope_thd`
+/// on the CPU (relative error: bf16 values of 2 and more are 1/64 apart).
+fn rotary_case(dev: &Device, dtype: DType, d: usize, tol: f32) -> Result<()> {
+    let (t, h, kvh, max_pos) = (7, 4, 2, 50);
     let cpu = Device::Cpu;
     let qkv = Tensor::randn(0f32, 1., (t, h + 2 * kvh, d), &cpu)?.to_dtype(dtype)?;
     let positions = Tensor::new(&[0u32, 1, 5, 9, 17, 33, 49], &cpu)?;
@@ -66,16 +67,16 @@ fn rotary_case(dev: &Device, dtype: DType, tol: f32) -> Result<()> {
     let got = qkv.to_device(dev)?.contiguous()?;
     let (dc, ds) = (cos.to_device(dev)?, sin.to_device(dev)?);
     rotary_qk_(&got, &positions.to_device(dev)?, &dc, &ds, h + kvh)?;
-    let err = max_err(&got.to_device(&cpu)?, &want)?;
-    assert!(err <= tol, "{dtype:?} on {dev:?}: max error {err}");
+    let err = max_rel_err(&got.to_device(&cpu)?, &want)?;
+    assert!(err <= tol, "{dtype:?} d {d} on {dev:?}: max error {err}");
     Ok(())
 }
 
 #[test]
 fn cpu_rotary_matches_rope_thd() -> Result<()> {
-    rotary_case(&Device::Cpu, DType::F32, 1e-6)?;
-    rotary_case(&Device::Cpu, DType::BF16, 2e-2)?;
-    rotary_case(&Device::Cpu, DType::F16, 4e-3)
+    rotary_case(&Device::Cpu, DType::F32, 64, 1e-6)?;
+    rotary_case(&Device::Cpu, DType::BF16, 64, 2e-2)?;
+    rotary_case(&Device::Cpu, DType::F16, 64, 4e-3)
 }
 
 #[test]
@@ -123,8 +124,11 @@ mod cuda {
 
     #[test]
     fn cuda_rotary_matches_rope_thd() -> Result<()> {
-        for (dtype, tol) in CASES {
-            rotary_case(&gpu(), dtype, tol.max(1e-5))?;
+        // head dim 64 takes the kernel's 16-byte vectors, 72 (half rows of 36) single elements
+        for d in [64, 72] {
+            for (dtype, tol) in CASES {
+                rotary_case(&gpu(), dtype, d, tol.max(1e-5))?;
+            }
         }
         Ok(())
     }
@@ -133,7 +137,15 @@ mod cuda {
     /// CPU: the rotated qkv and both caches (a skipped slot leaves its row untouched).
     #[test]
     fn cuda_rotary_cache_matches_separate_ops() -> Result<()> {
-        let (t, h, kvh, d, max_pos, blocks, bs) = (5, 4, 2, 64, 50, 4, 4);
+        // head dim 64 takes the kernel's 16-byte vectors, 72 single elements
+        for d in [64, 72] {
+            rotary_cache_case(d)?;
+        }
+        Ok(())
+    }
+
+    fn rotary_cache_case(d: usize) -> Result<()> {
+        let (t, h, kvh, max_pos, blocks, bs) = (5, 4, 2, 50, 4, 4);
         let cpu = Device::Cpu;
         let dev = gpu();
         for (dtype, tol) in CASES {
@@ -187,7 +199,10 @@ mod cuda {
                 ("v", &got.2, &want.2),
             ] {
                 let err = max_err(&g.to_device(&cpu)?, w)?;
-                assert!(err <= tol.max(1e-5), "{dtype:?} {name}: max error {err}");
+                assert!(
+                    err <= tol.max(1e-5),
+                    "{dtype:?} d {d} {name}: max error {err}"
+                );
             }
             // a slot past the cache is refused before any write
             let bad = AttentionMetadata::new(
