@@ -271,8 +271,8 @@ __device__ void paged_decode_impl(
 // last key), so the next tiles stream in while the current one is computed and no CTA barrier
 // stands between tiles. Softmax is online in registers (log2 domain, as the prompt kernel); P is
 // rounded to the cache type for P.V. At the end the warps' (max, sum, O) meet in shared memory.
-// HF (heads first) takes the KV head from blockIdx.x and the sequence from blockIdx.y, so CTAs
-// resident together read neighbouring pieces of the same cache rows.
+// The grid takes the KV head from blockIdx.x and the sequence from blockIdx.y, so CTAs resident
+// together read neighbouring pieces of the same cache rows.
 //
 // Two widths are built: 4 warps for small grids (a few sequences, their keys split), 2 warps
 // (a quarter of a Hopper SM's shared memory, so 4 CTAs per SM) for grids of several CTAs per SM,
@@ -283,7 +283,7 @@ __device__ void paged_decode_impl(
 //             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T).
 constexpr int kTcKeys = 16;  // keys per warp tile
 
-template <typename T, int D, int S, bool HF, int WARPS>
+template <typename T, int D, int S, int WARPS>
 __device__ void paged_decode_tc_impl(
     T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
@@ -309,9 +309,9 @@ __device__ void paged_decode_tc_impl(
   const int t = lane & 3;   // fragment columns 2t, 2t + 1
 
   const int group = num_heads / kv_heads;
-  const int kvh = HF ? blockIdx.x : blockIdx.y;
+  const int kvh = blockIdx.x;
   const int h0 = kvh * group;
-  const int seq = seqs[HF ? blockIdx.y : blockIdx.x];
+  const int seq = seqs[blockIdx.y];
   const int tok = query_start[seq];
   const int ctx = seq_lens[seq];
   int k_begin, k_end;
@@ -492,7 +492,7 @@ RSERVE_FOR_DTYPES(PAGED_DECODE)
 #define PAGED_DECODE_TC_W(T, NAME, D, W)                                                          \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
-    paged_decode_tc_impl<T, D, 3, true, W>(PAGED_DECODE_ARGS);                                    \
+    paged_decode_tc_impl<T, D, 3, W>(PAGED_DECODE_ARGS);                                          \
   }
 #define PAGED_DECODE_TC(T, NAME, D) PAGED_DECODE_TC_W(T, NAME, D, 2) PAGED_DECODE_TC_W(T, NAME, D, 4)
 PAGED_DECODE_TC(__nv_bfloat16, bf16, 64)

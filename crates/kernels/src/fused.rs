@@ -309,12 +309,7 @@ mod cuda {
             let mut b = stream.launch_builder(&func);
             let n_i = n as i64;
             b.arg(&mut out).arg(&input).arg(&n_i);
-            let per = 16 / std::mem::size_of::<T>();
-            let cfg = LaunchConfig {
-                grid_dim: ((n / per).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = strided_launch((n / (16 / std::mem::size_of::<T>())) as u64);
             // SAFETY: matches `to_f32_<dtype>` in csrc/fused.cu; `out` holds n floats.
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -365,11 +360,7 @@ mod cuda {
             } else {
                 n as u64
             };
-            let cfg = LaunchConfig {
-                grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = strided_launch(items);
             // SAFETY: matches `silu_and_mul_<dtype>` in csrc/fused.cu.
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -569,6 +560,16 @@ mod cuda {
         // no host reference reads, and this stream orders the write before any attention read.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
+    }
+
+    /// CTAs of 256 threads for `items` work items of a grid-stride kernel (one item a thread, at
+    /// most 65535 x 8 CTAs; the kernel loops over the rest).
+    fn strided_launch(items: u64) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     /// Threads for `work` items per CTA: a multiple of 32 in 32..=`max`.

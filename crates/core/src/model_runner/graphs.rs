@@ -196,18 +196,18 @@ impl DecodeGraphs {
             num_blocks,
             block_size,
         )?;
-        let size = *self
-            .plan
-            .buckets
-            .get(b)
-            .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {b}")))?;
-        if self.buckets[b].is_none() {
-            self.buckets[b] = Some(Bucket::new(size, &self.plan, device)?);
-        }
-        let Some(bucket) = self.buckets[b].as_ref() else {
-            candle_core::bail!("graph bucket {b} missing");
+        write(self.bucket(b, device)?, host)
+    }
+
+    /// Bucket `b`, its input tensors made on first use.
+    fn bucket(&mut self, b: usize, device: &Device) -> Result<&mut Bucket> {
+        let (Some(&size), Some(slot)) = (self.plan.buckets.get(b), self.buckets.get_mut(b)) else {
+            candle_core::bail!("no graph bucket {b}");
         };
-        write(bucket, host)
+        match slot {
+            Some(bucket) => Ok(bucket),
+            None => Ok(slot.insert(Bucket::new(size, &self.plan, device)?)),
+        }
     }
 
     /// The logits buffer every graph writes, `[largest bucket, vocab]` f32.
@@ -231,20 +231,13 @@ impl DecodeGraphs {
         device: &Device,
     ) -> Result<usize> {
         let logits = self.logits(device)?;
-        let forward = |batch: &ForwardBatch| -> Result<()> {
-            let l = model.forward(batch, kv)?;
-            logits.slice_set(&l, 0, 0)
-        };
+        let forward = |batch: &ForwardBatch| forward_into(model, kv, batch, &logits);
         let mut captured = 0;
         for b in (0..self.plan.buckets.len()).rev() {
             if self.failed[b] {
                 continue;
             }
-            let bucket = match &mut self.buckets[b] {
-                Some(bucket) => bucket,
-                slot @ None => slot.insert(Bucket::new(self.plan.buckets[b], &self.plan, device)?),
-            };
-            if capture_bucket(bucket, &forward, device) {
+            if capture_bucket(self.bucket(b, device)?, &forward, device) {
                 captured += 1;
             } else {
                 self.failed[b] = true;
@@ -267,13 +260,21 @@ impl DecodeGraphs {
         let Some(Some(bucket)) = self.buckets.get_mut(b) else {
             candle_core::bail!("graph bucket {b} has no inputs");
         };
-        let forward = |batch: &ForwardBatch| -> Result<()> {
-            let l = model.forward(batch, kv)?;
-            logits.slice_set(&l, 0, 0)
-        };
+        let forward = |batch: &ForwardBatch| forward_into(model, kv, batch, &logits);
         run_bucket(bucket, &mut self.failed[b], &forward, device)?;
         logits.narrow(0, 0, rows)
     }
+}
+
+/// The forward pass a graph records: the model over `batch`, its logits into the first rows of
+/// the shared buffer.
+fn forward_into(
+    model: &dyn Model,
+    kv: &KvCache,
+    batch: &ForwardBatch,
+    logits: &Tensor,
+) -> Result<()> {
+    logits.slice_set(&model.forward(batch, kv)?, 0, 0)
 }
 
 /// Writes the step's rows into the bucket's inputs (padding rows are inert).
