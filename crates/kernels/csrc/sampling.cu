@@ -192,3 +192,12 @@ extern "C" __global__ void __launch_bounds__(kSampleThreads) sample_rows(
     out_logprob[row] = raw - raw_lse;
   }
 }
+
+// Feeds sampled tokens to the next step without a trip to the host: for i < n,
+// dst[pairs[2 i]] = src[pairs[2 i + 1]] (dst: the step's token ids; src: a sampler's out_token).
+extern "C" __global__ void scatter_tokens(uint32_t* __restrict__ dst,
+                                          const uint32_t* __restrict__ src,
+                                          const uint32_t* __restrict__ pairs, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[pairs[2 * i]] = src[pairs[2 * i + 1]];
+}

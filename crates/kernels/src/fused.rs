@@ -32,6 +32,28 @@ pub fn to_f32(x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Writes `x` as f32 into the first `x.elem_count()` elements of `dst` (a contiguous f32 tensor,
+/// such as a logits buffer a CUDA graph owns), with [`to_f32`]'s values and no intermediate.
+pub fn to_f32_into(x: &Tensor, dst: &Tensor) -> Result<()> {
+    let n = x.elem_count();
+    if dst.dtype() != DType::F32 || !dst.is_contiguous() || dst.elem_count() < n {
+        candle_core::bail!(
+            "to_f32_into: {:?} {:?} does not take {n} f32 values",
+            dst.dtype(),
+            dst.shape()
+        );
+    }
+    match (x.device(), x.dtype()) {
+        #[cfg(feature = "cuda")]
+        (candle_core::Device::Cuda(_), DType::BF16 | DType::F16) if n > 0 => {
+            dst.inplace_op2(&x.contiguous()?, &cuda::ToF32Into)
+        }
+        _ => dst
+            .flatten_all()?
+            .slice_set(&to_f32(x)?.flatten_all()?, 0, 0),
+    }
+}
+
 /// The candle composition of [`silu_and_mul`].
 pub fn silu_and_mul_reference(gate_up: &Tensor) -> Result<Tensor> {
     let inter = gate_up.dim(1)? / 2;
@@ -276,8 +298,10 @@ mod cuda {
     use super::Rotary;
     use crate::cuda::{cuda_slice, dtype_suffix, function, view};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    };
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
     use half::{bf16, f16};
 
@@ -304,16 +328,77 @@ mod cuda {
         // SAFETY: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<f32>(n) }?;
         if n > 0 {
-            let func = function(&dev, &format!("to_f32_{}", dtype_suffix(T::DTYPE)?))?;
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&func);
-            let n_i = n as i64;
-            b.arg(&mut out).arg(&input).arg(&n_i);
-            let cfg = strided_launch((n / (16 / std::mem::size_of::<T>())) as u64);
-            // SAFETY: matches `to_f32_<dtype>` in csrc/fused.cu; `out` holds n floats.
-            unsafe { b.launch(cfg) }.w()?;
+            launch_to_f32(&dev, &mut out.slice_mut(..), &input, n)?;
         }
         Ok((f32::wrap_cuda_slice(out, dev), l.shape().clone()))
+    }
+
+    /// `out[i] = input[i]` as f32 for i < n (`to_f32_<dtype>` in csrc/fused.cu).
+    fn launch_to_f32<T: CudaDType + WithDType + DeviceRepr>(
+        dev: &CudaDevice,
+        out: &mut CudaViewMut<'_, f32>,
+        input: &CudaView<'_, T>,
+        n: usize,
+    ) -> Result<()> {
+        if out.len() < n || input.len() < n {
+            candle_core::bail!("to_f32: {n} values from {} into {}", input.len(), out.len());
+        }
+        let func = function(dev, &format!("to_f32_{}", dtype_suffix(T::DTYPE)?))?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        let n_i = n as i64;
+        b.arg(out).arg(input).arg(&n_i);
+        let cfg = strided_launch((n / (16 / std::mem::size_of::<T>())) as u64);
+        // SAFETY: matches `to_f32_<dtype>` in csrc/fused.cu; both views hold n values (checked).
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// [`ToF32`] into an existing f32 tensor: `dst` (the first storage) takes `x`'s elements.
+    pub struct ToF32Into;
+
+    fn to_f32_into<T: CudaDType + WithDType + DeviceRepr>(
+        d: &mut CudaStorage,
+        dl: &Layout,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<()> {
+        let dev = s.device().clone();
+        let input = view::<T>(s, l, "x")?;
+        let n = l.shape().elem_count();
+        let start = dl.start_offset();
+        let mut out = d.as_cuda_slice_mut::<f32>()?.slice_mut(start..start + n);
+        launch_to_f32(&dev, &mut out, &input, n)
+    }
+
+    impl candle_core::InplaceOp2 for ToF32Into {
+        fn name(&self) -> &'static str {
+            "to-f32-into"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &mut candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<()> {
+            candle_core::bail!("to_f32_into: the CPU path is candle's cast")
+        }
+
+        fn cuda_fwd(
+            &self,
+            d: &mut CudaStorage,
+            dl: &Layout,
+            s: &CudaStorage,
+            l: &Layout,
+        ) -> Result<()> {
+            match s.dtype() {
+                DType::BF16 => to_f32_into::<half::bf16>(d, dl, s, l),
+                DType::F16 => to_f32_into::<half::f16>(d, dl, s, l),
+                dt => candle_core::bail!("to_f32_into: no kernel for {dt:?}"),
+            }
+        }
     }
 
     impl candle_core::CustomOp1 for ToF32 {

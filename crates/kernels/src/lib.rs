@@ -27,7 +27,7 @@ pub mod paged_attention;
 pub mod sampling;
 
 pub use cache::{copy_blocks, reshape_and_cache};
-pub use fused::{add_rms_norm, rotary_qk_, rotary_qk_cache_, silu_and_mul, to_f32};
+pub use fused::{add_rms_norm, rotary_qk_, rotary_qk_cache_, silu_and_mul, to_f32, to_f32_into};
 pub use gemv::{linear_rows, silu_glu_rows};
 pub use metadata::{AttentionMetadata, DeviceArrays};
 pub use paged_attention::{paged_attention, reference_attention, PagedAttentionParams};

@@ -112,8 +112,33 @@ pub fn reference_distribution(row: &[f32], s: &RowSampling) -> Vec<f64> {
 
 /// Samples one token per row of `logits` (`[rows, vocab]` f32 on a CUDA device; edited in place)
 /// and returns (token, raw log-probability) per row.
-#[cfg(feature = "cuda")]
 pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Vec<(u32, f32)>> {
+    let mut pool = ReadbackPool::default();
+    sample_rows_async(logits, rows, &mut pool)?.wait(&mut pool)
+}
+
+/// Page-locked host buffers that sampled tokens are copied into, kept for reuse across steps.
+#[derive(Default)]
+pub struct ReadbackPool {
+    #[cfg(feature = "cuda")]
+    free: Vec<cuda::Readback>,
+}
+
+/// Tokens sampled on the device and on their way to the host: the device copy can feed the next
+/// step ([`PendingSample::write_tokens`]) before the host has them ([`PendingSample::wait`]).
+pub struct PendingSample {
+    #[cfg(feature = "cuda")]
+    inner: cuda::Pending,
+}
+
+/// Queues the sampling of one token per row of `logits` (as [`sample_rows`]) and the copy of the
+/// results into a buffer of `pool`, without waiting for either.
+#[cfg(feature = "cuda")]
+pub fn sample_rows_async(
+    logits: &Tensor,
+    rows: &[RowSampling],
+    pool: &mut ReadbackPool,
+) -> Result<PendingSample> {
     let (n, _) = logits.dims2()?;
     if n != rows.len() {
         candle_core::bail!("sample_rows: {n} logit rows, {} settings", rows.len());
@@ -121,38 +146,171 @@ pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Vec<(u32, f3
     if logits.dtype() != candle_core::DType::F32 || !logits.is_contiguous() {
         candle_core::bail!("sample_rows: logits must be contiguous f32");
     }
-    if n == 0 {
-        return Ok(Vec::new());
-    }
     let op = cuda::SampleRows {
         rows,
-        result: std::sync::Mutex::new(Vec::new()),
+        pool: std::sync::Mutex::new(pool),
+        result: std::sync::Mutex::new(None),
     };
-    logits.inplace_op1(&op)?;
-    op.result
+    if n > 0 {
+        logits.inplace_op1(&op)?;
+    }
+    let inner = op
+        .result
         .into_inner()
-        .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))
+        .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))?;
+    Ok(PendingSample {
+        inner: inner.unwrap_or_default(),
+    })
 }
 
 /// Without CUDA there is no device sampler; the engine samples on the host.
 #[cfg(not(feature = "cuda"))]
-pub fn sample_rows(_logits: &Tensor, _rows: &[RowSampling]) -> Result<Vec<(u32, f32)>> {
+pub fn sample_rows_async(
+    _logits: &Tensor,
+    _rows: &[RowSampling],
+    _pool: &mut ReadbackPool,
+) -> Result<PendingSample> {
     candle_core::bail!("sample_rows needs the cuda feature")
+}
+
+impl PendingSample {
+    /// Rows sampled.
+    pub fn len(&self) -> usize {
+        self.rows()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Queues `dst[d] = token of row s` for each `(d, s)` of `pairs`, on the device (`dst`: a
+    /// contiguous u32 tensor on the sampler's GPU, such as a step's token ids).
+    pub fn write_tokens(&self, dst: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        if dst.dtype() != candle_core::DType::U32 || !dst.is_contiguous() || dst.rank() != 1 {
+            candle_core::bail!("write_tokens: the destination must be a contiguous u32 vector");
+        }
+        let (len, n) = (dst.dim(0)?, self.len());
+        if let Some(&(d, s)) = pairs
+            .iter()
+            .find(|&&(d, s)| d as usize >= len || s as usize >= n)
+        {
+            candle_core::bail!("write_tokens: row {s} of {n} into {d} of {len}");
+        }
+        self.scatter(dst, pairs)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PendingSample {
+    fn rows(&self) -> usize {
+        self.inner.n
+    }
+
+    fn scatter(&self, dst: &Tensor, pairs: &[(u32, u32)]) -> Result<()> {
+        dst.inplace_op1(&cuda::ScatterTokens {
+            pending: &self.inner,
+            pairs,
+        })
+    }
+
+    /// Waits for the tokens and returns (token, raw log-probability) per row; the buffer goes back
+    /// to `pool`.
+    pub fn wait(self, pool: &mut ReadbackPool) -> Result<Vec<(u32, f32)>> {
+        self.inner.wait(pool)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+impl PendingSample {
+    fn rows(&self) -> usize {
+        0
+    }
+
+    fn scatter(&self, _dst: &Tensor, _pairs: &[(u32, u32)]) -> Result<()> {
+        candle_core::bail!("write_tokens needs the cuda feature")
+    }
+
+    /// Waits for the tokens and returns (token, raw log-probability) per row.
+    pub fn wait(self, _pool: &mut ReadbackPool) -> Result<Vec<(u32, f32)>> {
+        Ok(Vec::new())
+    }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::RowSampling;
+    use super::{ReadbackPool, RowSampling};
     use crate::cuda::function;
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaEvent, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    };
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CpuStorage, CudaStorage, Layout, Result};
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
+
+    /// Page-locked host copies of one step's sampled tokens and log-probabilities, and the event
+    /// recorded after the copies into them.
+    pub struct Readback {
+        tokens: PinnedHostSlice<u32>,
+        lps: PinnedHostSlice<f32>,
+        done: CudaEvent,
+    }
+
+    impl ReadbackPool {
+        /// A free buffer of at least `n` rows, allocated on `stream`'s context when none fits.
+        fn take(&mut self, n: usize, stream: &Arc<CudaStream>) -> Result<Readback> {
+            if let Some(i) = self.free.iter().position(|r| r.tokens.len() >= n) {
+                return Ok(self.free.swap_remove(i));
+            }
+            let cap = n.next_power_of_two().max(64);
+            let ctx = stream.context();
+            // SAFETY: the buffers are only read after a device copy into them has completed
+            // (`Pending::wait` waits on their events), and at most `n <= cap` values are read.
+            let (tokens, lps) = unsafe {
+                (
+                    ctx.alloc_pinned_with_flags::<u32>(cap, 0).w()?,
+                    ctx.alloc_pinned_with_flags::<f32>(cap, 0).w()?,
+                )
+            };
+            let done = ctx.new_event(None).w()?;
+            Ok(Readback { tokens, lps, done })
+        }
+    }
+
+    /// One queued sampling: the chosen ids on the device and the copies on their way to the host.
+    #[derive(Default)]
+    pub struct Pending {
+        pub n: usize,
+        tokens: Option<CudaSlice<u32>>,
+        host: Option<Readback>,
+    }
+
+    impl Pending {
+        pub fn wait(self, pool: &mut ReadbackPool) -> Result<Vec<(u32, f32)>> {
+            let Some(host) = self.host else {
+                return Ok(Vec::new());
+            };
+            host.done.synchronize().w()?;
+            let toks = host.tokens.as_slice().w()?;
+            let lps = host.lps.as_slice().w()?;
+            let out = toks
+                .iter()
+                .copied()
+                .zip(lps.iter().copied())
+                .take(self.n)
+                .collect();
+            pool.free.push(host);
+            Ok(out)
+        }
+    }
 
     pub struct SampleRows<'a> {
         pub rows: &'a [RowSampling],
-        pub result: Mutex<Vec<(u32, f32)>>,
+        pub pool: Mutex<&'a mut ReadbackPool>,
+        pub result: Mutex<Option<Pending>>,
     }
 
     impl candle_core::InplaceOp1 for SampleRows<'_> {
@@ -204,8 +362,15 @@ mod cuda {
             let edit_tokens = stream.clone_htod(&tokens).w()?;
             let edit_vals = up(&vals)?;
             let mut edit_raw = stream.alloc_zeros::<f32>(tokens.len()).w()?;
-            let mut out_tokens = stream.alloc_zeros::<u32>(n).w()?;
-            let mut out_lps = stream.alloc_zeros::<f32>(n).w()?;
+            let mut host = self
+                .pool
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("readback pool lock poisoned".into()))?
+                .take(n, &stream)?;
+            // as long as the host buffers: a copy moves the whole destination
+            let cap = host.tokens.len();
+            let mut out_tokens = stream.alloc_zeros::<u32>(cap).w()?;
+            let mut out_lps = stream.alloc_zeros::<f32>(cap).w()?;
             let logits = s.as_cuda_slice_mut::<f32>()?;
             let func = function(&dev, "sample_rows")?;
             let mut b = stream.launch_builder(&func);
@@ -231,13 +396,59 @@ mod cuda {
             // SAFETY: matches `sample_rows` in csrc/sampling.cu; every array has one entry per row
             // (edits: `starts[n]` entries, plus one unused).
             unsafe { b.launch(cfg) }.w()?;
-            let toks = stream.clone_dtoh(&out_tokens).w()?;
-            let lps = stream.clone_dtoh(&out_lps).w()?;
-            let mut result = self
+            stream.memcpy_dtoh(&out_tokens, &mut host.tokens).w()?;
+            stream.memcpy_dtoh(&out_lps, &mut host.lps).w()?;
+            host.done.record(&stream).w()?;
+            *self
                 .result
                 .lock()
-                .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))?;
-            *result = toks.into_iter().zip(lps).collect();
+                .map_err(|_| candle_core::Error::Msg("sampling result lock poisoned".into()))? =
+                Some(Pending {
+                    n,
+                    tokens: Some(out_tokens),
+                    host: Some(host),
+                });
+            Ok(())
+        }
+    }
+
+    /// `dst[d] = pending token s` for each pair, on the device.
+    pub struct ScatterTokens<'a> {
+        pub pending: &'a Pending,
+        pub pairs: &'a [(u32, u32)],
+    }
+
+    impl candle_core::InplaceOp1 for ScatterTokens<'_> {
+        fn name(&self) -> &'static str {
+            "scatter-tokens"
+        }
+
+        fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+            candle_core::bail!("write_tokens runs on CUDA only")
+        }
+
+        fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+            let Some(src) = &self.pending.tokens else {
+                candle_core::bail!("write_tokens: nothing was sampled");
+            };
+            let dev = s.device().clone();
+            let stream = dev.cuda_stream();
+            let flat: Vec<u32> = self.pairs.iter().flat_map(|&(d, s)| [d, s]).collect();
+            let pairs = stream.clone_htod(&flat).w()?;
+            let dst = s.as_cuda_slice_mut::<u32>()?;
+            let mut dst = dst.slice_mut(l.start_offset()..);
+            let n = self.pairs.len() as i32;
+            let func = function(&dev, "scatter_tokens")?;
+            let mut b = stream.launch_builder(&func);
+            b.arg(&mut dst).arg(src).arg(&pairs).arg(&n);
+            let cfg = LaunchConfig {
+                grid_dim: ((self.pairs.len() as u32).div_ceil(256), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `scatter_tokens` in csrc/sampling.cu; every pair was checked against
+            // the destination's length and the sampled rows (`PendingSample::write_tokens`).
+            unsafe { b.launch(cfg) }.w()?;
             Ok(())
         }
     }

@@ -247,6 +247,33 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_to_f32_into_fills_the_first_rows_of_a_buffer() -> Result<()> {
+        // the graphs' logits buffer: the cast's values in the first rows, the rest untouched
+        let dev = gpu();
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for (rows, cols) in [(3, 1001), (256, 4096)] {
+                let buf = Tensor::full(-7f32, (300, cols), &dev)?;
+                let x = Tensor::randn(0f32, 3.0, (rows, cols), &dev)?.to_dtype(dtype)?;
+                rserve_kernels::to_f32_into(&x, &buf)?;
+                let want = x.to_dtype(DType::F32)?;
+                assert_eq!(max_err(&buf.narrow(0, 0, rows)?, &want)?, 0.0, "{dtype:?}");
+                let rest = buf
+                    .narrow(0, rows, 300 - rows)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                assert!(rest.iter().all(|&v| v == -7.0), "{dtype:?}: past the rows");
+            }
+        }
+        let small = Tensor::zeros((2, 5), DType::F32, &dev)?;
+        let x = Tensor::zeros((3, 5), DType::BF16, &dev)?;
+        assert!(
+            rserve_kernels::to_f32_into(&x, &small).is_err(),
+            "too small"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn cuda_silu_and_mul_matches_reference() -> Result<()> {
         let dev = gpu();
         for (dtype, tol) in CASES {

@@ -223,6 +223,47 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_async_samples_feed_token_ids_on_the_device() -> Result<()> {
+        use rserve_kernels::sampling::{sample_rows_async, ReadbackPool};
+        // greedy rows whose arg-max is token 10 * r + 3
+        let (rows, vocab) = (6usize, 100usize);
+        let mut data = vec![0f32; rows * vocab];
+        for r in 0..rows {
+            data[r * vocab + 10 * r + 3] = 5.0;
+        }
+        let mut pool = ReadbackPool::default();
+        let mut steps = Vec::new();
+        for _ in 0..3 {
+            // several in flight at once, each with its own host buffer
+            let logits = Tensor::from_vec(data.clone(), (rows, vocab), &gpu())?;
+            let settings = vec![RowSampling::default(); rows];
+            steps.push(sample_rows_async(&logits, &settings, &mut pool)?);
+        }
+        let ids = Tensor::from_vec(vec![1u32; 8], 8, &gpu())?;
+        steps[0].write_tokens(&ids, &[(0, 5), (2, 0), (7, 3)])?;
+        assert_eq!(ids.to_vec1::<u32>()?, vec![53, 1, 3, 1, 1, 1, 1, 33]);
+        assert!(
+            steps[0].write_tokens(&ids, &[(8, 0)]).is_err(),
+            "row past the ids"
+        );
+        assert!(
+            steps[0].write_tokens(&ids, &[(0, 6)]).is_err(),
+            "row never sampled"
+        );
+        let want: Vec<u32> = (0..rows as u32).map(|r| 10 * r + 3).collect();
+        for step in steps {
+            assert_eq!(step.len(), rows);
+            let got = step.wait(&mut pool)?;
+            assert_eq!(got.iter().map(|x| x.0).collect::<Vec<_>>(), want);
+        }
+        // the buffers are reused
+        let logits = Tensor::from_vec(data, (rows, vocab), &gpu())?;
+        let again = sample_rows_async(&logits, &vec![RowSampling::default(); rows], &mut pool)?;
+        assert_eq!(again.wait(&mut pool)?.len(), rows);
+        Ok(())
+    }
+
+    #[test]
     fn cuda_seeded_rows_ignore_the_batch() -> Result<()> {
         let row = random_row(5000, 17);
         let s = RowSampling {
