@@ -31,6 +31,7 @@ class Engine:
         seed: int = 0,
         chat_template: str | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

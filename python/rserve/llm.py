@@ -45,6 +45,7 @@ _ENGINE_KWARGS = frozenset(
         "chat_template",
         "gpu_memory_utilization",
         "enforce_eager",
+        "async_scheduling",
     }
 )
 
@@ -210,7 +211,8 @@ class LLM:
     `model` is a local directory in Hugging Face layout or a hub id (`org/name`), downloaded into
     the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
     `block_size`, `chat_template` (a file or inline Jinja replacing the model's template),
-    `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps).
+    `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps),
+    `async_scheduling` (default on: on a GPU the next step is issued while the current one runs).
     """
 
     def __init__(

@@ -208,7 +208,13 @@ def test_unknown_llm_argument_is_a_type_error() -> None:
 
 def test_engine_options_pass_through(llm: LLM) -> None:
     # vLLM's engine keywords reach the engine: eager mode gives the default engine's greedy tokens
-    eager = LLM(str(QWEN2), max_model_len=llm.max_model_len, enforce_eager=True, block_size=32)
+    eager = LLM(
+        str(QWEN2),
+        max_model_len=llm.max_model_len,
+        enforce_eager=True,
+        async_scheduling=False,
+        block_size=32,
+    )
     try:
         want = llm.generate("Hello there", greedy())[0]
         got = eager.generate("Hello there", greedy())[0]

@@ -5,6 +5,14 @@
 //! One owner: nothing outside the engine thread touches engine state; callers talk to it through a
 //! channel and receive [`RequestOutput`]s on a per-request channel. Requests are validated at
 //! `submit` (before they reach the thread), so the loop only sees requests it can finish.
+//!
+//! Async scheduling (on a GPU, [`EngineConfig::async_scheduling`]): when a step's tokens are
+//! sampled on the device and no row's sampling depends on earlier output values (penalties), each
+//! sequence that goes on gets a placeholder token ([`crate::sequence::PENDING_TOKEN`]) and the
+//! next step is planned and issued at once; the sampled ids reach its token ids on the device, and
+//! the host reads them while that step runs. A sequence the tokens end (EOS, a stop token or
+//! string) has had one more row computed, which is dropped; one that ends by length is not
+//! planned past its last token.
 
 use crate::engine_types::Command;
 pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget};
@@ -22,7 +30,7 @@ use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::sequence::{SeqId, Sequence};
 use crate::tokenizer::IncrementalDetokenizer;
 use candle_core::{DType, Device};
-use rserve_kernels::sampling::{LogitEdit, RowSampling};
+use rserve_kernels::sampling::{LogitEdit, PendingSample, ReadbackPool, RowSampling};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -71,6 +79,18 @@ pub struct Engine {
     profile: StepProfile,
     /// Tokens accepted whose text is not worked out yet (see [`Engine::settle`]).
     pending: Vec<PendingToken>,
+    /// A step whose tokens are still on their way from the device (async scheduling).
+    in_flight: Option<InFlight>,
+    readback: ReadbackPool,
+    async_scheduling: bool,
+}
+
+/// Tokens sampled on the device and not read back yet. Their sequences that go on hold a
+/// placeholder for them, so the next step is planned and issued before they arrive.
+struct InFlight {
+    sample: PendingSample,
+    /// Per sampled row: its sequence and the index its token takes among the sequence's tokens.
+    rows: Vec<(SeqId, usize)>,
 }
 
 /// A sampled token whose completion has it, waiting for detokenizing, stop strings and sending.
@@ -126,8 +146,10 @@ impl StepProfile {
 /// the last kernel issued (schedule and batch inputs, then the forward pass's launches), waiting
 /// for the device and reading the sampled tokens (or logits), of which the previous step's
 /// detokenizing and sending done while the device runs, and the host work after (token stops, and
-/// the text work of a step with nothing after it). At trace level every step is logged with its
-/// shape and the host time since the previous step ended (`rserve_core::engine=trace`).
+/// the text work of a step with nothing after it). With async scheduling a step issued ahead waits
+/// for the tokens of the step before it, and its text work comes after. At trace level every step
+/// is logged with its shape and the host time since the previous step ended
+/// (`rserve_core::engine=trace`).
 #[derive(Debug, Default)]
 struct StepTiming {
     steps: u32,
@@ -422,6 +444,9 @@ impl Engine {
             timing: StepTiming::default(),
             profile: StepProfile::from_env(),
             pending: Vec::new(),
+            in_flight: None,
+            readback: ReadbackPool::default(),
+            async_scheduling: cfg.async_scheduling,
         };
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -461,7 +486,8 @@ impl Engine {
     fn run(mut self, rx: mpsc::Receiver<Command>) {
         loop {
             if !self.scheduler.has_work() {
-                // nothing to overlap with: what the last step produced goes out before waiting
+                // nothing to overlap with: what the last steps produced goes out before waiting
+                self.collect_in_flight();
                 self.settle();
                 match rx.recv() {
                     Ok(c) => {
@@ -602,6 +628,7 @@ impl Engine {
 
     fn fail_all(&mut self, err: EngineError) {
         // tokens of the step before the failure are good: they go out first
+        self.in_flight = None;
         self.settle();
         let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
@@ -625,7 +652,8 @@ impl Engine {
         let out = self.scheduler.schedule();
         if out.is_empty() {
             // Only possible when every running sequence was preempted this step; the next call
-            // admits them again. Tokens of the step before still go out now.
+            // admits them again. Tokens of the steps before still go out now.
+            self.collect_in_flight();
             self.settle();
             return;
         }
@@ -650,8 +678,10 @@ impl Engine {
         };
         let prepared = self.runner.prepare(&self.scheduler, &out, wants);
         self.timing.prepared = Some(Instant::now());
-        let result =
-            prepared.and_then(|(step, rows)| Ok((self.runner.execute(&out, &step)?, rows)));
+        let result = prepared.and_then(|(step, rows, pending)| {
+            self.feed_pending(&step, &pending)?;
+            Ok((self.runner.execute(&out, &step)?, rows))
+        });
         self.timing.issued = Some(Instant::now());
         self.timing.tokens += out.num_batched_tokens;
         self.timing.shape = (
@@ -671,37 +701,62 @@ impl Engine {
         let settings = self
             .device_sampling_applies(&rows)
             .then(|| self.device_settings(&rows));
-        // the device runs this step while the previous step's tokens become text and go out
-        let settled = Instant::now();
-        self.settle();
-        self.timing.settle_s += settled.elapsed().as_secs_f64();
         if let Some(settings) = settings {
-            let picked = rserve_kernels::sampling::sample_rows(&logits, &settings);
-            self.timing.sampled = Some(Instant::now());
-            match picked {
-                Ok(picked) => {
-                    for (row, (token_id, logprob)) in rows.iter().zip(picked) {
-                        if let LogitRow::Sample(seq) = *row {
-                            let tl = TokenLogprob {
-                                token_id,
-                                logprob,
-                                top: Vec::new(),
-                            };
-                            self.accept_token(seq, tl);
-                        }
-                    }
-                    // with another step to come, the text work overlaps it
-                    if !self.scheduler.has_work() {
-                        self.settle();
-                    }
-                }
+            let ahead = self.async_scheduling && self.lookahead_applies(&rows);
+            let sample =
+                rserve_kernels::sampling::sample_rows_async(&logits, &settings, &mut self.readback);
+            let sample = match sample {
+                Ok(s) => s,
                 Err(e) => {
                     tracing::error!("sampling on the device failed: {e}");
                     self.fail_all(EngineError::Model(e.to_string()));
+                    return;
+                }
+            };
+            let targets: Vec<(SeqId, usize)> = rows
+                .iter()
+                .filter_map(|row| match *row {
+                    LogitRow::Sample(seq) => {
+                        Some((seq, self.scheduler.seq(seq).map_or(0, |s| s.tokens.len())))
+                    }
+                    LogitRow::PromptLogprob { .. } => None,
+                })
+                .collect();
+            // sequences that go on hold a placeholder, so the next step can be planned now
+            let mut reserved = false;
+            if ahead {
+                for &(seq, _) in &targets {
+                    if !self.ends_by_length(seq) {
+                        self.scheduler.reserve_token(seq);
+                        reserved = true;
+                    }
+                }
+            }
+            let this = InFlight {
+                sample,
+                rows: targets,
+            };
+            // the device runs this step while the step before's tokens are taken in and become
+            // text
+            self.collect_in_flight();
+            if reserved {
+                self.in_flight = Some(this);
+                self.timing.sampled = Some(Instant::now());
+                self.settle_overlapped();
+            } else {
+                self.settle_overlapped();
+                self.collect(this);
+                self.timing.sampled = Some(Instant::now());
+                // with another step to come, the text work overlaps it
+                if !self.scheduler.has_work() {
+                    self.settle();
                 }
             }
             return;
         }
+        // sampled on the host: the tokens of the step before come first
+        self.collect_in_flight();
+        self.settle_overlapped();
         let logits = logits.to_vec2::<f32>();
         self.timing.sampled = Some(Instant::now());
         let mut logits = match logits {
@@ -775,6 +830,106 @@ impl Engine {
             self.accept_token(*seq, tl);
         }
         self.settle();
+    }
+
+    /// [`Engine::settle`] while the device runs a step, timed for the step log.
+    fn settle_overlapped(&mut self) {
+        let started = Instant::now();
+        self.settle();
+        self.timing.settle_s += started.elapsed().as_secs_f64();
+    }
+
+    /// Writes the tokens of `pending` rows (still being sampled by the step in flight) into the
+    /// step's token ids on the device.
+    fn feed_pending(
+        &self,
+        step: &crate::model_runner::PreparedStep,
+        pending: &[(u32, SeqId, usize)],
+    ) -> candle_core::Result<()> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let Some(f) = &self.in_flight else {
+            candle_core::bail!("{} rows wait for tokens no step is sampling", pending.len());
+        };
+        let src: HashMap<(SeqId, usize), u32> = f
+            .rows
+            .iter()
+            .zip(0u32..)
+            .map(|(&key, row)| (key, row))
+            .collect();
+        let pairs = pending
+            .iter()
+            .map(|&(row, seq, pos)| {
+                src.get(&(seq, pos)).map(|&s| (row, s)).ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "token {pos} of sequence {seq} is not being sampled"
+                    ))
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        f.sample.write_tokens(&self.runner.token_ids(step)?, &pairs)
+    }
+
+    /// Takes in the tokens of the step in flight, if any (waiting for them).
+    fn collect_in_flight(&mut self) {
+        if let Some(f) = self.in_flight.take() {
+            self.collect(f);
+        }
+    }
+
+    /// Waits for a step's sampled tokens and accepts them where their placeholders are.
+    fn collect(&mut self, f: InFlight) {
+        match f.sample.wait(&mut self.readback) {
+            Ok(picked) => {
+                for (&(seq, at), (token_id, logprob)) in f.rows.iter().zip(picked) {
+                    let tl = TokenLogprob {
+                        token_id,
+                        logprob,
+                        top: Vec::new(),
+                    };
+                    self.accept_token_at(seq, at, tl);
+                }
+            }
+            Err(e) => {
+                tracing::error!("reading sampled tokens failed: {e}");
+                self.fail_all(EngineError::Model(e.to_string()));
+            }
+        }
+    }
+
+    /// Whether the next step may be planned before this step's tokens are read: no row's sampling
+    /// depends on the values of earlier output tokens (repetition, presence and frequency
+    /// penalties do), which placeholders stand in for until then.
+    fn lookahead_applies(&self, rows: &[LogitRow]) -> bool {
+        rows.iter().all(|row| {
+            let LogitRow::Sample(seq) = *row else {
+                return false;
+            };
+            self.seq_owner
+                .get(&seq)
+                .and_then(|(rid, _)| self.requests.get(rid))
+                .is_some_and(|st| {
+                    let p = &st.req.params;
+                    p.repetition_penalty == 1.0
+                        && p.presence_penalty == 0.0
+                        && p.frequency_penalty == 0.0
+                })
+        })
+    }
+
+    /// Whether the token being sampled for `seq` ends it by length whatever its value (so no step
+    /// is planned past it).
+    fn ends_by_length(&self, seq: SeqId) -> bool {
+        let Some(s) = self.scheduler.seq(seq) else {
+            return true;
+        };
+        let max_tokens = self
+            .seq_owner
+            .get(&seq)
+            .and_then(|(rid, _)| self.requests.get(rid))
+            .map_or(0, |st| st.max_tokens);
+        s.num_output_tokens() + 1 >= max_tokens || s.num_tokens() + 1 >= self.info.max_model_len
     }
 
     /// Whether this step's tokens can be picked on the device: a GPU, and every row a sample of a
@@ -952,10 +1107,17 @@ impl Engine {
     /// Appends a sampled token to its sequence and completion and applies the stops that need no
     /// text (stop token ids, EOS, length); the token's text waits in `pending` for `settle`.
     fn accept_token(&mut self, seq: SeqId, tl: TokenLogprob) {
+        let at = self.scheduler.seq(seq).map_or(0, |s| s.tokens.len());
+        self.accept_token_at(seq, at, tl);
+    }
+
+    /// [`Engine::accept_token`] for the token at index `at` of the sequence (a placeholder's, or
+    /// appended at the end).
+    fn accept_token_at(&mut self, seq: SeqId, at: usize, tl: TokenLogprob) {
         let Some(&(rid, idx)) = self.seq_owner.get(&seq) else {
             return;
         };
-        self.scheduler.append_token(seq, tl.token_id);
+        self.scheduler.set_token(seq, at, tl.token_id);
         self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
         let Some(st) = self.requests.get_mut(&rid) else {
             return;

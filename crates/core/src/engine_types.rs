@@ -36,7 +36,7 @@ pub struct EngineConfig {
     pub device: String,
     pub max_model_len: Option<usize>,
     pub max_num_seqs: usize,
-    /// Token budget of one step; `None`: [`default_batched_tokens`] for the device.
+    /// Token budget of one step; `None`: [`crate::engine::default_batched_tokens`] for the device.
     pub max_num_batched_tokens: Option<usize>,
     pub block_size: usize,
     pub kv_cache: KvBudget,
@@ -47,6 +47,9 @@ pub struct EngineConfig {
     pub chat_template: Option<String>,
     /// Run every step eagerly: no CUDA graphs of decode steps.
     pub enforce_eager: bool,
+    /// Plan and issue step N+1 while the device runs step N, its sampled tokens fed to it on the
+    /// device (GPU, device-sampled steps without penalties); off: every step waits for the last.
+    pub async_scheduling: bool,
 }
 
 impl EngineConfig {
@@ -64,6 +67,7 @@ impl EngineConfig {
             seed: 0,
             chat_template: None,
             enforce_eager: false,
+            async_scheduling: true,
         }
     }
 }

@@ -15,7 +15,7 @@ pub mod graphs;
 use crate::kv_cache::KvCache;
 use crate::models::Model;
 use crate::scheduler::{Scheduler, SchedulerOutput};
-use crate::sequence::SeqId;
+use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
 use graphs::{DecodeGraphs, GraphPlan};
 use rserve_kernels::AttentionMetadata;
@@ -43,6 +43,9 @@ pub struct HostBatch {
     pub seq_lens: Vec<u32>,
     pub query_start_loc: Vec<u32>,
     pub logits_indices: Vec<u32>,
+    /// Rows whose token is still being sampled on the device ([`PENDING_TOKEN`] in `input_ids`):
+    /// the row, its sequence and the token's position.
+    pub pending: Vec<(u32, SeqId, usize)>,
 }
 
 impl HostBatch {
@@ -97,6 +100,9 @@ pub enum PreparedStep {
         rows: usize,
     },
 }
+
+/// A prepared step, the meaning of each logit row, and the rows whose token is still on the device.
+pub type Prepared = (PreparedStep, Vec<LogitRow>, Vec<(u32, SeqId, usize)>);
 
 /// What one row of the returned logits is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +188,7 @@ impl ModelRunner {
             seq_lens: Vec::with_capacity(n),
             query_start_loc: Vec::with_capacity(n + 1),
             logits_indices: Vec::new(),
+            pending: Vec::new(),
         };
         h.query_start_loc.push(0);
         let mut rows = Vec::new();
@@ -198,6 +205,9 @@ impl ModelRunner {
                 let tok = *seq.tokens.get(p).ok_or_else(|| {
                     candle_core::Error::Msg(format!("sequence {} has no token {p}", s.seq_id))
                 })?;
+                if tok == PENDING_TOKEN {
+                    h.pending.push((h.input_ids.len() as u32, s.seq_id, p));
+                }
                 h.input_ids.push(tok);
                 h.positions.push(p as u32);
                 let block = table.get(p / bs).ok_or_else(|| {
@@ -230,22 +240,42 @@ impl ModelRunner {
 
     /// Builds the step for `out`: written into a decode graph's inputs when one applies, else
     /// uploaded for an eager pass. See [`ModelRunner::host_batch`] for `wants_prompt_logprobs`.
+    /// Also returns [`HostBatch::pending`]: the rows whose token the caller writes on the device
+    /// into [`ModelRunner::token_ids`] before [`ModelRunner::execute`].
     pub fn prepare(
         &mut self,
         sched: &Scheduler,
         out: &SchedulerOutput,
         wants_prompt_logprobs: impl Fn(SeqId) -> bool,
-    ) -> Result<(PreparedStep, Vec<LogitRow>)> {
-        let (host, rows) = Self::host_batch(sched, out, wants_prompt_logprobs)?;
+    ) -> Result<Prepared> {
+        let (mut host, rows) = Self::host_batch(sched, out, wants_prompt_logprobs)?;
+        let pending = std::mem::take(&mut host.pending);
         if let Some(g) = self.graphs.as_mut() {
             if let Some(bucket) = g.bucket_for(&host) {
                 let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
                 let n = host.seq_lens.len();
                 g.write_inputs(bucket, &host, num_blocks, bs, &self.device)?;
-                return Ok((PreparedStep::Graph { bucket, rows: n }, rows));
+                let step = PreparedStep::Graph { bucket, rows: n };
+                return Ok((step, rows, pending));
             }
         }
-        Ok((PreparedStep::Eager(host.upload(&self.device)?), rows))
+        Ok((
+            PreparedStep::Eager(host.upload(&self.device)?),
+            rows,
+            pending,
+        ))
+    }
+
+    /// The token ids a prepared step reads (a graph bucket's input or the eager batch's).
+    pub fn token_ids(&self, step: &PreparedStep) -> Result<Tensor> {
+        match step {
+            PreparedStep::Eager(batch) => Ok(batch.input_ids.clone()),
+            PreparedStep::Graph { bucket, .. } => self
+                .graphs
+                .as_ref()
+                .and_then(|g| g.input_ids(*bucket))
+                .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
+        }
     }
 
     /// Applies the step's block copies and runs the model; f32 logits `[rows, vocab]`.

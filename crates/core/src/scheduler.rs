@@ -11,7 +11,7 @@
 
 use crate::kv_cache::{BlockId, KvCacheManager};
 use crate::request::RequestId;
-use crate::sequence::{SeqId, SeqStatus, Sequence};
+use crate::sequence::{SeqId, SeqStatus, Sequence, PENDING_TOKEN};
 use std::collections::{HashMap, VecDeque};
 
 /// Limits of the scheduler.
@@ -217,6 +217,23 @@ impl Scheduler {
     pub fn append_token(&mut self, id: SeqId, token: u32) {
         if let Some(seq) = self.seqs.get_mut(&id) {
             seq.tokens.push(token);
+        }
+    }
+
+    /// Appends a placeholder ([`PENDING_TOKEN`]) for a token still being sampled on the device, so
+    /// the next step can be planned before it is read back.
+    pub fn reserve_token(&mut self, id: SeqId) {
+        self.append_token(id, PENDING_TOKEN);
+    }
+
+    /// Sets token `index` of a sequence (a placeholder's value), or appends it when `index` is the
+    /// sequence's length.
+    pub fn set_token(&mut self, id: SeqId, index: usize, token: u32) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            match seq.tokens.get_mut(index) {
+                Some(t) => *t = token,
+                None => seq.tokens.push(token),
+            }
         }
     }
 

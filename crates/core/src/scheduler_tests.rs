@@ -191,3 +191,40 @@ fn forked_samples_share_the_prompt_and_copy_on_write() {
     assert_eq!(s.kv().num_free_blocks(), 16);
     assert!(s.check_integrity().is_empty());
 }
+
+#[test]
+fn a_placeholder_lets_the_next_step_be_planned_before_the_token_arrives() {
+    let mut s = Scheduler::new(cfg(16, 8, 64, 4));
+    add(&mut s, 1, 3);
+    add(&mut s, 2, 5);
+    let o = s.schedule();
+    s.complete_step(&o);
+    // tokens are being sampled on the device: sequence 1 goes on, sequence 2 is not planned past
+    s.reserve_token(SeqId(1));
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 3, 1, true)]);
+    let (host, _) =
+        crate::model_runner::ModelRunner::host_batch(&s, &o, |_| false).expect("host batch");
+    assert_eq!(host.input_ids, vec![PENDING_TOKEN]);
+    assert_eq!(host.pending, vec![(0, SeqId(1), 3)]);
+    s.complete_step(&o);
+    s.reserve_token(SeqId(1));
+    // the first step's tokens arrive: written where the placeholder is, or appended
+    s.set_token(SeqId(1), 3, 41);
+    s.set_token(SeqId(2), 5, 42);
+    assert_eq!(
+        s.seq(SeqId(1)).map(|q| q.tokens[3..].to_vec()),
+        Some(vec![41, PENDING_TOKEN])
+    );
+    assert_eq!(
+        s.seq(SeqId(2)).map(|q| q.tokens[5..].to_vec()),
+        Some(vec![42])
+    );
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 4, 1, true), (2, 5, 1, true)]);
+    let (host, _) =
+        crate::model_runner::ModelRunner::host_batch(&s, &o, |_| false).expect("host batch");
+    assert_eq!(host.input_ids, vec![PENDING_TOKEN, 42]);
+    assert_eq!(host.pending, vec![(0, SeqId(1), 4)]);
+    assert!(s.check_integrity().is_empty());
+}

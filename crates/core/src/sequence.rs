@@ -8,6 +8,10 @@
 use crate::request::RequestId;
 use std::fmt;
 
+/// Stands for a token sampled on the device and not read back yet: the next step's token ids get
+/// its value on the device, and the engine writes it in once it arrives.
+pub const PENDING_TOKEN: u32 = u32::MAX;
+
 /// Identifier of one sequence (one completion of one request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);

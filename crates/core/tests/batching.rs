@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use rserve_core::request::StopReason;
+use rserve_core::request::{RequestOutput, StopReason};
 use rserve_core::{
     EngineError, EngineHandle, EngineRequest, FinishReason, KvBudget, SamplingParams,
 };
@@ -72,26 +72,40 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
 /// Runs every prompt at once (greedy, with logprobs; prompt `i` for `8 + 3 * i` tokens) and
 /// returns each one's tokens and logprobs.
 fn run_together(h: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, f32)>> {
+    let params = |i: usize| {
+        let mut p = greedy(8 + 3 * i);
+        p.logprobs = Some(0);
+        p
+    };
+    submit_all(h, prompts, params)
+        .into_iter()
+        .map(|out| {
+            let lps = out.outputs[0].logprobs.clone().expect("logprobs asked for");
+            lps.iter().map(|t| (t.token_id, t.logprob)).collect()
+        })
+        .collect()
+}
+
+/// Submits every prompt at once, prompt `i` with `params(i)`, and waits for each one's output.
+fn submit_all(
+    h: &EngineHandle,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> SamplingParams,
+) -> Vec<RequestOutput> {
     let streams: Vec<_> = prompts
         .iter()
         .enumerate()
         .map(|(i, q)| {
-            let mut p = greedy(8 + 3 * i);
-            p.logprobs = Some(0);
             h.submit(EngineRequest {
                 prompt_token_ids: q.clone(),
-                params: p,
+                params: params(i),
             })
             .expect("submit")
         })
         .collect();
     streams
         .into_iter()
-        .map(|s| {
-            let out = s.wait().expect("done");
-            let lps = out.outputs[0].logprobs.clone().expect("logprobs asked for");
-            lps.iter().map(|t| (t.token_id, t.logprob)).collect()
-        })
+        .map(|s| s.wait().expect("done"))
         .collect()
 }
 
@@ -434,4 +448,73 @@ fn bad_requests_are_errors_not_panics() {
     assert_eq!(out.token_ids.len(), 60);
     assert_eq!(out.finish_reason, Some(FinishReason::Length));
     assert_sound(&h);
+}
+
+/// Submits every prompt at once, prompt `i` with `params(i)`, and returns each one's tokens and
+/// finish reason.
+fn run_mixed(
+    h: &EngineHandle,
+    prompts: &[Vec<u32>],
+    params: impl Fn(usize) -> SamplingParams,
+) -> Vec<(Vec<u32>, Option<FinishReason>)> {
+    submit_all(h, prompts, params)
+        .into_iter()
+        .map(|out| {
+            let c = &out.outputs[0];
+            (c.token_ids.clone(), c.finish_reason)
+        })
+        .collect()
+}
+
+#[test]
+fn async_scheduling_matches_waiting_for_every_step() {
+    // On a GPU the next step is issued before this step's tokens are read back (they reach its
+    // token ids on the device); tokens and where each completion stops must not change. Small
+    // steps mix prompt chunks with decode rows waiting for tokens; length limits, stop tokens,
+    // seeded sampling and a penalty (which turns the lookahead off for its steps) all occur.
+    let prompts = prompts();
+    let sync = start("llama3", |c| {
+        c.async_scheduling = false;
+        c.max_num_batched_tokens = Some(16);
+    });
+    let plain = |i: usize| {
+        let mut p = greedy(6 + 3 * i);
+        if i % 3 == 2 {
+            p.temperature = 0.9;
+            p.seed = Some(7 + i as u64);
+        }
+        p
+    };
+    let first = run_mixed(&sync, &prompts, plain);
+    // stop on a token the first request really produces mid-way
+    let stop = first[1].0[3];
+    let params = |i: usize| {
+        let mut p = plain(i);
+        if i % 3 == 1 {
+            p.ignore_eos = false;
+            p.stop_token_ids = vec![stop];
+        }
+        if i == 4 {
+            p.repetition_penalty = 1.3;
+        }
+        p
+    };
+    let want = run_mixed(&sync, &prompts, params);
+    assert_eq!(want[1].1, Some(FinishReason::Stop));
+    assert!(want[1].0.len() <= 4, "the stop token ends request 1 early");
+    assert_sound(&sync);
+    let lookahead = start("llama3", |c| c.max_num_batched_tokens = Some(16));
+    for round in 0..2 {
+        assert_eq!(
+            run_mixed(&lookahead, &prompts, params),
+            want,
+            "round {round}"
+        );
+        assert_eq!(
+            run_mixed(&lookahead, &prompts, plain),
+            first,
+            "round {round}"
+        );
+    }
+    assert_sound(&lookahead);
 }

@@ -61,6 +61,10 @@ pub struct EngineArgs {
     /// Run every step eagerly (on a GPU, decode steps otherwise replay CUDA graphs).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Wait for each step's tokens before planning the next (on a GPU the next step is otherwise
+    /// issued while the current one runs).
+    #[arg(long)]
+    pub no_async_scheduling: bool,
 }
 
 #[derive(Debug, Args)]

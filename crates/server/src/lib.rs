@@ -49,6 +49,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.seed = args.seed;
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
     cfg.enforce_eager = args.enforce_eager;
+    cfg.async_scheduling = !args.no_async_scheduling;
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }

@@ -64,7 +64,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -80,6 +80,7 @@ impl PyEngine {
         seed: u64,
         chat_template: Option<String>,
         enforce_eager: bool,
+        async_scheduling: bool,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -92,6 +93,7 @@ impl PyEngine {
         cfg.seed = seed;
         cfg.chat_template = chat_template;
         cfg.enforce_eager = enforce_eager;
+        cfg.async_scheduling = async_scheduling;
         if let Some(b) = kv_cache_memory {
             cfg.kv_cache = KvBudget::Bytes(b);
         }

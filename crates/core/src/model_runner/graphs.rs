@@ -210,6 +210,14 @@ impl DecodeGraphs {
         }
     }
 
+    /// Bucket `b`'s token-id input, once made.
+    pub fn input_ids(&self, b: usize) -> Option<Tensor> {
+        self.buckets
+            .get(b)?
+            .as_ref()
+            .map(|bucket| bucket.input_ids.clone())
+    }
+
     /// The logits buffer every graph writes, `[largest bucket, vocab]` f32.
     fn logits(&mut self, device: &Device) -> Result<Tensor> {
         if let Some(l) = &self.logits {
@@ -274,7 +282,7 @@ fn forward_into(
     batch: &ForwardBatch,
     logits: &Tensor,
 ) -> Result<()> {
-    logits.slice_set(&model.forward(batch, kv)?, 0, 0)
+    model.forward_into(batch, kv, logits)
 }
 
 /// Writes the step's rows into the bucket's inputs (padding rows are inert).
@@ -379,6 +387,7 @@ mod tests {
             seq_lens: (0..n as u32).map(|i| 6 + i).collect(),
             query_start_loc: (0..=n as u32).collect(),
             logits_indices: (0..n as u32).collect(),
+            pending: Vec::new(),
         }
     }
 

@@ -22,6 +22,11 @@ pub trait Model: Send {
     /// Runs every token of `batch`, writing K/V into `kv`; returns f32 logits
     /// `[batch.logits_indices.len(), vocab]` for the selected rows.
     fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor>;
+    /// [`Model::forward`] with the logits written into the first rows of `logits` (contiguous
+    /// f32, such as a buffer a CUDA graph owns).
+    fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
+        logits.slice_set(&self.forward(batch, kv)?, 0, 0)
+    }
 }
 
 /// An architecture: its `architectures` name and how to read its config.

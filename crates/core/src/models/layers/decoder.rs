@@ -130,6 +130,29 @@ impl Model for Decoder {
     }
 
     fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
+        match self.lm_head_rows(batch, kv)? {
+            Some(raw) => rserve_kernels::to_f32(&raw),
+            // prompt chunks only: the cache is written, no logits are wanted
+            None => Tensor::zeros(
+                (0, self.cfg.vocab_size),
+                DType::F32,
+                &candle_core::Device::Cpu,
+            ),
+        }
+    }
+
+    fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
+        match self.lm_head_rows(batch, kv)? {
+            Some(raw) => rserve_kernels::to_f32_into(&raw, logits),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Decoder {
+    /// Runs the layers over every token of `batch` (writing K/V into `kv`) and the LM head over
+    /// the logit rows, in the model's dtype; `None` when the batch wants no logits.
+    fn lm_head_rows(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Option<Tensor>> {
         // the residual stream and the last sub-layer's output, added lazily by the next norm
         let mut residual = self.embed_tokens.index_select(&batch.input_ids, 0)?; // [T, hidden]
         let mut out: Option<Tensor> = None;
@@ -152,15 +175,10 @@ impl Model for Decoder {
             None => residual,
         };
         if batch.logits_indices.dim(0)? == 0 {
-            // prompt chunks only: the cache is written, no logits are wanted
-            return Tensor::zeros(
-                (0, self.cfg.vocab_size),
-                DType::F32,
-                &candle_core::Device::Cpu,
-            );
+            return Ok(None);
         }
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
-        rserve_kernels::to_f32(&rserve_kernels::linear_rows(&x, &self.lm_head)?)
+        rserve_kernels::linear_rows(&x, &self.lm_head).map(Some)
     }
 }
