@@ -4,8 +4,9 @@
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
 // Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
-// gemv,step,attn,attn1,attn256,small,chain,gemm,lt (default: all but attn1 and attn256, which
-// run one case each for a profiler). Output: one line per measurement.
+// gemv,step,attn,attn1,attn256,occ,small,chain,gemm,lt (default: all but attn1 and attn256, which
+// run one case each, with the tensor-core kernel the engine picks there, for a profiler).
+// Output: one line per measurement.
 #include "kernels.cu"
 
 #include <cublasLt.h>
@@ -59,6 +60,17 @@ struct Decode {
   }
   int threads() const { return stages == 0 ? 128 : 32 * warps; }
 };
+// Occupancy candidates of the tensor-core decode kernel (section `occ`): the same code with at
+// least MINB CTAs per SM asked of the register allocator, run with the shared-memory carveout at
+// its maximum (the driver's default carveout holds four 2-warp CTAs per SM).
+template <int S, int W, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB) tc_occ(PAGED_DECODE_PARAMS(bf16)) {
+  paged_decode_tc_impl<bf16, 128, S, W>(PAGED_DECODE_ARGS);
+}
+static const Decode kOcc[] = {{"w2s3c", tc_occ<3, 2, 1>, 3, 2},  {"w2s3c6", tc_occ<3, 2, 6>, 3, 2},
+                              {"w2s3c8", tc_occ<3, 2, 8>, 3, 2}, {"w2s4c", tc_occ<4, 2, 1>, 4, 2},
+                              {"w2s4c6", tc_occ<4, 2, 6>, 4, 2}, {"w4s3c", tc_occ<3, 4, 1>, 3, 4}};
+
 static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, 0},
                                   {"tc_w4", paged_decode_tc_w4_d128_bf16, 3, 4},
                                   {"tc_w2", paged_decode_tc_w2_d128_bf16, 3, 2}};
@@ -693,8 +705,25 @@ int main(int argc, char** argv) {
   }
   if (want(sections, "step")) bench_step();
   if (want(sections, "attn")) bench_attn(prop.multiProcessorCount);
-  if (want(sections, "attn1")) bench_attn_case(1, 768, -1, prop.multiProcessorCount);
-  if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount);
+  if (want(sections, "attn1")) bench_attn_case(1, 768, -1, prop.multiProcessorCount, kDecodes[1]);
+  if (want(sections, "occ")) {
+    for (const Decode& dk : kOcc) {
+      CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              std::max(dk.smem(), 48 << 10)));
+      CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared));
+      cudaFuncAttributes fa;
+      CK(cudaFuncGetAttributes(&fa, dk.fn));
+      int blocks = 0;
+      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dk.fn, dk.threads(), dk.smem()));
+      printf("occ %-7s %d registers, %zu local bytes, %d CTAs per SM\n", dk.name, fa.numRegs,
+             fa.localSizeBytes, blocks);
+      for (int B : {1, 8, 64, 128, 256}) bench_attn_case(B, 768, -1, prop.multiProcessorCount, dk);
+      bench_attn_case(256, 577, -1, prop.multiProcessorCount, dk);
+      bench_attn_case(64, 4096, -1, prop.multiProcessorCount, dk);
+    }
+  }
+  if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount, kDecodes[2]);
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
   if (want(sections, "gemm")) bench_gemm();
