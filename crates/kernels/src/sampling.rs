@@ -2,6 +2,10 @@
 //! ids, penalties), then greedy or temperature / min-p / top-k / top-p and one seeded draw; only
 //! the chosen ids and their raw log-probabilities come back to the host.
 //!
+//! [`sample_rows_async`] queues the sampling and the copy of its results into reused page-locked
+//! buffers and returns at once; [`PendingSample::write_tokens`] feeds the chosen ids to a later
+//! step's token ids on the device, before the host has them ([`PendingSample::wait`]).
+//!
 //! [`reference_distribution`] is the CPU reference: the exact probability of every token under the
 //! same rules, which the device tests compare empirical draws against.
 
@@ -111,7 +115,9 @@ pub fn reference_distribution(row: &[f32], s: &RowSampling) -> Vec<f64> {
 }
 
 /// Samples one token per row of `logits` (`[rows, vocab]` f32 on a CUDA device; edited in place)
-/// and returns (token, raw log-probability) per row.
+/// and returns (token, raw log-probability) per row. Each call allocates page-locked buffers for
+/// the results; a caller that samples every step keeps a [`ReadbackPool`] and calls
+/// [`sample_rows_async`].
 pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Vec<(u32, f32)>> {
     let mut pool = ReadbackPool::default();
     sample_rows_async(logits, rows, &mut pool)?.wait(&mut pool)
