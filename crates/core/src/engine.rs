@@ -670,6 +670,7 @@ impl Engine {
                 }
             }
         }
+        // field by field: the runner is borrowed mutably beside it
         let wants = |seq: SeqId| -> bool {
             self.seq_owner
                 .get(&seq)
@@ -898,6 +899,13 @@ impl Engine {
         }
     }
 
+    /// The request a sequence belongs to.
+    fn request_of(&self, seq: SeqId) -> Option<&RequestState> {
+        self.seq_owner
+            .get(&seq)
+            .and_then(|(rid, _)| self.requests.get(rid))
+    }
+
     /// Whether the next step may be planned before this step's tokens are read: no row's sampling
     /// depends on the values of earlier output tokens (repetition, presence and frequency
     /// penalties do), which placeholders stand in for until then.
@@ -906,15 +914,12 @@ impl Engine {
             let LogitRow::Sample(seq) = *row else {
                 return false;
             };
-            self.seq_owner
-                .get(&seq)
-                .and_then(|(rid, _)| self.requests.get(rid))
-                .is_some_and(|st| {
-                    let p = &st.req.params;
-                    p.repetition_penalty == 1.0
-                        && p.presence_penalty == 0.0
-                        && p.frequency_penalty == 0.0
-                })
+            self.request_of(seq).is_some_and(|st| {
+                let p = &st.req.params;
+                p.repetition_penalty == 1.0
+                    && p.presence_penalty == 0.0
+                    && p.frequency_penalty == 0.0
+            })
         })
     }
 
@@ -924,11 +929,7 @@ impl Engine {
         let Some(s) = self.scheduler.seq(seq) else {
             return true;
         };
-        let max_tokens = self
-            .seq_owner
-            .get(&seq)
-            .and_then(|(rid, _)| self.requests.get(rid))
-            .map_or(0, |st| st.max_tokens);
+        let max_tokens = self.request_of(seq).map_or(0, |st| st.max_tokens);
         s.num_output_tokens() + 1 >= max_tokens || s.num_tokens() + 1 >= self.info.max_model_len
     }
 
@@ -945,9 +946,7 @@ impl Engine {
             };
             let forks = self.scheduler.seq(seq).map_or(1, |s| s.pending_forks);
             let wants_logprobs = self
-                .seq_owner
-                .get(&seq)
-                .and_then(|(rid, _)| self.requests.get(rid))
+                .request_of(seq)
                 .is_none_or(|st| st.req.params.logprobs.is_some());
             forks == 0 && !wants_logprobs
         })

@@ -393,11 +393,7 @@ mod cuda {
             s: &CudaStorage,
             l: &Layout,
         ) -> Result<()> {
-            match s.dtype() {
-                DType::BF16 => to_f32_into::<half::bf16>(d, dl, s, l),
-                DType::F16 => to_f32_into::<half::f16>(d, dl, s, l),
-                dt => candle_core::bail!("to_f32_into: no kernel for {dt:?}"),
-            }
+            by_dtype!(s.dtype(), to_f32_into, d, dl, s, l)
         }
     }
 
