@@ -279,11 +279,18 @@ __device__ void paged_decode_impl(
 // where more, longer CTAs per SM hide each one's start and end (decode_tc_warps in
 // paged_attention.rs chooses).
 //
+// With KM (groups of up to 8 heads) the products run transposed: keys are the mma's 16 rows and
+// the heads its 8 columns, S^T = K Q^T and O^T += V^T P^T. A tile then costs head_dim / 16 mma for
+// the scores and as many for P.V, half the count of the row layout, whose 16 rows hold only the
+// group's few heads. The score fragment becomes P.V's B operand through one register transpose
+// (movmatrix) per 8 keys, and a head's softmax max is taken over the 8 lanes that hold its keys.
+//
+// Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
 //             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T).
 constexpr int kTcKeys = 16;  // keys per warp tile
 
-template <typename T, int D, int S, int WARPS>
+template <typename T, int D, int S, int WARPS, bool KM>
 __device__ void paged_decode_tc_impl(
     T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
@@ -297,6 +304,7 @@ __device__ void paged_decode_tc_impl(
   constexpr int NU = kTcKeys / KSTEP;       // copy rounds per tile
   constexpr int WSTAGE = 2 * kTcKeys * LD;  // one warp stage: K tile, then V tile
   constexpr int THREADS = 32 * WARPS;
+  constexpr int NO = KM ? D / 16 : D / 8;  // accumulator fragments per lane
   using Mma = tc_mma<T>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(S >= 2, "the queries borrow warp 0's last stage");
@@ -330,17 +338,28 @@ __device__ void paged_decode_tc_impl(
   const size_t row_stride = (size_t)kv_heads * D;
   const int key0 = lane / CH;
   const int col = 8 * (lane % CH);
+  // the cache row of key pos (block_size is a power of two here); when blocks hold whole tiles and
+  // the keys start on a tile boundary (no sliding window) a tile lies in one block, so one table
+  // read per tile serves its keys
+  const int bs_shift = __ffs(block_size) - 1;
+  const auto cache_row = [&](int pos) {
+    return ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & (block_size - 1));
+  };
+  const bool whole_tiles = block_size >= kTcKeys && k_begin % kTcKeys == 0;
+  const size_t head_col = (size_t)kvh * D + col;
   const auto load = [&](int j) {
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
     T* sk = ring + (j % S) * WSTAGE + key0 * LD + col;
+    const size_t tile_off = whole_tiles ? cache_row(k0) * row_stride + head_col : 0;
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       const int pos = k0 + key0 + KSTEP * u;
       const bool valid = pos < k_end;
-      const size_t off =
-          valid ? ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_stride +
-                      (size_t)kvh * D + col
-                : 0;
+      size_t off = 0;
+      if (valid && whole_tiles)
+        off = tile_off + (size_t)(key0 + KSTEP * u) * row_stride;
+      else if (valid)
+        off = cache_row(pos) * row_stride + head_col;
       tc_cp_async16(sk + KSTEP * u * LD, k_cache + off, valid);
       tc_cp_async16(sk + (kTcKeys + KSTEP * u) * LD, v_cache + off, valid);
     }
@@ -359,18 +378,33 @@ __device__ void paged_decode_tc_impl(
     *reinterpret_cast<uint4*>(sq + r * LD + c) = v;
   }
   __syncthreads();
-  uint32_t qa[D / 16][4];
+  // the queries as A fragments (rows: heads), or with KM as B fragments (columns: heads 0..7),
+  // dims 16 kk.. 16 kk + 15
+  uint32_t qa[KM ? 1 : D / 16][4];
+  uint32_t qb[KM ? D / 16 : 1][2];
+  if constexpr (KM) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    tc_ldmatrix_x4(qa[kk], sq + (lane & 15) * LD + 16 * kk + 8 * (lane >> 4));
+    for (int j = 0; j < D / 32; ++j) {
+      uint32_t r[4];
+      tc_ldmatrix_x4(r, sq + (lane & 7) * LD + 32 * j + 8 * (lane >> 3));
+      qb[2 * j][0] = r[0];
+      qb[2 * j][1] = r[1];
+      qb[2 * j + 1][0] = r[2];
+      qb[2 * j + 1][1] = r[3];
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      tc_ldmatrix_x4(qa[kk], sq + (lane & 15) * LD + 16 * kk + 8 * (lane >> 4));
+  }
   __syncthreads();  // warp 0's last stage is free for tiles from here
 
   const float scale_log2 = scale * 1.4426950408889634f;
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
-  float o[D / 8][4];
+  float o[NO][4];
 #pragma unroll
-  for (int nd = 0; nd < D / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+  for (int nd = 0; nd < NO; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
 
   for (int j = 0; j < my_tiles; ++j) {
     tc_cp_async_wait<S - 2>();
@@ -380,38 +414,67 @@ __device__ void paged_decode_tc_impl(
     const T* sk = ring + (j % S) * WSTAGE;
     const T* sv = sk + kTcKeys * LD;
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
-
-    // S = Q K^T over 16 keys: one x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8 (bit 3)
-    float s[2][4];
+    if constexpr (KM) {
+      // S^T = K Q^T: one x4 = keys +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (bit 4); s[e] is
+      // key g + 8 (e >> 1), head 2t + (e & 1)
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t b[4];
-      tc_ldmatrix_x4(b, sk + ((lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk + 8 * ((lane >> 3) & 1));
-      Mma::run(s[0], qa[kk], b[0], b[1]);
-      Mma::run(s[1], qa[kk], b[2], b[3]);
-    }
-    // s[nb][e]: row g + 8 (e >> 1), key k0 + 8 nb + 2t + (e & 1)
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        tc_ldmatrix_x4(a, sk + (lane & 15) * LD + 16 * kk + 8 * (lane >> 4));
+        Mma::run(s, a, qb[kk][0], qb[kk][1]);
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s[nb][e] = k0 + 8 * nb + 2 * t + (e & 1) < k_end ? s[nb][e] * scale_log2 : -INFINITY;
+        s[e] = k0 + g + 8 * (e >> 1) < k_end ? s[e] * scale_log2 : -INFINITY;
 
-    tc_online_softmax(s, o, m, l);
+      tc_online_softmax_cols(s, o, m, l);
 
-    // O += P V: the two key blocks' C fragments are the A fragment; one x4 .trans = keys
-    // +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane bit 4)
-    const uint32_t pa[4] = {Mma::pack(s[0][0], s[0][1]), Mma::pack(s[0][2], s[0][3]),
-                            Mma::pack(s[1][0], s[1][1]), Mma::pack(s[1][2], s[1][3])};
+      // O^T += V^T P^T: P's keys +0..7 and +8..15, transposed, are the B operand (keys 2t, 2t + 1
+      // of head g); one x4 .trans of V = dims +0 / +8 (lane bit 3) x keys +0..7 / +8..15 (bit 4)
+      const uint32_t p0 = tc_movmatrix_trans(Mma::pack(s[0], s[1]));
+      const uint32_t p1 = tc_movmatrix_trans(Mma::pack(s[2], s[3]));
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) {
-      uint32_t b[4];
-      tc_ldmatrix_x4_trans(b, sv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * n +
-                                  8 * (lane >> 4));
-      Mma::run(o[2 * n], pa, b[0], b[1]);
-      Mma::run(o[2 * n + 1], pa, b[2], b[3]);
+      for (int n = 0; n < D / 16; ++n) {
+        uint32_t a[4];
+        tc_ldmatrix_x4_trans(a, sv + ((lane & 7) + 8 * (lane >> 4)) * LD + 16 * n +
+                                    8 * ((lane >> 3) & 1));
+        Mma::run(o[n], a, p0, p1);
+      }
+    } else {
+      // S = Q K^T over 16 keys: one x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8 (bit 3)
+      float s[2][4];
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t b[4];
+        tc_ldmatrix_x4(b, sk + ((lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk +
+                              8 * ((lane >> 3) & 1));
+        Mma::run(s[0], qa[kk], b[0], b[1]);
+        Mma::run(s[1], qa[kk], b[2], b[3]);
+      }
+      // s[nb][e]: row g + 8 (e >> 1), key k0 + 8 nb + 2t + (e & 1)
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[nb][e] = k0 + 8 * nb + 2 * t + (e & 1) < k_end ? s[nb][e] * scale_log2 : -INFINITY;
+
+      tc_online_softmax(s, o, m, l);
+
+      // O += P V: the two key blocks' C fragments are the A fragment; one x4 .trans = keys
+      // +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane bit 4)
+      const uint32_t pa[4] = {Mma::pack(s[0][0], s[0][1]), Mma::pack(s[0][2], s[0][3]),
+                              Mma::pack(s[1][0], s[1][1]), Mma::pack(s[1][2], s[1][3])};
+#pragma unroll
+      for (int n = 0; n < D / 16; ++n) {
+        uint32_t b[4];
+        tc_ldmatrix_x4_trans(b, sv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * n +
+                                    8 * (lane >> 4));
+        Mma::run(o[2 * n], pa, b[0], b[1]);
+        Mma::run(o[2 * n + 1], pa, b[2], b[3]);
+      }
     }
   }
   tc_cp_async_wait<0>();
@@ -422,19 +485,37 @@ __device__ void paged_decode_tc_impl(
   float* wml = wo + WARPS * 16 * D;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = g + 8 * h;
-    float* dst = wo + (warp * 16 + r) * D + 2 * t;
+    if constexpr (KM) {  // head 2t + h: its keys' sums are spread over the lanes of equal t
+      float sum = l[h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      const int r = 2 * t + h;
+      float* dst = wo + (warp * 16 + r) * D + g;
 #pragma unroll
-    for (int nd = 0; nd < D / 8; ++nd) {
-      dst[8 * nd] = o[nd][2 * h];
-      dst[8 * nd + 1] = o[nd][2 * h + 1];
-    }
-    if (t == 0) {
-      wml[2 * (warp * 16 + r)] = m[h];
-      wml[2 * (warp * 16 + r) + 1] = sum;
+      for (int n = 0; n < D / 16; ++n) {
+        dst[16 * n] = o[n][h];
+        dst[16 * n + 8] = o[n][2 + h];
+      }
+      if (g == 0) {
+        wml[2 * (warp * 16 + r)] = m[h];
+        wml[2 * (warp * 16 + r) + 1] = sum;
+      }
+    } else {
+      float sum = l[h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int r = g + 8 * h;
+      float* dst = wo + (warp * 16 + r) * D + 2 * t;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        dst[8 * nd] = o[nd][2 * h];
+        dst[8 * nd + 1] = o[nd][2 * h + 1];
+      }
+      if (t == 0) {
+        wml[2 * (warp * 16 + r)] = m[h];
+        wml[2 * (warp * 16 + r) + 1] = sum;
+      }
     }
   }
   __syncthreads();
@@ -489,10 +570,15 @@ __device__ void paged_decode_tc_impl(
   PAGED_DECODE_G(T, NAME, 8) PAGED_DECODE_G(T, NAME, 16)
 RSERVE_FOR_DTYPES(PAGED_DECODE)
 
+// paged_decode_tc_*: heads as rows (groups up to 16); paged_decode_tk_*: keys as rows (up to 8)
 #define PAGED_DECODE_TC_W(T, NAME, D, W)                                                          \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
-    paged_decode_tc_impl<T, D, 3, W>(PAGED_DECODE_ARGS);                                          \
+    paged_decode_tc_impl<T, D, 3, W, false>(PAGED_DECODE_ARGS);                                   \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                            \
+      paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
+    paged_decode_tc_impl<T, D, 3, W, true>(PAGED_DECODE_ARGS);                                    \
   }
 #define PAGED_DECODE_TC(T, NAME, D) PAGED_DECODE_TC_W(T, NAME, D, 2) PAGED_DECODE_TC_W(T, NAME, D, 4)
 PAGED_DECODE_TC(__nv_bfloat16, bf16, 64)

@@ -55,11 +55,31 @@ __device__ __forceinline__ void tc_ldmatrix_x4_trans(uint32_t (&r)[4], const voi
                : "r"(tc_smem_addr(p)));
 }
 
+// The transpose of an 8x8 b16 matrix held one register per lane in fragment layout (lane
+// 4r + c holds row r, columns 2c and 2c + 1): afterwards the lane holds the same place of the
+// transpose.
+__device__ __forceinline__ uint32_t tc_movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
+  return d;
+}
+
 // 2^x on the special function unit (x <= 0 here; -inf gives 0, tiny results flush to 0).
 __device__ __forceinline__ float tc_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Folds a tile's max mx into the running max m; returns the factor that rescales what was summed
+// before, and sets m_use, the max the tile's exponents subtract (0 while no key has been seen, so
+// no NaN).
+__device__ __forceinline__ float tc_fold_max(float& m, float mx, float& m_use) {
+  const float m_new = fmaxf(m, mx);
+  m_use = m_new == -INFINITY ? 0.f : m_new;
+  const float corr = tc_exp2(m - m_use);
+  m = m_new;
+  return corr;
 }
 
 // One online-softmax step of flash attention over a tile's scores in C fragments (log2 domain):
@@ -76,10 +96,8 @@ __device__ __forceinline__ void tc_online_softmax(float (&s)[NB][4], float (&o)[
     for (int nb = 0; nb < NB; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[h], mx);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    const float corr = tc_exp2(m[h] - m_use);
-    m[h] = m_new;
+    float m_use;
+    const float corr = tc_fold_max(m[h], mx, m_use);
     l[h] *= corr;
 #pragma unroll
     for (int nd = 0; nd < ND; ++nd) {
@@ -92,5 +110,32 @@ __device__ __forceinline__ void tc_online_softmax(float (&s)[NB][4], float (&o)[
       s[nb][2 * h + 1] = tc_exp2(s[nb][2 * h + 1] - m_use);
       l[h] += s[nb][2 * h] + s[nb][2 * h + 1];
     }
+  }
+}
+
+// The same step with keys as the rows of the fragments and query heads as their columns (the
+// scores S^T = K Q^T of one 16-key tile): s[e] is key g + 8 (e >> 1) of head 2t + (e & 1), a
+// head's 16 keys spread over the 8 lanes of equal t. o holds O^T (head dims x heads) in the same
+// column layout; l keeps this lane's part of each head's sum (the caller adds the lanes at the
+// end).
+template <int ND>
+__device__ __forceinline__ void tc_online_softmax_cols(float (&s)[4], float (&o)[ND][4],
+                                                       float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = fmaxf(s[i], s[2 + i]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+    float m_use;
+    const float corr = tc_fold_max(m[i], mx, m_use);
+#pragma unroll
+    for (int n = 0; n < ND; ++n) {
+      o[n][i] *= corr;
+      o[n][2 + i] *= corr;
+    }
+    s[i] = tc_exp2(s[i] - m_use);
+    s[2 + i] = tc_exp2(s[2 + i] - m_use);
+    l[i] = l[i] * corr + s[i] + s[2 + i];
   }
 }

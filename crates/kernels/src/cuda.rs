@@ -157,6 +157,14 @@ pub(crate) fn tensor_core_decode_enabled() -> bool {
     switched_on(&ON, "RSERVE_CUDA_TC_DECODE")
 }
 
+/// Whether the tensor-core decode attention of groups of up to 8 query heads per KV head takes
+/// keys as the products' rows (`paged_decode_tk_*`: half the tensor-core instructions of the
+/// heads-as-rows kernel); on unless `RSERVE_CUDA_TK_DECODE=0`, for comparisons.
+pub(crate) fn keys_as_rows_decode_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "RSERVE_CUDA_TK_DECODE")
+}
+
 /// A switch that is on unless the environment variable `var` is `0`, read once into `cell`.
 fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v.trim() != "0"))

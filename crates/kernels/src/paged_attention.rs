@@ -479,8 +479,8 @@ impl PagedAttention<'_> {
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
         use crate::cuda::{
-            cuda_slice, dtype_suffix, function, function_with_shared, tensor_core_decode_enabled,
-            token_rows,
+            cuda_slice, dtype_suffix, function, function_with_shared, keys_as_rows_decode_enabled,
+            tensor_core_decode_enabled, token_rows,
         };
         use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         use candle_core::cuda_backend::WrapErr;
@@ -563,8 +563,14 @@ impl PagedAttention<'_> {
             let (name, grid, shared, threads) = if tc {
                 let w = decode_tc_warps(kvh * n_dec * splits.count, sms);
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
+                // keys as the products' rows where the group fits their 8 columns
+                let layout = if group <= 8 && keys_as_rows_decode_enabled() {
+                    "tk"
+                } else {
+                    "tc"
+                };
                 (
-                    format!("paged_decode_tc_w{w}_d{d}_{suffix}"),
+                    format!("paged_decode_{layout}_w{w}_d{d}_{suffix}"),
                     grid,
                     decode_tc_shared_bytes(w, d, elem),
                     32 * w as u32,
@@ -589,9 +595,9 @@ impl PagedAttention<'_> {
                 let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
                 splits.push(&mut b);
                 // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` and
-                // `paged_decode_tc_w<W>_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16 for the
-                // tensor-core kernel, whose head dim and q alignment are checked above), rows are
-                // 16-byte multiples, metadata validated.
+                // `paged_decode_{tc,tk}_w<W>_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16
+                // for the tc kernel, 8 for tk, whose head dim and q alignment are checked above),
+                // rows are 16-byte multiples, metadata validated.
                 unsafe { b.launch(cfg) }.w()?;
             }
             splits.merge(&dev, suffix, &mut out, d)?;

@@ -456,7 +456,7 @@ mod cuda {
     fn cuda_decode_batches() -> Result<()> {
         // decode-only steps: many sequences (no split), few (split), every group bucket, f32 too;
         // 40 sequences of 8 KV heads take the 2-warp tensor-core kernel on 132 SMs, the others
-        // the 4-warp one
+        // the 4-warp one; groups of up to 8 take keys as the products' rows, 16 heads as rows
         let dev = gpu();
         let many: Vec<(usize, usize)> = (0..40).map(|i| (1, 1 + (i * 37) % 300)).collect();
         let few: &[(usize, usize)] = &[(1, 2000), (1, 129), (1, 64)];
@@ -464,6 +464,8 @@ mod cuda {
             (32, 8, 128, DType::BF16, 2e-2),
             (28, 4, 128, DType::BF16, 2e-2),
             (8, 8, 64, DType::F16, 4e-3),
+            (16, 2, 64, DType::F16, 4e-3),
+            (32, 2, 128, DType::BF16, 2e-2),
             (16, 1, 256, DType::BF16, 2e-2),
             (12, 6, 80, DType::F32, 1e-4),
         ] {
@@ -482,6 +484,29 @@ mod cuda {
                         last_rows: None,
                     },
                 )?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_decode_block_sizes() -> Result<()> {
+        // the tensor-core decode kernels read a tile's keys from one cache block when blocks hold
+        // whole tiles (32) and key by key otherwise (8); a split slice starts on a tile boundary
+        let dev = gpu();
+        let many: Vec<(usize, usize)> = (0..40).map(|i| (1, 1 + (i * 53) % 400)).collect();
+        let few: &[(usize, usize)] = &[(1, 1500), (1, 77)];
+        for (heads, kvh) in [(32, 8), (32, 2)] {
+            for bs in [8, 32] {
+                for seqs in [&many[..], few] {
+                    check(
+                        &dev,
+                        &Case {
+                            bs,
+                            ..bf16_decode(heads, kvh, 128, seqs, None)
+                        },
+                    )?;
+                }
             }
         }
         Ok(())
