@@ -4,7 +4,7 @@
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
 // Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
-// gemv,step,attn,attn1,attn256,occ,small,chain,gemm,lt (default: all but attn1 and attn256, which
+// gemv,step,attn,attn1,attn256,occ,tk,tk256,small,chain,gemm,lt,pchain (default: all but attn1 and attn256, which
 // run one case each, with the tensor-core kernel the engine picks there, for a profiler).
 // Output: one line per measurement.
 #include "kernels.cu"
@@ -63,17 +63,27 @@ struct Decode {
 // Occupancy candidates of the tensor-core decode kernel (section `occ`): the same code with at
 // least MINB CTAs per SM asked of the register allocator, run with the shared-memory carveout at
 // its maximum (the driver's default carveout holds four 2-warp CTAs per SM).
-template <int S, int W, int MINB>
+template <int S, int W, int MINB, bool KM = false>
 __global__ void __launch_bounds__(32 * W, MINB) tc_occ(PAGED_DECODE_PARAMS(bf16)) {
-  paged_decode_tc_impl<bf16, 128, S, W>(PAGED_DECODE_ARGS);
+  paged_decode_tc_impl<bf16, 128, S, W, KM>(PAGED_DECODE_ARGS);
 }
 static const Decode kOcc[] = {{"w2s3c", tc_occ<3, 2, 1>, 3, 2},  {"w2s3c6", tc_occ<3, 2, 6>, 3, 2},
                               {"w2s3c8", tc_occ<3, 2, 8>, 3, 2}, {"w2s4c", tc_occ<4, 2, 1>, 4, 2},
                               {"w2s4c6", tc_occ<4, 2, 6>, 4, 2}, {"w4s3c", tc_occ<3, 4, 1>, 3, 4}};
+// The transposed kernel (keys as the mma's rows, section `tk`) at other depths and widths.
+static const Decode kTk[] = {{"tk_w2s3", tc_occ<3, 2, 1, true>, 3, 2},
+                             {"tk_w2s2", tc_occ<2, 2, 1, true>, 2, 2},
+                             {"tk_w2s4", tc_occ<4, 2, 1, true>, 4, 2},
+                             {"tk_w1s3", tc_occ<3, 1, 1, true>, 3, 1},
+                             {"tk_w1s4", tc_occ<4, 1, 1, true>, 4, 1},
+                             {"tk_w4s3", tc_occ<3, 4, 1, true>, 3, 4},
+                             {"tk_w4s2", tc_occ<2, 4, 1, true>, 2, 4}};
 
 static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, 0},
                                   {"tc_w4", paged_decode_tc_w4_d128_bf16, 3, 4},
-                                  {"tc_w2", paged_decode_tc_w2_d128_bf16, 3, 2}};
+                                  {"tc_w2", paged_decode_tc_w2_d128_bf16, 3, 2},
+                                  {"tk_w4", paged_decode_tk_w4_d128_bf16, 3, 4},
+                                  {"tk_w2", paged_decode_tk_w2_d128_bf16, 3, 2}};
 
 __global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, int n, int k) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
@@ -203,7 +213,8 @@ static std::vector<Gemv> variants(int m) {
 
 // Whether the comma-separated list `sections` (null: every section) names `s`.
 static bool want(const char* sections, const char* s) {
-  if (!sections) return strcmp(s, "attn1") != 0 && strcmp(s, "attn256") != 0;
+  if (!sections)
+    return strcmp(s, "attn1") != 0 && strcmp(s, "attn256") != 0 && strcmp(s, "tk256") != 0;
   const std::string list = std::string(",") + sections + ",";
   return list.find(std::string(",") + s + ",") != std::string::npos;
 }
@@ -390,6 +401,27 @@ static void bench_attn(int sms) {
     bench_attn_case(1, 768, -1, sms, dk);
     bench_attn_case(1, 4096, -1, sms, dk);
     for (int B : {8, 64, 128, 256}) bench_attn_case(B, 768, -1, sms, dk);
+    bench_attn_case(256, 577, -1, sms, dk);
+    bench_attn_case(64, 4096, -1, sms, dk);
+  }
+}
+
+// Each candidate with the shared-memory carveout at its maximum: its registers and CTAs per SM,
+// then the decode cases of bench_attn.
+template <size_t N>
+static void bench_occ(const Decode (&list)[N], int sms) {
+  for (const Decode& dk : list) {
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            std::max(dk.smem(), 48 << 10)));
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                            cudaSharedmemCarveoutMaxShared));
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, dk.fn));
+    int blocks = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dk.fn, dk.threads(), dk.smem()));
+    printf("occ %-7s %d registers, %zu local bytes, %d CTAs per SM\n", dk.name, fa.numRegs,
+           fa.localSizeBytes, blocks);
+    for (int B : {1, 8, 64, 128, 256}) bench_attn_case(B, 768, -1, sms, dk);
     bench_attn_case(256, 577, -1, sms, dk);
     bench_attn_case(64, 4096, -1, sms, dk);
   }
@@ -688,6 +720,57 @@ static void bench_lt() {
   cublasLtDestroy(lt);
 }
 
+// The products of a prompt step sustained: 32 layers of distinct 8B weights at m = 8,192 rows,
+// each product whole or cut into row chunks (per product: qkv, o, gate_up, down), timed over the
+// whole chain as a prefill step runs them, so clocks settle as they do under that load.
+static void bench_pchain() {
+  const int m = 8192;
+  const Shape* s = kShapes8b;
+  size_t layer = 0;
+  for (int i = 0; i < 4; ++i) layer += (size_t)s[i].n * s[i].k;
+  bf16* w = alloc_bf16(32 * layer, 3, 0.02f);
+  bf16* x = alloc_bf16((size_t)m * 14336, 4, 1.0f);
+  bf16* y;
+  CK(cudaMalloc(&y, (size_t)m * 28672 * sizeof(bf16)));
+  const Gemv blas = {"cublas", nullptr, 0, 0, 1 << 20};
+  double flop = 0;
+  for (int i = 0; i < 4; ++i) flop += 2.0 * m * s[i].n * s[i].k * 32;
+  Timer t;
+  auto chain = [&](const int (&chunk)[4]) {
+    const bf16* p = w;
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const int c = chunk[i] > 0 ? chunk[i] : m;
+        for (int r = 0; r < m; r += c)
+          blas.launch(y + (size_t)r * s[i].n, x + (size_t)r * s[i].k, p, std::min(c, m - r),
+                      s[i].n, s[i].k);
+        p += (size_t)s[i].n * s[i].k;
+      }
+  };
+  const int cases[][4] = {
+      {0, 0, 0, 0},    {4096, 4096, 4096, 4096}, {2048, 2048, 2048, 2048}, {1024, 1024, 1024, 1024},
+      {2048, 0, 0, 0}, {0, 2048, 0, 0},          {0, 0, 2048, 0},          {0, 0, 0, 2048},
+      {0, 0, 4096, 0}, {0, 0, 1024, 0},          {2048, 0, 2048, 0},       {0, 0, 0, 0}};
+  for (const auto& c : cases) {
+    chain(c);
+    float best = 1e30f, sum = 0.f;
+    const int reps = 4;
+    for (int r = 0; r < reps; ++r) {
+      t.start();
+      chain(c);
+      const float ms = t.stop_ms();
+      best = std::min(best, ms);
+      sum += ms;
+    }
+    printf("pchain m=%d chunks qkv %-5d o %-5d gate_up %-5d down %-5d  mean %7.2f ms"
+           "  best %7.2f ms  %5.1f TFLOP/s\n",
+           m, c[0], c[1], c[2], c[3], sum / reps, best, flop / (sum / reps) / 1e9);
+  }
+  CK(cudaFree(w));
+  CK(cudaFree(x));
+  CK(cudaFree(y));
+}
+
 int main(int argc, char** argv) {
   const char* sections = argc > 1 ? argv[1] : nullptr;
   cudaDeviceProp prop;
@@ -706,27 +789,14 @@ int main(int argc, char** argv) {
   if (want(sections, "step")) bench_step();
   if (want(sections, "attn")) bench_attn(prop.multiProcessorCount);
   if (want(sections, "attn1")) bench_attn_case(1, 768, -1, prop.multiProcessorCount, kDecodes[1]);
-  if (want(sections, "occ")) {
-    for (const Decode& dk : kOcc) {
-      CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              std::max(dk.smem(), 48 << 10)));
-      CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                              cudaSharedmemCarveoutMaxShared));
-      cudaFuncAttributes fa;
-      CK(cudaFuncGetAttributes(&fa, dk.fn));
-      int blocks = 0;
-      CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dk.fn, dk.threads(), dk.smem()));
-      printf("occ %-7s %d registers, %zu local bytes, %d CTAs per SM\n", dk.name, fa.numRegs,
-             fa.localSizeBytes, blocks);
-      for (int B : {1, 8, 64, 128, 256}) bench_attn_case(B, 768, -1, prop.multiProcessorCount, dk);
-      bench_attn_case(256, 577, -1, prop.multiProcessorCount, dk);
-      bench_attn_case(64, 4096, -1, prop.multiProcessorCount, dk);
-    }
-  }
+  if (want(sections, "occ")) bench_occ(kOcc, prop.multiProcessorCount);
+  if (want(sections, "tk")) bench_occ(kTk, prop.multiProcessorCount);
   if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount, kDecodes[2]);
+  if (want(sections, "tk256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount, kDecodes[4]);
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
   if (want(sections, "gemm")) bench_gemm();
   if (want(sections, "lt")) bench_lt();
+  if (want(sections, "pchain")) bench_pchain();
   return 0;
 }
