@@ -6,6 +6,7 @@
 # `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
 # and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
 # Results: $OUT (default /tmp/rserve-gpu) holds each step's log, results.jsonl and summary.txt.
+# Exits 1 when a step failed, else 0.
 set -uo pipefail
 BUNDLE=${RSERVE_BUNDLE:-target/gpu-bundle}
 OUT=${OUT:-/tmp/rserve-gpu}
@@ -19,12 +20,14 @@ chmod +x "$BUNDLE"/* 2>/dev/null
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 : >"$OUT/summary.txt"
+failed=0
 step() {
   local name=$1; shift
   local t0=$SECONDS
   echo "== $name: $*"
   "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
+  ((rc)) && failed=1
   tail -n 25 "$OUT/$name.log"
   printf '%-10s rc=%s %ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
 }
@@ -58,4 +61,5 @@ if ((${#py_parts[@]})); then
     --parts "$(IFS=,; echo "${py_parts[*]}")" ${RSERVE_BIG:+--big "$RSERVE_BIG"}
 fi
 echo "== summary"; cat "$OUT/summary.txt"
-[[ -f "$OUT/results.jsonl" ]] && cat "$OUT/results.jsonl" | cut -c1-600
+if [[ -f "$OUT/results.jsonl" ]]; then cut -c1-600 "$OUT/results.jsonl"; fi
+exit $failed
