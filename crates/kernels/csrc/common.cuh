@@ -96,5 +96,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
+// The cache slot of key `pos` of a sequence, `block` being its block-table entry for that key,
+// in blocks of 2^bs_shift keys.
+__device__ __forceinline__ size_t paged_slot(uint32_t block, int pos, int bs_shift) {
+  return ((size_t)block << bs_shift) + (pos & ((1 << bs_shift) - 1));
+}
+
 // One instantiation per dtype, named `<name>_<f32|bf16|f16>`.
 #define RSERVE_FOR_DTYPES(M) M(float, f32) M(__nv_bfloat16, bf16) M(__half, f16)

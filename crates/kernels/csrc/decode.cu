@@ -342,9 +342,7 @@ __device__ void paged_decode_tc_impl(
   // the keys start on a tile boundary (no sliding window) a tile lies in one block, so one table
   // read per tile serves its keys
   const int bs_shift = __ffs(block_size) - 1;
-  const auto cache_row = [&](int pos) {
-    return ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & (block_size - 1));
-  };
+  const auto cache_row = [&](int pos) { return paged_slot(table[pos >> bs_shift], pos, bs_shift); };
   const bool whole_tiles = block_size >= kTcKeys && k_begin % kTcKeys == 0;
   const size_t head_col = (size_t)kvh * D + col;
   const auto load = [&](int j) {

@@ -124,8 +124,8 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     for (int j = 0; j < NJ; ++j) {
       const int pos = k_begin + it * BK + key0 + j * KEY_STEP;
       const bool valid = pos < k_end;
-      const size_t slot = ((size_t)blk[j] << bs_shift) + (pos & (block_size - 1));
-      const size_t off = valid ? slot * slot_stride + (size_t)kvh * D + col : 0;
+      const size_t off =
+          valid ? paged_slot(blk[j], pos, bs_shift) * slot_stride + (size_t)kvh * D + col : 0;
       tc_cp_async16(sk + j * KEY_STEP * LD, k_cache + off, valid);
       tc_cp_async16(sv + j * KEY_STEP * LD, v_cache + off, valid);
     }
