@@ -129,7 +129,7 @@ __device__ void paged_decode_impl(
   float* sm = ss + G * kChunk;      // [G] running max
   float* sl = sm + G;               // [G] running sum
   float* sc = sl + G;               // [G] this chunk's rescale factor
-  int* sslot = reinterpret_cast<int*>(sc + G);  // [kChunk] cache slot of each key
+  uint32_t* sslot = reinterpret_cast<uint32_t*>(sc + G);  // [kChunk] cache slot of each key
 
   for (int i = tid; i < G * D; i += kDecThreads) {
     const int g = i / D, c = i % D;
@@ -165,8 +165,9 @@ __device__ void paged_decode_impl(
     // scores: thread -> keys tid, tid + 128
     for (int kk = tid; kk < nk; kk += kDecThreads) {
       const int pos = c0 + kk;
-      const int slot = (int)table[pos / block_size] * block_size + pos % block_size;
-      sslot[kk] = slot;
+      // 64-bit arithmetic; a slot itself fits 32 bits (KvCache holds fewer than 2^32 token slots)
+      const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+      sslot[kk] = (uint32_t)slot;
       const T* kr = kbase + (size_t)slot * row_stride;
       float s[G];
 #pragma unroll

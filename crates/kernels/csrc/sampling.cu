@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(kSampleThreads) sample_rows(
   const uint32_t e0 = edit_start[row], e1 = edit_start[row + 1];
   for (uint32_t e = e0 + tid; e < e1; e += nt) {
     const uint32_t t = edit_token[e];
-    if ((int)t >= vocab) continue;
+    if (t >= (uint32_t)vocab) continue;  // unsigned: an id of 2^31 or more is out of range too
     edit_raw[e] = x[t];
     float v = x[t] + edit_val[3 * e];
     const float rp = edit_val[3 * e + 1];

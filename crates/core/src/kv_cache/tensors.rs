@@ -36,6 +36,12 @@ impl KvCache {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        // the decode kernels keep a key's slot in 32 bits (computed in 64)
+        if num_blocks.saturating_mul(block_size) > u32::MAX as usize {
+            candle_core::bail!(
+                "a KV cache of {num_blocks} blocks of {block_size} tokens has more than 2^32 token slots"
+            );
+        }
         let shape = (num_blocks, block_size, kv_heads, head_dim);
         let layers = (0..num_layers)
             .map(|_| {
@@ -59,5 +65,17 @@ impl KvCache {
             rserve_kernels::copy_blocks(v, pairs)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_of_2_to_the_32_slots_or_more_is_refused_before_allocating() {
+        let err =
+            KvCache::new(1, 1 << 28, 16, 1, 1, DType::F32, &Device::Cpu).expect_err("2^32 slots");
+        assert!(err.to_string().contains("2^32"), "{err}");
     }
 }
