@@ -22,8 +22,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prompt_token_ids,
         params,
     })?;
-    while let Some(out) = stream.blocking_next() {
-        print!("{}", out?.outputs[0].delta);
+    // each item is a delta: the text and tokens that are new since the last one
+    while let Some(delta) = stream.blocking_next() {
+        for c in delta?.outputs {
+            print!("{}", c.text);
+        }
     }
     println!();
     Ok(())

@@ -55,17 +55,24 @@ class Engine:
     def shutdown(self) -> None: ...
 
 class RequestStream:
-    """The outputs of one request, as JSON snapshots of `RequestOutput`; the last is finished."""
+    """The outputs of one request, as JSON of `RequestDelta`s (what is new: text, token ids,
+    logprobs, the finish); the last has `finished`. Deltas not taken yet are merged into one."""
 
     @property
     def request_id(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
     def __iter__(self) -> RequestStream: ...
     def __next__(self) -> str:
-        """The next snapshot (waits with the GIL released; Ctrl-C raises KeyboardInterrupt)."""
+        """The next delta (waits with the GIL released; Ctrl-C raises KeyboardInterrupt)."""
 
     def next_timeout(self, timeout_s: float) -> str | None:
-        """The next snapshot, or None when nothing arrived within `timeout_s`; raises
-        StopIteration after the final one."""
+        """The next delta, or None when nothing arrived within `timeout_s`; raises
+        StopIteration after the final one and ValueError for a NaN timeout."""
+
+    def result(self) -> str:
+        """Waits for the end and returns the assembled `RequestOutput` as JSON (the deltas
+        taken before count too)."""
 
     def abort(self) -> None:
         """Aborts the request (also done when the object is dropped unfinished)."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Generator, Union, cast
 
-from rserve.types import CompletionOutput, RequestOutput, SamplingParams
+from rserve.types import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from rserve._core import Engine, RequestStream
@@ -107,58 +107,100 @@ def resolve_model(
 
 
 class _Assembler:
-    """Merges the snapshots of one request into `RequestOutput`s with every completion present."""
+    """Assembles the deltas of one request (JSON from the engine) into `RequestOutput`s with
+    every completion present. Each delta costs time in its own size; each `RequestOutput` built
+    copies the lists so far (the engine merges deltas a slow reader has not taken yet)."""
 
-    def __init__(self, prompt: str | None, n: int) -> None:
+    def __init__(self, prompt: str | None, n: int, prompt_token_ids: list[int]) -> None:
         self.prompt = prompt
         self.n = n
         self.request_id = -1
-        self.prompt_token_ids: list[int] = []
-        self.prompt_logprobs: Any = None
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs: list[Logprob | None] | None = None
         self.queue_time: float | None = None
-        self.outputs: dict[int, dict[str, Any]] = {}
         self.finished = False
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[Logprob] | None] = [None] * n
+        self.cumulative: list[float | None] = [None] * n
+        self.finish: list[str | None] = [None] * n
+        self.stop: list[int | str | None] = [None] * n
 
     def update(self, raw: str) -> RequestOutput:
-        """Takes one snapshot (JSON from the engine); returns the merged state with its deltas."""
+        """Takes one delta; returns the assembled state, each `delta` the text this one added."""
         data = json.loads(raw)
         self.request_id = data["request_id"]
-        self.prompt_token_ids = data.get("prompt_token_ids") or self.prompt_token_ids
-        if data.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = data["prompt_logprobs"]
         if data.get("queue_time") is not None:
             self.queue_time = data["queue_time"]
+        for entry in data.get("prompt_logprobs") or []:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.append(None if entry is None else _logprob(entry))
         self.finished = bool(data.get("finished"))
-        fresh = set()
+        fresh: dict[int, str] = {}
         for out in data.get("outputs") or []:
-            self.outputs[out["index"]] = out
-            fresh.add(out["index"])
-        return self._build(lambda i, o: o.get("delta", "") if i in fresh else "")
-
-    def result(self) -> RequestOutput:
-        """The merged state as a final result (each `delta` is the whole text)."""
-        return self._build(lambda i, o: o.get("text", ""))
+            i = out["index"]
+            if i >= self.n:
+                continue
+            text = out.get("text", "")
+            fresh[i] = text
+            self.texts[i].append(text)
+            self.tokens[i].extend(out.get("token_ids") or [])
+            if out.get("logprobs"):
+                lps = self.logprobs[i] if self.logprobs[i] is not None else []
+                lps.extend(_logprob(e) for e in out["logprobs"])
+                self.logprobs[i] = lps
+            self.cumulative[i] = out.get("cumulative_logprob")
+            self.finish[i] = out.get("finish_reason") or self.finish[i]
+            if out.get("stop_reason") is not None:
+                self.stop[i] = out["stop_reason"]
+        return self._build(lambda i: fresh.get(i, ""))
 
     def _build(self, delta_of: Any) -> RequestOutput:
-        count = max([self.n, *(i + 1 for i in self.outputs)])
         outputs = []
-        for i in range(count):
-            o = self.outputs.get(i)
-            if o is None:
-                outputs.append(CompletionOutput(index=i))
-            else:
-                outputs.append(CompletionOutput.model_validate({**o, "delta": delta_of(i, o)}))
-        return RequestOutput.model_validate(
-            {
-                "request_id": self.request_id,
-                "prompt": self.prompt,
-                "prompt_token_ids": self.prompt_token_ids,
-                "prompt_logprobs": self.prompt_logprobs,
-                "outputs": outputs,
-                "finished": self.finished,
-                "queue_time": self.queue_time,
-            }
+        for i in range(self.n):
+            text = "".join(self.texts[i])
+            self.texts[i] = [text]
+            lps = self.logprobs[i]
+            outputs.append(
+                CompletionOutput.model_construct(
+                    index=i,
+                    text=text,
+                    delta=delta_of(i),
+                    token_ids=list(self.tokens[i]),
+                    cumulative_logprob=self.cumulative[i],
+                    logprobs=None if lps is None else list(lps),
+                    finish_reason=self.finish[i],
+                    stop_reason=self.stop[i],
+                )
+            )
+        return RequestOutput.model_construct(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            outputs=outputs,
+            finished=self.finished,
+            queue_time=self.queue_time,
         )
+
+    def final(self, raw: str) -> RequestOutput:
+        """A finished request's whole output (JSON of the engine's assembled output): each
+        `delta` is the whole text, as in vLLM's offline results."""
+        data = json.loads(raw)
+        outputs = [
+            CompletionOutput.model_validate({**o, "delta": o.get("text", "")})
+            for o in data.get("outputs") or []
+        ]
+        return RequestOutput.model_validate({**data, "prompt": self.prompt, "outputs": outputs})
+
+
+def _logprob(entry: Mapping[str, Any]) -> Logprob:
+    return Logprob.model_construct(
+        token_id=entry["token_id"],
+        logprob=entry["logprob"],
+        top=[(t, lp) for t, lp in entry.get("top") or []],
+    )
 
 
 def _abort_quietly(stream: RequestStream) -> None:
@@ -337,10 +379,8 @@ class LLM:
                 started.append(self._submit(prompt, text, p))
             results = []
             for stream, asm in started:
-                for raw in stream:
-                    asm.update(raw)
+                results.append(asm.final(stream.result()))
                 done += 1
-                results.append(asm.result())
             return results
         finally:
             for stream, _ in started[done:]:
@@ -367,7 +407,7 @@ class LLM:
                 fill = max(1, self.max_model_len - len(ids))
             params_json, n = params.to_engine_json(fill), params.n
         stream = self._engine.submit(native, params_json)
-        return stream, _Assembler(text, n)
+        return stream, _Assembler(text, n, stream.prompt_token_ids)
 
     # -- streaming -------------------------------------------------------------------------------
 

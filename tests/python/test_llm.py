@@ -86,12 +86,19 @@ class SpyStream:
     def next_timeout(self, timeout_s: float) -> str | None:
         return self.inner.next_timeout(timeout_s)
 
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.inner.prompt_token_ids
+
+    def result(self) -> str:
+        return self.inner.result()
+
     def abort(self) -> None:
         self.aborted.set()
         self.inner.abort()
 
     def drain(self) -> list[dict[str, Any]]:
-        """The outputs left in the native stream, up to its end."""
+        """The deltas left in the native stream, up to its end."""
         return [json.loads(raw) for raw in self.inner]
 
 
@@ -120,15 +127,14 @@ def spy(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> SpyEngine:
 
 def assert_aborted(stream: SpyStream, max_tokens: int) -> None:
     """The request was aborted: abort() was called and the stream ends (with finish reason
-    `abort`, unless it had already produced every token)."""
+    `abort`, unless it had already produced every token: `length`)."""
     assert stream.aborted.wait(10), "abort() was not called"
     rest = stream.drain()
     if rest:
         final = rest[-1]
         assert final["finished"]
         out = final["outputs"][0]
-        if len(out["token_ids"]) < max_tokens:
-            assert out["finish_reason"] == "abort", out
+        assert out["finish_reason"] in ("abort", "length"), out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,6 +494,22 @@ def test_breaking_out_of_a_stream_aborts_the_request(llm: LLM, spy: SpyEngine) -
         break
     assert len(spy.streams) == 1
     assert_aborted(spy.streams[0], 200)
+
+
+def test_native_stream_deltas_and_result(llm: LLM) -> None:
+    stream = llm._engine.submit(PROMPT, greedy(8).to_engine_json())
+    with pytest.raises(ValueError, match="nan"):
+        stream.next_timeout(float("nan"))
+    first = json.loads(next(stream))
+    assert set(first) >= {"request_id", "outputs", "finished", "prompt_logprobs"}
+    whole = json.loads(stream.result())
+    assert whole["finished"]
+    got = [t for o in first["outputs"] for t in o["token_ids"]]
+    assert whole["outputs"][0]["token_ids"][: len(got)] == got
+    assert len(whole["outputs"][0]["token_ids"]) == 8
+    assert whole["prompt_token_ids"] == stream.prompt_token_ids == llm.encode(PROMPT)
+    expected = llm.generate(PROMPT, greedy(8))[0]
+    assert whole["outputs"][0]["text"] == expected.outputs[0].text
 
 
 def test_stream_bad_input_raises_at_call(llm: LLM) -> None:

@@ -4,7 +4,7 @@
 //! directory and then loaded through the normal loader. It produces fluent-looking nonsense: it
 //! exists to exercise the whole serving path, not to answer questions.
 
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 use crate::sampler::SeqRng;
 use candle_core::{Device, Tensor};
 use serde_json::json;

@@ -1,21 +1,22 @@
 //! The engine's public face: configuration, errors, the facts callers need at the edge
-//! ([`EngineInfo`]), live counters ([`EngineStats`]), and [`EngineHandle`] / [`OutputStream`],
-//! through which every caller (async or blocking) submits requests and receives outputs.
+//! ([`EngineInfo`]), live counters ([`EngineStats`]), and [`EngineHandle`], through which every
+//! caller (async or blocking) submits requests and gets an [`OutputStream`] of their outputs.
 //!
 //! `submit` validates a request against the model (vocabulary, context length, KV capacity)
 //! before it reaches the engine thread, so bad input is an [`EngineError`] and never a panic
-//! or a request that cannot finish. Dropping an unfinished [`OutputStream`] aborts its request.
+//! or a request that cannot finish.
 
 use crate::chat_template::ChatTemplate;
-use crate::loader::{GenerationDefaults, LoadError};
+use crate::load_error::LoadError;
+use crate::loader::GenerationDefaults;
 use crate::models::DecoderConfig;
-use crate::request::{EngineRequest, FinishReason, InvalidParam, RequestId, RequestOutput};
+use crate::request::{EngineRequest, FinishReason, InvalidParam, RequestId};
+use crate::stream::{OutputStream, Sink};
 use crate::tokenizer::Tokenizer;
 use candle_core::DType;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
 
 /// How much memory the KV cache gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +51,11 @@ pub struct EngineConfig {
     /// Plan and issue step N+1 while the device runs step N, its sampled tokens fed to it on the
     /// device (GPU, device-sampled steps without penalties); off: every step waits for the last.
     pub async_scheduling: bool,
+    /// With `async_scheduling`, plan ahead of host-sampled steps too (as a GPU does with its
+    /// device-sampled ones). It buys nothing on a CPU, where every step waits for the forward
+    /// pass anyway; it exists so that tests run the async bookkeeping (placeholders, tokens fed
+    /// to the next step, rows computed past a stop) without a GPU.
+    pub lookahead_on_host: bool,
 }
 
 impl EngineConfig {
@@ -68,6 +74,7 @@ impl EngineConfig {
             chat_template: None,
             enforce_eager: false,
             async_scheduling: true,
+            lookahead_on_host: false,
         }
     }
 }
@@ -81,7 +88,7 @@ pub enum EngineError {
     #[error("{field}: {message}")]
     InvalidParam { field: String, message: String },
     /// Prompt plus completion exceed the context (HTTP 400, vLLM's wording).
-    #[error("This model's maximum context length is {max} tokens. However, you requested {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the messages or completion.", prompt + completion)]
+    #[error("This model's maximum context length is {max} tokens. However, you requested {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the messages or completion.", prompt.saturating_add(*completion))]
     ContextLength {
         max: usize,
         prompt: usize,
@@ -153,6 +160,9 @@ pub struct EngineStats {
     pub finished_length: AtomicU64,
     pub finished_abort: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Steps planned and issued before the previous step's tokens were taken in (async
+    /// scheduling).
+    pub steps_ahead: AtomicU64,
 }
 
 impl EngineStats {
@@ -170,7 +180,7 @@ pub(crate) enum Command {
     Submit {
         id: RequestId,
         req: Box<EngineRequest>,
-        tx: flume::Sender<Result<RequestOutput, EngineError>>,
+        sink: Sink,
     },
     Abort(RequestId),
     Check(mpsc::Sender<Vec<String>>),
@@ -223,7 +233,7 @@ impl EngineHandle {
         }
         let max = self.info.max_model_len;
         let completion = req.params.max_tokens.unwrap_or(0);
-        if prompt >= max || prompt + completion > max {
+        if prompt >= max || prompt.saturating_add(completion) > max {
             return Err(EngineError::ContextLength {
                 max,
                 prompt,
@@ -231,7 +241,7 @@ impl EngineHandle {
             });
         }
         let total = match req.params.max_tokens {
-            Some(m) => prompt + m,
+            Some(m) => prompt.saturating_add(m),
             None => max,
         };
         let blocks = total.div_ceil(self.info.block_size);
@@ -248,20 +258,15 @@ impl EngineHandle {
     pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
         self.validate(&req)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = flume::unbounded();
+        let (sink, stream) = crate::stream::channel(id, &req, self.tx.clone());
         self.tx
             .send(Command::Submit {
                 id,
                 req: Box::new(req),
-                tx,
+                sink,
             })
             .map_err(|_| EngineError::Stopped)?;
-        Ok(OutputStream {
-            id,
-            rx,
-            tx: self.tx.clone(),
-            done: false,
-        })
+        Ok(stream)
     }
 
     /// Aborts a request; its blocks are freed at the engine's next turn.
@@ -281,87 +286,5 @@ impl EngineHandle {
     /// Stops the engine thread once its queue is drained of commands.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
-    }
-}
-
-/// Outputs of one request, in order; the last has `finished == true`.
-pub struct OutputStream {
-    id: RequestId,
-    rx: flume::Receiver<Result<RequestOutput, EngineError>>,
-    tx: mpsc::Sender<Command>,
-    done: bool,
-}
-
-impl OutputStream {
-    pub fn request_id(&self) -> RequestId {
-        self.id
-    }
-
-    fn see(
-        &mut self,
-        item: Option<Result<RequestOutput, EngineError>>,
-    ) -> Option<Result<RequestOutput, EngineError>> {
-        match &item {
-            Some(Ok(o)) if o.finished => self.done = true,
-            Some(Err(_)) | None => self.done = true,
-            _ => {}
-        }
-        item
-    }
-
-    /// The next output (async).
-    pub async fn next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
-        if self.done {
-            return None;
-        }
-        let item = self.rx.recv_async().await.ok();
-        self.see(item)
-    }
-
-    /// The next output (blocking; do not call from an async runtime thread).
-    pub fn blocking_next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
-        if self.done {
-            return None;
-        }
-        let item = self.rx.recv().ok();
-        self.see(item)
-    }
-
-    /// The next output, waiting at most `timeout` (blocking): `Err(())` on timeout.
-    #[allow(clippy::result_unit_err)]
-    pub fn next_timeout(
-        &mut self,
-        timeout: Duration,
-    ) -> Result<Option<Result<RequestOutput, EngineError>>, ()> {
-        if self.done {
-            return Ok(None);
-        }
-        match self.rx.recv_timeout(timeout) {
-            Ok(item) => Ok(self.see(Some(item))),
-            Err(flume::RecvTimeoutError::Timeout) => Err(()),
-            Err(flume::RecvTimeoutError::Disconnected) => Ok(self.see(None)),
-        }
-    }
-
-    /// Aborts the request (its final output still arrives, with finish reason `abort`).
-    pub fn abort(&self) {
-        let _ = self.tx.send(Command::Abort(self.id));
-    }
-
-    /// Waits (blocking) for the final output.
-    pub fn wait(mut self) -> Result<RequestOutput, EngineError> {
-        let mut last = None;
-        while let Some(item) = self.blocking_next() {
-            last = Some(item?);
-        }
-        last.ok_or(EngineError::Stopped)
-    }
-}
-
-impl Drop for OutputStream {
-    fn drop(&mut self) {
-        if !self.done {
-            let _ = self.tx.send(Command::Abort(self.id));
-        }
     }
 }

@@ -1,7 +1,8 @@
 //! rserve-core: the engine library. Requests come in through [`engine::EngineHandle`]; the engine
 //! thread schedules them with continuous batching over a paged KV cache, runs the model, samples
-//! and streams [`request::RequestOutput`]s back. See the module docs for each part.
+//! and streams [`request::RequestDelta`]s back. See the module docs for each part.
 
+pub mod batch;
 pub mod chat_template;
 pub mod default_model;
 pub mod device;
@@ -9,17 +10,22 @@ pub mod engine;
 mod engine_types;
 pub mod hub;
 pub mod kv_cache;
+pub mod load_error;
 pub mod loader;
 pub mod model_runner;
 pub mod models;
+mod output;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod stop_strings;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;
 
-pub use engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, EngineInfo, KvBudget, OutputStream,
+pub use engine::{Engine, EngineConfig, EngineError, EngineHandle, EngineInfo, KvBudget};
+pub use request::{
+    EngineRequest, FinishReason, RequestDelta, RequestId, RequestOutput, SamplingParams,
 };
-pub use request::{EngineRequest, FinishReason, RequestId, RequestOutput, SamplingParams};
+pub use stream::OutputStream;

@@ -6,50 +6,14 @@
 //! checkpoint.
 
 use crate::chat_template::{load_chat_template, ChatTemplate};
-use crate::models::{decoder_config, Decoder, HfConfig, Model};
+use crate::models::{decoder_config, HfConfig, Model};
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 use candle_core::{DType, Device};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// Why a model could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    #[error("model directory {0} does not exist")]
-    NoDirectory(PathBuf),
-    #[error("missing file {0}")]
-    MissingFile(PathBuf),
-    #[error("cannot read {file}: {reason}")]
-    Io { file: PathBuf, reason: String },
-    #[error("invalid JSON in {file}: {reason}")]
-    Json { file: PathBuf, reason: String },
-    #[error("config.json: {field}: {reason}")]
-    Config { field: String, reason: String },
-    #[error("unsupported architecture {found:?}; supported: {}", supported.join(", "))]
-    UnsupportedArchitecture {
-        found: Vec<String>,
-        supported: Vec<String>,
-    },
-    #[error("unsupported dtype `{0}` (use auto, float32, bfloat16 or float16)")]
-    Dtype(String),
-    #[error("{file}: {reason}")]
-    Safetensors { file: PathBuf, reason: String },
-    #[error("tensor `{name}` not found in {files:?}")]
-    MissingTensor { name: String, files: Vec<PathBuf> },
-    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    TensorShape {
-        name: String,
-        expected: Vec<usize>,
-        found: Vec<usize>,
-    },
-    #[error("tensor `{name}`: {reason}")]
-    Tensor { name: String, reason: String },
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-    #[error("chat template: {0}")]
-    ChatTemplate(String),
-}
+pub use crate::load_error::LoadError;
 
 /// Parses a dtype flag; `auto` follows the checkpoint (`torch_dtype` / `dtype`), defaulting to f32.
 pub fn parse_dtype(name: &str, checkpoint: Option<&str>) -> Result<DType, LoadError> {
@@ -139,7 +103,11 @@ pub struct GenerationDefaults {
     pub repetition_penalty: Option<f32>,
 }
 
-fn generation_defaults(dir: &Path, cfg: &HfConfig) -> Result<GenerationDefaults, LoadError> {
+fn generation_defaults(
+    dir: &Path,
+    cfg: &HfConfig,
+    vocab_size: usize,
+) -> Result<GenerationDefaults, LoadError> {
     let path = dir.join("generation_config.json");
     let v = if path.is_file() {
         read_json(&path)?
@@ -147,14 +115,20 @@ fn generation_defaults(dir: &Path, cfg: &HfConfig) -> Result<GenerationDefaults,
         Value::Null
     };
     let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
-    let mut eos = HfConfig::token_ids(&v.get("eos_token_id").cloned());
-    if eos.is_empty() {
-        eos = HfConfig::token_ids(&cfg.eos_token_id);
-    }
-    let bos = HfConfig::token_ids(&v.get("bos_token_id").cloned())
-        .first()
-        .copied()
-        .or_else(|| HfConfig::token_ids(&cfg.bos_token_id).first().copied());
+    let config = dir.join("config.json");
+    // generation_config.json first, config.json where it says nothing
+    let ids = |key: &str, own: &Option<Value>| -> Result<Vec<u32>, LoadError> {
+        let (file, raw) = match v.get(key).filter(|x| !x.is_null()) {
+            Some(x) => (&path, Some(x.clone())),
+            None => (&config, own.clone()),
+        };
+        special_token_ids(raw.as_ref(), vocab_size).map_err(|reason| LoadError::SpecialToken {
+            file: file.clone(),
+            reason: format!("{key}: {reason}"),
+        })
+    };
+    let eos = ids("eos_token_id", &cfg.eos_token_id)?;
+    let bos = ids("bos_token_id", &cfg.bos_token_id)?.first().copied();
     Ok(GenerationDefaults {
         eos_token_ids: eos,
         bos_token_id: bos,
@@ -163,6 +137,26 @@ fn generation_defaults(dir: &Path, cfg: &HfConfig) -> Result<GenerationDefaults,
         top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
         repetition_penalty: f("repetition_penalty"),
     })
+}
+
+/// A special-token id field (a number, a list of numbers or null) as ids the model has: each must
+/// be a non-negative integer below `vocab_size`.
+pub fn special_token_ids(v: Option<&Value>, vocab_size: usize) -> Result<Vec<u32>, String> {
+    let items: Vec<&Value> = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().collect(),
+        Some(x) => vec![x],
+    };
+    items
+        .into_iter()
+        .map(|x| match x.as_u64() {
+            Some(id) if (id as u128) < vocab_size as u128 => Ok(id as u32),
+            Some(id) => Err(format!(
+                "token id {id} is out of the model's vocabulary (size {vocab_size})"
+            )),
+            None => Err(format!("{x} is not a token id")),
+        })
+        .collect()
 }
 
 /// Everything loaded from a model directory.
@@ -203,11 +197,18 @@ pub fn load_model(
     let dtype = parse_dtype(dtype, hf.dtype_name())?;
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
         .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    let generation = generation_defaults(dir, &hf, dcfg.vocab_size)?;
+    if dcfg.vocab_size > tokenizer.vocab_size() {
+        tracing::warn!(
+            "the model has {} token ids and its tokenizer {}: ids the tokenizer lacks decode to nothing",
+            dcfg.vocab_size,
+            tokenizer.vocab_size()
+        );
+    }
     let files = weight_files(dir)?;
     let weights = Weights::open(&files, dtype, device)?;
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
-    let model = Decoder::load(dcfg, &weights, positions)?;
-    let generation = generation_defaults(dir, &hf)?;
+    let model = crate::models::build(&hf, &weights, positions)?;
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
     let (template, bos_token, eos_token) = match source {
         Some(s) => (s.template, s.bos_token, s.eos_token),
@@ -222,7 +223,7 @@ pub fn load_model(
     };
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
-        model: Box::new(model),
+        model,
         tokenizer,
         chat_template,
         generation,

@@ -12,6 +12,7 @@
 
 pub mod graphs;
 
+pub use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCache;
 use crate::models::Model;
 use crate::scheduler::{Scheduler, SchedulerOutput};
@@ -20,16 +21,6 @@ use candle_core::{Device, Result, Tensor};
 use graphs::{DecodeGraphs, GraphPlan};
 use rserve_kernels::AttentionMetadata;
 use std::sync::Arc;
-
-/// The device-side description of one step's tokens.
-#[derive(Debug, Clone)]
-pub struct ForwardBatch {
-    pub input_ids: Tensor,      // [num_tokens] u32
-    pub positions: Tensor,      // [num_tokens] u32
-    pub logits_indices: Tensor, // [num_logit_rows] u32
-    /// Slot mapping, block tables, sequence lengths and query starts, shared by every layer.
-    pub attn: Arc<AttentionMetadata>,
-}
 
 /// One step's inputs as host arrays, before they go to the device.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -86,6 +77,7 @@ impl HostBatch {
                 self.query_start_loc,
                 device,
             )?),
+            adapter_slots: None,
         })
     }
 }
@@ -162,12 +154,14 @@ impl ModelRunner {
         &self.device
     }
 
-    /// Builds the host arrays for `out`. `wants_prompt_logprobs(seq)` says whether a sequence
-    /// asked for prompt logprobs (rows for every prompt position in its chunk are then added).
+    /// Builds the host arrays for `out`. A sequence whose request asks for prompt logprobs
+    /// ([`crate::sequence::RequestMeta`]) gets a row for every prompt position in its chunk.
+    /// Every position is checked against the model's rotary table here, once per step, so no
+    /// kernel reads past it.
     pub fn host_batch(
         sched: &Scheduler,
         out: &SchedulerOutput,
-        wants_prompt_logprobs: impl Fn(SeqId) -> bool,
+        max_positions: usize,
     ) -> Result<(HostBatch, Vec<LogitRow>)> {
         let bs = sched.kv().block_size();
         let n = out.scheduled.len();
@@ -201,7 +195,15 @@ impl ModelRunner {
                 h.block_tables[i * width + j] = b.0;
             }
             let start = h.input_ids.len();
-            for p in s.num_computed..s.num_computed + s.num_new {
+            let end = s.num_computed + s.num_new;
+            if end > max_positions {
+                candle_core::bail!(
+                    "sequence {} reaches position {} but the model has {max_positions}",
+                    s.seq_id,
+                    end - 1
+                );
+            }
+            for p in s.num_computed..end {
                 let tok = *seq.tokens.get(p).ok_or_else(|| {
                     candle_core::Error::Msg(format!("sequence {} has no token {p}", s.seq_id))
                 })?;
@@ -218,8 +220,8 @@ impl ModelRunner {
                 })?;
                 h.slots.push((block.0 as usize * bs + p % bs) as i64);
             }
-            if wants_prompt_logprobs(s.seq_id) {
-                let end = (s.num_computed + s.num_new).min(seq.prompt_len.saturating_sub(1));
+            if seq.meta.prompt_logprobs.is_some() {
+                let end = end.min(seq.prompt_len.saturating_sub(1));
                 for p in s.num_computed..end {
                     rows.push(LogitRow::PromptLogprob {
                         seq: s.seq_id,
@@ -239,16 +241,12 @@ impl ModelRunner {
     }
 
     /// Builds the step for `out`: written into a decode graph's inputs when one applies, else
-    /// uploaded for an eager pass. See [`ModelRunner::host_batch`] for `wants_prompt_logprobs`.
-    /// Also returns [`HostBatch::pending`]: the rows whose token the caller writes on the device
-    /// into [`ModelRunner::token_ids`] before [`ModelRunner::execute`].
-    pub fn prepare(
-        &mut self,
-        sched: &Scheduler,
-        out: &SchedulerOutput,
-        wants_prompt_logprobs: impl Fn(SeqId) -> bool,
-    ) -> Result<Prepared> {
-        let (mut host, rows) = Self::host_batch(sched, out, wants_prompt_logprobs)?;
+    /// uploaded for an eager pass (see [`ModelRunner::host_batch`]). Also returns
+    /// [`HostBatch::pending`]: the rows whose token the caller writes on the device into
+    /// [`ModelRunner::token_ids`] before [`ModelRunner::execute`].
+    pub fn prepare(&mut self, sched: &Scheduler, out: &SchedulerOutput) -> Result<Prepared> {
+        let max_positions = self.model.max_positions();
+        let (mut host, rows) = Self::host_batch(sched, out, max_positions)?;
         let pending = std::mem::take(&mut host.pending);
         if let Some(g) = self.graphs.as_mut() {
             if let Some(bucket) = g.bucket_for(&host) {
@@ -341,6 +339,7 @@ pub fn profile_forward(
             vec![0, tokens as u32],
             device,
         )?),
+        adapter_slots: None,
     };
     let logits = model.forward(&batch, &kv)?;
     drop(logits);

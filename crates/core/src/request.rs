@@ -63,6 +63,12 @@ pub struct SamplingParams {
 pub const MAX_LOGPROBS: usize = 20;
 /// Largest `n`.
 pub const MAX_N: usize = 128;
+/// Most stop strings one request may give, and the longest one (bytes).
+pub const MAX_STOP_STRINGS: usize = 128;
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+/// Most entries of `logit_bias` and of `stop_token_ids`.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -103,6 +109,17 @@ fn invalid(field: &'static str, message: impl Into<String>) -> InvalidParam {
         field,
         message: message.into(),
     }
+}
+
+/// A list field's length against its cap.
+fn at_most(field: &'static str, what: &str, len: usize, max: usize) -> Result<(), InvalidParam> {
+    if len > max {
+        return Err(invalid(
+            field,
+            format!("at most {max} {what} are allowed, got {len}"),
+        ));
+    }
+    Ok(())
 }
 
 impl SamplingParams {
@@ -160,6 +177,12 @@ impl SamplingParams {
                 return Err(invalid(field, format!("must be in [-2, 2], got {v}")));
             }
         }
+        at_most(
+            "logit_bias",
+            "entries",
+            self.logit_bias.len(),
+            MAX_LOGIT_BIAS,
+        )?;
         for (&tok, &bias) in &self.logit_bias {
             if tok as usize >= vocab_size {
                 return Err(invalid(
@@ -185,9 +208,25 @@ impl SamplingParams {
                 ));
             }
         }
+        at_most("stop", "stop strings", self.stop.len(), MAX_STOP_STRINGS)?;
         if self.stop.iter().any(|s| s.is_empty()) {
             return Err(invalid("stop", "stop strings must not be empty"));
         }
+        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(invalid(
+                "stop",
+                format!(
+                    "a stop string may have at most {MAX_STOP_STRING_BYTES} bytes, got {}",
+                    s.len()
+                ),
+            ));
+        }
+        at_most(
+            "stop_token_ids",
+            "ids",
+            self.stop_token_ids.len(),
+            MAX_STOP_TOKEN_IDS,
+        )?;
         for &t in &self.stop_token_ids {
             if t as usize >= vocab_size {
                 return Err(invalid(
@@ -257,7 +296,7 @@ pub struct CompletionOutput {
     pub index: usize,
     /// All text generated so far (stop strings removed unless asked for).
     pub text: String,
-    /// Text added since the previous output of this completion.
+    /// The text the last [`RequestDelta`] applied added.
     pub delta: String,
     pub token_ids: Vec<u32>,
     pub cumulative_logprob: f32,
@@ -276,7 +315,66 @@ pub enum StopReason {
     Text(String),
 }
 
-/// A snapshot of a request's progress, streamed to the caller after each engine step that changed it.
+/// What engine steps added to one completion since the last [`RequestDelta`] its reader took.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionDelta {
+    pub index: usize,
+    /// New text (stop strings removed unless asked for).
+    pub text: String,
+    /// New token ids.
+    pub token_ids: Vec<u32>,
+    /// One entry per new token when `logprobs` was asked for, else empty.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Of every token so far.
+    pub cumulative_logprob: f32,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+}
+
+/// What the engine reports of a request: only what is new. Deltas a slow reader has not taken
+/// yet are merged into one ([`RequestDelta::merge`]), so a request's queue never holds more than
+/// its own output; [`RequestOutput::apply`] assembles them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestDelta {
+    pub request_id: RequestId,
+    /// New entries of the prompt logprobs (the first entry of all is `None`).
+    pub prompt_logprobs: Vec<Option<TokenLogprob>>,
+    /// The completions that changed, by `index`.
+    pub outputs: Vec<CompletionDelta>,
+    pub finished: bool,
+    /// Seconds from arrival to the first scheduled step (once known).
+    pub queue_time: Option<f64>,
+}
+
+impl RequestDelta {
+    /// Appends `later` to this delta.
+    pub fn merge(&mut self, later: RequestDelta) {
+        self.prompt_logprobs.extend(later.prompt_logprobs);
+        for c in later.outputs {
+            match self.outputs.iter_mut().find(|o| o.index == c.index) {
+                Some(o) => {
+                    o.text.push_str(&c.text);
+                    o.token_ids.extend(c.token_ids);
+                    o.logprobs.extend(c.logprobs);
+                    o.cumulative_logprob = c.cumulative_logprob;
+                    o.finish_reason = c.finish_reason.or(o.finish_reason);
+                    if c.stop_reason.is_some() {
+                        o.stop_reason = c.stop_reason;
+                    }
+                }
+                None => self.outputs.push(c),
+            }
+        }
+        self.finished |= later.finished;
+        self.queue_time = self.queue_time.or(later.queue_time);
+    }
+
+    pub fn num_new_tokens(&self) -> usize {
+        self.outputs.iter().map(|o| o.token_ids.len()).sum()
+    }
+}
+
+/// A request's progress assembled from its deltas.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestOutput {
     pub request_id: RequestId,
@@ -290,6 +388,58 @@ pub struct RequestOutput {
 }
 
 impl RequestOutput {
+    /// A request with nothing generated yet.
+    pub fn new(request_id: RequestId, prompt_token_ids: Vec<u32>, params: &SamplingParams) -> Self {
+        Self {
+            request_id,
+            prompt_token_ids,
+            prompt_logprobs: params.prompt_logprobs.map(|_| Vec::new()),
+            outputs: (0..params.n)
+                .map(|index| CompletionOutput {
+                    index,
+                    text: String::new(),
+                    delta: String::new(),
+                    token_ids: Vec::new(),
+                    cumulative_logprob: 0.0,
+                    logprobs: params.logprobs.map(|_| Vec::new()),
+                    finish_reason: None,
+                    stop_reason: None,
+                })
+                .collect(),
+            finished: false,
+            queue_time: None,
+        }
+    }
+
+    /// Adds a delta: text and tokens are appended, and each completion's `delta` becomes the text
+    /// this delta added to it.
+    pub fn apply(&mut self, d: &RequestDelta) {
+        if let Some(p) = self.prompt_logprobs.as_mut() {
+            p.extend(d.prompt_logprobs.iter().cloned());
+        }
+        for o in &mut self.outputs {
+            o.delta.clear();
+        }
+        for c in &d.outputs {
+            let Some(o) = self.outputs.get_mut(c.index) else {
+                continue;
+            };
+            o.text.push_str(&c.text);
+            o.delta.push_str(&c.text);
+            o.token_ids.extend_from_slice(&c.token_ids);
+            if let Some(l) = o.logprobs.as_mut() {
+                l.extend(c.logprobs.iter().cloned());
+            }
+            o.cumulative_logprob = c.cumulative_logprob;
+            o.finish_reason = c.finish_reason.or(o.finish_reason);
+            if c.stop_reason.is_some() {
+                o.stop_reason = c.stop_reason.clone();
+            }
+        }
+        self.finished |= d.finished;
+        self.queue_time = self.queue_time.or(d.queue_time);
+    }
+
     pub fn num_generated_tokens(&self) -> usize {
         self.outputs.iter().map(|o| o.token_ids.len()).sum()
     }

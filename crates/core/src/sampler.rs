@@ -1,19 +1,26 @@
-//! Token sampling over host `f32` logits: per-sequence seeded randomness, logit processing
-//! (bias, suppression, repetition / presence / frequency penalties), greedy and stochastic
-//! selection (temperature, min-p, top-k, top-p) and log-probabilities.
+//! The sampling policy, and its host executor.
 //!
-//! This module owns only pure functions over one logits row per sequence; it owns no tensors,
-//! no locks and no request state (the caller keeps prompt / output ids and decides which ids to
-//! suppress, e.g. EOS and stop ids before `min_tokens`). Invariants: logprobs (chosen token and
-//! top alternatives) always come from the raw row, before any processing, as in vLLM v1; every
-//! non-greedy sample consumes exactly one draw from the sequence's own [`SeqRng`] and greedy
-//! samples consume none, so a seeded sequence's tokens never depend on the rest of the batch;
-//! the logits row is used as scratch but holds its raw values again when [`sample`] returns;
-//! NaN is read as `-inf`, and nothing here panics on non-finite or out-of-range input.
+//! [`row_sampling`] is the one place a request's parameters become what a row asks of a sampler
+//! ([`RowSampling`]: sparse logit edits for bias, suppressed ids and repetition / presence /
+//! frequency penalties; temperature, min-p, top-k, top-p; a seed). The engine decides per row
+//! where it runs: on the device (`rserve_kernels::sampling`) or on the host ([`sample_row`],
+//! for rows that want top-N logprobs, and on the CPU). Both apply the same rules and draw with
+//! the same counter hash of the seed and the token id ([`uniform`], Gumbel-max), so a seeded row
+//! picks the same token on either, alone or in any batch.
+//!
+//! Pure functions over host rows; no tensors, no locks, no request state (the caller keeps
+//! prompt / output ids and decides which ids to suppress, e.g. EOS and stop ids before
+//! `min_tokens`). Invariants: logprobs (chosen token and top alternatives) always come from the
+//! raw row, before any processing, as in vLLM v1; every non-greedy row takes exactly one draw
+//! from the sequence's own [`SeqRng`] (its seed) and greedy rows take none; a row used as scratch
+//! holds its raw values again on return; NaN is read as `-inf`, and nothing here panics on
+//! non-finite or out-of-range input.
 
 use crate::request::{SamplingParams, TokenLogprob};
 use rayon::prelude::*;
+pub use rserve_kernels::sampling::{LogitEdit, RowSampling};
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
@@ -186,46 +193,6 @@ impl<'a> Edits<'a> {
         }
     }
 
-    /// Logit bias, suppression, then repetition, presence and frequency penalties.
-    fn apply(&mut self, p: &SamplingParams, prompt: &[u32], output: &[u32], suppress: &[u32]) {
-        let vocab = self.row.len();
-        for (&id, &bias) in &p.logit_bias {
-            self.edit(id, |x| x + bias);
-        }
-        for &id in suppress {
-            self.edit(id, |_| NEG_INF);
-        }
-        let rp = p.repetition_penalty;
-        if rp != 1.0 && rp > 0.0 {
-            let mut seen = vec![false; vocab];
-            for &id in prompt.iter().chain(output) {
-                if let Some(s) = seen.get_mut(id as usize) {
-                    if !*s {
-                        *s = true;
-                        self.edit(id, |x| if x > 0.0 { x / rp } else { x * rp });
-                    }
-                }
-            }
-        }
-        let (pp, fp) = (p.presence_penalty, p.frequency_penalty);
-        if (pp != 0.0 || fp != 0.0) && !output.is_empty() {
-            let mut counts = vec![0u32; vocab];
-            for &id in output {
-                if let Some(c) = counts.get_mut(id as usize) {
-                    *c += 1;
-                }
-            }
-            for &id in output {
-                if let Some(c) = counts.get_mut(id as usize) {
-                    let n = std::mem::take(c);
-                    if n > 0 {
-                        self.edit(id, |x| x - fp * n as f32 - pp);
-                    }
-                }
-            }
-        }
-    }
-
     /// Puts back every overwritten value and hands the row back.
     fn restore(self) -> &'a mut [f32] {
         for &(id, x) in self.saved.iter().rev() {
@@ -245,24 +212,6 @@ fn argmax(row: &[f32]) -> u32 {
         }
     }
     best.0
-}
-
-/// Inverse CDF over `items` (id, unnormalised weight) in their given order, at `u` in [0, 1).
-fn pick(items: impl Iterator<Item = (u32, f64)> + Clone, u: f64) -> u32 {
-    let total: f64 = items.clone().map(|(_, w)| w).sum();
-    let target = u * total;
-    let mut cum = 0.0;
-    let mut last = None;
-    for (id, w) in items {
-        if w > 0.0 {
-            cum += w;
-            last = Some(id);
-            if cum > target {
-                return id;
-            }
-        }
-    }
-    last.unwrap_or(0)
 }
 
 /// Sorts the best prefix of `cands` just far enough to find the smallest one whose weight
@@ -290,21 +239,28 @@ fn nucleus(cands: &mut [(u32, f32)], weight: &impl Fn(f32) -> f64, target: f64) 
     n
 }
 
-/// Temperature, min-p, top-k, top-p, then one draw from `rng` (always exactly one).
-fn draw(row: &[f32], p: &SamplingParams, rng: &mut SeqRng) -> u32 {
-    let u = rng.next_f64();
+/// The uniform in (0, 1) of token `i` in a row seeded with `seed`: the same counter hash as the
+/// device sampler's (`csrc/sampling.cu`), so a seeded row draws alike on both.
+pub fn uniform(seed: u64, i: u32) -> f32 {
+    let mix = |x: u64| {
+        let mut s = x;
+        splitmix64(&mut s)
+    };
+    let h = mix(seed ^ mix(u64::from(i)));
+    ((h >> 40) as f32 + 0.5) * (1.0 / 16_777_216.0)
+}
+
+/// Temperature, min-p, top-k and top-p as one threshold on the edited logits (ties at a boundary
+/// are kept), then a Gumbel-max draw among the survivors with [`uniform`]: the device sampler's
+/// rules, so it samples exactly in proportion to `exp(logit / T)` among the survivors.
+fn draw(row: &[f32], s: &RowSampling) -> u32 {
     let max = row.iter().fold(NEG_INF, |m, &x| m.max(clean(x)));
     if max == NEG_INF {
         return 0;
     }
-    let t = p.temperature;
+    let t = s.temperature;
     let pos_inf = max == f32::INFINITY;
-    let ln_min_p = if p.min_p > 0.0 {
-        p.min_p.ln().min(0.0)
-    } else {
-        NEG_INF
-    };
-    // log(prob / max prob) after temperature.
+    // log(prob / max prob) after temperature
     let rel = move |x: f32| {
         let x = clean(x);
         match (pos_inf, x == f32::INFINITY) {
@@ -313,54 +269,123 @@ fn draw(row: &[f32], p: &SamplingParams, rng: &mut SeqRng) -> u32 {
             _ => (x - max) / t,
         }
     };
-    let keep = move |x: f32| {
-        let r = rel(x);
-        r > NEG_INF && r >= ln_min_p
-    };
-    let weight = move |x: f32| f64::from(rel(x).exp());
-    let use_top_p = p.top_p < 1.0;
-    if p.top_k == 0 && !use_top_p {
-        // One exp per entry: weights are materialised rather than recomputed for the draw.
-        let w: Vec<f64> = row
+    let mut thr = NEG_INF;
+    if s.min_p > 0.0 && !pos_inf {
+        thr = max + s.min_p.ln().min(0.0) * t;
+    }
+    if s.top_k > 0 && s.top_k < row.len() {
+        let mut vals: Vec<f32> = row.iter().map(|&x| clean(x)).collect();
+        let (_, kth, _) = vals.select_nth_unstable_by(s.top_k - 1, |a, b| b.total_cmp(a));
+        thr = thr.max(*kth);
+    }
+    if s.top_p < 1.0 {
+        let weight = move |x: f32| f64::from(rel(x).exp());
+        let mut cands: Vec<(u32, f32)> = row
             .iter()
-            .map(|&x| if keep(x) { weight(x) } else { 0.0 })
+            .enumerate()
+            .map(|(i, &x)| (i as u32, clean(x)))
+            .filter(|&(_, x)| x >= thr && x > NEG_INF)
             .collect();
-        return pick(w.iter().enumerate().map(|(i, &w)| (i as u32, w)), u);
-    }
-    let mut cands: Vec<(u32, f32)> = row
-        .iter()
-        .enumerate()
-        .filter(|&(_, &x)| keep(x))
-        .map(|(i, &x)| (i as u32, clean(x)))
-        .collect();
-    if p.top_k > 0 && p.top_k < cands.len() {
-        cands.select_nth_unstable_by(p.top_k - 1, rank);
-        cands.truncate(p.top_k);
-        cands.sort_unstable_by(rank);
-    }
-    if use_top_p {
         let total: f64 = cands.iter().map(|c| weight(c.1)).sum();
-        let n = nucleus(&mut cands, &weight, f64::from(p.top_p) * total);
-        cands.truncate(n);
+        let n = nucleus(&mut cands, &weight, f64::from(s.top_p) * total);
+        if let Some(&(_, v)) = cands.get(n.wrapping_sub(1)) {
+            thr = thr.max(v);
+        }
     }
-    pick(cands.iter().map(|&(i, x)| (i, weight(x))), u)
+    let mut best = (0u32, NEG_INF);
+    for (i, &x) in row.iter().enumerate() {
+        let x = clean(x);
+        if x == NEG_INF || x < thr {
+            continue;
+        }
+        let g = rel(x) - (-uniform(s.seed, i as u32).ln()).ln();
+        if g > best.1 {
+            best = (i as u32, g);
+        }
+    }
+    best.0
 }
 
-/// Picks one sequence's next token; returns it with its raw logprob and the raw top
-/// `params.logprobs` alternatives.
-pub fn sample(input: SampleInput<'_>) -> TokenLogprob {
-    let params = input.params;
-    let z = LogZ::of(input.logits);
-    let top = with_logprobs(input.logits, &z, params.logprobs.unwrap_or(0));
+/// The one sampling policy: what a row of `params` asks of a sampler, for either the device
+/// or the host. `prompt` and `output` are the sequence's known tokens (the repetition penalty
+/// reads both, presence and frequency penalties the output); `suppress` are ids forbidden now
+/// (EOS and stop ids before `min_tokens`). A random row takes exactly one draw from `rng` as its
+/// seed; a greedy row takes none.
+pub fn row_sampling(
+    params: &SamplingParams,
+    prompt: &[u32],
+    output: &[u32],
+    suppress: &[u32],
+    rng: &mut SeqRng,
+) -> RowSampling {
+    let mut edits: BTreeMap<u32, LogitEdit> = BTreeMap::new();
+    let blank = |token| LogitEdit {
+        token,
+        bias: 0.0,
+        repetition_penalty: 1.0,
+        subtract: 0.0,
+    };
+    for (&t, &b) in &params.logit_bias {
+        edits.entry(t).or_insert_with(|| blank(t)).bias = b;
+    }
+    let rp = params.repetition_penalty;
+    if rp != 1.0 && rp > 0.0 {
+        for &t in prompt.iter().chain(output) {
+            edits
+                .entry(t)
+                .or_insert_with(|| blank(t))
+                .repetition_penalty = rp;
+        }
+    }
+    let (pp, fp) = (params.presence_penalty, params.frequency_penalty);
+    if pp != 0.0 || fp != 0.0 {
+        let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            edits.entry(t).or_insert_with(|| blank(t)).subtract += pp + fp * c as f32;
+        }
+    }
+    for &t in suppress {
+        edits.entry(t).or_insert_with(|| blank(t)).subtract = f32::INFINITY;
+    }
+    let greedy = params.is_greedy();
+    RowSampling {
+        temperature: if greedy { 0.0 } else { params.temperature },
+        top_k: params.top_k,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        seed: if greedy { 0 } else { rng.next_u64() },
+        edits: edits.into_values().collect(),
+    }
+}
+
+/// Samples one row on the host as [`RowSampling`] describes it; returns the token with its raw
+/// logprob and the raw top `logprobs` alternatives. `row` is scratch and holds its raw values
+/// again on return.
+pub fn sample_row(row: &mut [f32], s: &RowSampling, logprobs: usize) -> TokenLogprob {
+    let z = LogZ::of(row);
+    let top = with_logprobs(row, &z, logprobs);
     let mut edits = Edits {
-        row: input.logits,
+        row,
         saved: Vec::new(),
     };
-    edits.apply(params, input.prompt_ids, input.output_ids, input.suppress);
-    let token_id = if params.is_greedy() {
+    for e in &s.edits {
+        edits.edit(e.token, |x| {
+            let b = x + e.bias;
+            let r = if b > 0.0 {
+                b / e.repetition_penalty
+            } else {
+                b * e.repetition_penalty
+            };
+            r - e.subtract
+        });
+    }
+    let token_id = if s.temperature < 1e-5 {
         argmax(edits.row)
     } else {
-        draw(edits.row, params, input.rng)
+        draw(edits.row, s)
     };
     let row = edits.restore();
     let logprob = row
@@ -373,6 +398,19 @@ pub fn sample(input: SampleInput<'_>) -> TokenLogprob {
     }
 }
 
+/// Picks one sequence's next token ([`row_sampling`] then [`sample_row`]); returns it with its
+/// raw logprob and the raw top `params.logprobs` alternatives.
+pub fn sample(input: SampleInput<'_>) -> TokenLogprob {
+    let s = row_sampling(
+        input.params,
+        input.prompt_ids,
+        input.output_ids,
+        input.suppress,
+        input.rng,
+    );
+    sample_row(input.logits, &s, input.params.logprobs.unwrap_or(0))
+}
+
 /// [`sample`] for every row, spread over rayon's pool when the batch is large.
 pub fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
     let work: usize = inputs.iter().map(|i| i.logits.len()).sum();
@@ -380,6 +418,38 @@ pub fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
         inputs.into_par_iter().map(sample).collect()
     } else {
         inputs.into_iter().map(sample).collect()
+    }
+}
+
+/// A prompt position's entry from its row of log-probabilities (log-softmax already applied, on
+/// the device): the next prompt token's and the top `k` alternatives.
+pub fn prompt_logprob_of(logprobs: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
+    TokenLogprob {
+        token_id: next_token,
+        logprob: logprobs
+            .get(next_token as usize)
+            .map_or(NEG_INF, |&x| clean(x)),
+        top: top_n(logprobs, k.unwrap_or(0)),
+    }
+}
+
+/// Samples each row of `rows` on the host with its settings and number of top logprobs
+/// ([`sample_row`]), spread over rayon's pool when the batch is large.
+pub fn sample_rows_host(
+    rows: &mut [Vec<f32>],
+    plans: &[(&RowSampling, usize)],
+) -> Vec<TokenLogprob> {
+    let work: usize = rows.iter().map(Vec::len).sum();
+    if rows.len() > 1 && work >= PAR_MIN_WORK {
+        rows.par_iter_mut()
+            .zip(plans.par_iter())
+            .map(|(row, &(s, k))| sample_row(row, s, k))
+            .collect()
+    } else {
+        rows.iter_mut()
+            .zip(plans)
+            .map(|(row, &(s, k))| sample_row(row, s, k))
+            .collect()
     }
 }
 

@@ -22,6 +22,14 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Most prompt-logprob rows one step may produce (each is a full row of logits read back):
+    /// prompt chunks of requests that ask for prompt logprobs are cut to fit.
+    pub max_prompt_logprob_rows: usize,
+}
+
+/// `max_prompt_logprob_rows` for a vocabulary: 64 MiB of f32 logits a step, at least one row.
+pub fn prompt_logprob_rows_for(vocab_size: usize) -> usize {
+    ((64usize << 20) / (4 * vocab_size.max(1))).max(1)
 }
 
 /// One sequence's share of a step.
@@ -127,6 +135,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.cfg.max_num_batched_tokens;
+        let mut rows = self.cfg.max_prompt_logprob_rows.max(1);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -136,11 +145,11 @@ impl Scheduler {
             };
             let num_computed = seq.num_computed_tokens;
             let remaining = seq.num_uncomputed();
-            if remaining == 0 {
+            let num_new = Self::fit_rows(seq, remaining.min(budget), &mut rows);
+            if num_new == 0 {
                 i += 1;
                 continue;
             }
-            let num_new = remaining.min(budget);
             let mut self_preempted = false;
             let copies = loop {
                 match self.kv.allocate_slots(id, num_computed, num_new) {
@@ -177,10 +186,15 @@ impl Scheduler {
                 };
                 let num_computed = seq.num_computed_tokens;
                 let remaining = seq.num_uncomputed();
-                let num_new = remaining.min(budget);
+                let mut left = rows;
+                let num_new = Self::fit_rows(seq, remaining.min(budget), &mut left);
+                if num_new == 0 {
+                    break;
+                }
                 let Ok(copies) = self.kv.allocate_slots(id, num_computed, num_new) else {
                     break;
                 };
+                rows = left;
                 self.waiting.pop_front();
                 self.running.push(id);
                 if let Some(s) = self.seqs.get_mut(&id) {
@@ -192,6 +206,20 @@ impl Scheduler {
         }
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget;
         out
+    }
+
+    /// Cuts `num_new` so that the prompt-logprob rows it produces fit in `rows` (taking them).
+    /// A chunk with rows to produce and none left is cut to nothing.
+    fn fit_rows(seq: &Sequence, num_new: usize, rows: &mut usize) -> usize {
+        let wanted = seq.prompt_logprob_rows(num_new);
+        if wanted <= *rows {
+            *rows -= wanted;
+            return num_new;
+        }
+        // the rows are the chunk's first positions: `rows` of them leave a chunk of that length
+        let cut = *rows;
+        *rows = 0;
+        cut
     }
 
     fn preempt(&mut self, id: SeqId) {
@@ -223,15 +251,24 @@ impl Scheduler {
     /// Appends a placeholder ([`PENDING_TOKEN`]) for a token still being sampled on the device, so
     /// the next step can be planned before it is read back.
     pub fn reserve_token(&mut self, id: SeqId) {
-        self.append_token(id, PENDING_TOKEN);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.tokens.push(PENDING_TOKEN);
+            seq.num_pending += 1;
+        }
     }
 
     /// Sets token `index` of a sequence (a placeholder's value), or appends it when `index` is the
-    /// sequence's length.
+    /// sequence's length. The one place a token's value becomes known
+    /// ([`Sequence::known_tokens`]); placeholders are resolved in order.
     pub fn set_token(&mut self, id: SeqId, index: usize, token: u32) {
         if let Some(seq) = self.seqs.get_mut(&id) {
             match seq.tokens.get_mut(index) {
-                Some(t) => *t = token,
+                Some(t) => {
+                    if *t == PENDING_TOKEN && seq.num_pending > 0 {
+                        seq.num_pending -= 1;
+                    }
+                    *t = token;
+                }
                 None => seq.tokens.push(token),
             }
         }

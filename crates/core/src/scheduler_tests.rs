@@ -10,6 +10,7 @@ fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerCon
         max_model_len: 1024,
         block_size: bs,
         num_blocks: blocks,
+        max_prompt_logprob_rows: 1 << 20,
     }
 }
 
@@ -204,7 +205,7 @@ fn a_placeholder_lets_the_next_step_be_planned_before_the_token_arrives() {
     let o = s.schedule();
     assert_eq!(plan(&o), vec![(1, 3, 1, true)]);
     let (host, _) =
-        crate::model_runner::ModelRunner::host_batch(&s, &o, |_| false).expect("host batch");
+        crate::model_runner::ModelRunner::host_batch(&s, &o, usize::MAX).expect("host batch");
     assert_eq!(host.input_ids, vec![PENDING_TOKEN]);
     assert_eq!(host.pending, vec![(0, SeqId(1), 3)]);
     s.complete_step(&o);
@@ -223,8 +224,74 @@ fn a_placeholder_lets_the_next_step_be_planned_before_the_token_arrives() {
     let o = s.schedule();
     assert_eq!(plan(&o), vec![(1, 4, 1, true), (2, 5, 1, true)]);
     let (host, _) =
-        crate::model_runner::ModelRunner::host_batch(&s, &o, |_| false).expect("host batch");
+        crate::model_runner::ModelRunner::host_batch(&s, &o, usize::MAX).expect("host batch");
     assert_eq!(host.input_ids, vec![PENDING_TOKEN, 42]);
     assert_eq!(host.pending, vec![(0, SeqId(1), 4)]);
     assert!(s.check_integrity().is_empty());
+}
+
+#[test]
+fn prompt_logprob_rows_are_bounded_per_step() {
+    use crate::sequence::RequestMeta;
+    use std::sync::Arc;
+    let mut c = cfg(64, 8, 64, 4);
+    c.max_prompt_logprob_rows = 10;
+    let mut s = Scheduler::new(c);
+    let meta = Arc::new(RequestMeta {
+        prompt_logprobs: Some(1),
+        ..RequestMeta::default()
+    });
+    // two 16-token prompts wanting prompt logprobs (15 rows each), one plain 8-token prompt
+    for id in 1..=2 {
+        let prompt = (0..16).collect();
+        s.add(Sequence::new(SeqId(id), RequestId(id), prompt, 1).with_meta(meta.clone()));
+    }
+    add(&mut s, 3, 8);
+    let out = s.schedule();
+    // 10 rows: the first prompt's first 10 positions; the second waits (FCFS), so does the third
+    assert_eq!(plan(&out), vec![(1, 0, 10, false)]);
+    finish_step(&mut s, &out);
+    let out = s.schedule();
+    // 5 rows finish the first prompt (its last token produces none), 5 start the second, and the
+    // plain prompt needs no rows
+    assert_eq!(
+        plan(&out),
+        vec![(1, 10, 6, true), (2, 0, 5, false), (3, 0, 8, true)]
+    );
+    finish_step(&mut s, &out);
+    let out = s.schedule();
+    assert_eq!(
+        plan(&out),
+        vec![(1, 16, 1, true), (2, 5, 11, true), (3, 8, 1, true)]
+    );
+}
+
+#[test]
+fn placeholders_resolve_in_order_and_known_tokens_exclude_them() {
+    let mut s = Scheduler::new(cfg(64, 8, 16, 4));
+    add(&mut s, 1, 3);
+    let out = s.schedule();
+    s.complete_step(&out);
+    s.reserve_token(SeqId(1));
+    s.reserve_token(SeqId(1));
+    let seq = s.seq(SeqId(1)).expect("seq");
+    assert_eq!((seq.num_tokens(), seq.known_tokens().len()), (5, 3));
+    s.set_token(SeqId(1), 3, 9);
+    assert_eq!(
+        s.seq(SeqId(1)).expect("seq").known_tokens(),
+        &[100, 101, 102, 9]
+    );
+    s.set_token(SeqId(1), 4, 8);
+    let seq = s.seq(SeqId(1)).expect("seq");
+    assert_eq!((seq.num_pending, seq.known_tokens().len()), (0, 5));
+}
+
+#[test]
+fn positions_past_the_rotary_table_are_errors_when_the_batch_is_built() {
+    let mut s = Scheduler::new(cfg(64, 8, 16, 4));
+    add(&mut s, 1, 10);
+    let o = s.schedule();
+    assert!(crate::model_runner::ModelRunner::host_batch(&s, &o, 10).is_ok());
+    let err = crate::model_runner::ModelRunner::host_batch(&s, &o, 9).expect_err("position 9");
+    assert!(err.to_string().contains("position 9"), "{err}");
 }

@@ -5,8 +5,9 @@
 //! `num_computed_tokens <= tokens.len()`, and the tokens not yet computed are exactly the ones the
 //! scheduler still has to feed through the model.
 
-use crate::request::RequestId;
+use crate::request::{RequestId, SamplingParams};
 use std::fmt;
+use std::sync::Arc;
 
 /// Stands for a token sampled on the device and not read back yet: the next step's token ids get
 /// its value on the device, and the engine writes it in once it arrives.
@@ -30,6 +31,33 @@ pub enum SeqStatus {
     Finished,
 }
 
+/// Facts fixed for a request's whole life, shared by its sequences and read by the scheduler and
+/// the model runner (so neither asks the engine's request maps). Later features add theirs here:
+/// the adapter, image spans, the grammar.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestMeta {
+    /// Top alternatives per prompt position when prompt logprobs are asked for: every prompt
+    /// position of a computed chunk is then a logit row.
+    pub prompt_logprobs: Option<usize>,
+    /// Top alternatives per generated token when logprobs are asked for (sampled on the host).
+    pub logprobs: Option<usize>,
+    /// Whether sampling reads the values of earlier output tokens (repetition, presence and
+    /// frequency penalties), so no step may be planned before they are known.
+    pub penalized: bool,
+}
+
+impl RequestMeta {
+    pub fn of(params: &SamplingParams) -> Self {
+        Self {
+            prompt_logprobs: params.prompt_logprobs,
+            logprobs: params.logprobs,
+            penalized: params.repetition_penalty != 1.0
+                || params.presence_penalty != 0.0
+                || params.frequency_penalty != 0.0,
+        }
+    }
+}
+
 /// One sequence.
 #[derive(Debug, Clone)]
 pub struct Sequence {
@@ -46,6 +74,10 @@ pub struct Sequence {
     pub pending_forks: usize,
     /// How often this sequence was preempted.
     pub num_preemptions: usize,
+    /// Placeholders ([`PENDING_TOKEN`]) at the end of `tokens`: tokens sampled on the device
+    /// whose values are not read back yet.
+    pub num_pending: usize,
+    pub meta: Arc<RequestMeta>,
 }
 
 impl Sequence {
@@ -60,7 +92,32 @@ impl Sequence {
             status: SeqStatus::Waiting,
             pending_forks: n.saturating_sub(1),
             num_preemptions: 0,
+            num_pending: 0,
+            meta: Arc::default(),
         }
+    }
+
+    /// The sequence with its request's facts.
+    pub fn with_meta(mut self, meta: Arc<RequestMeta>) -> Self {
+        self.meta = meta;
+        self
+    }
+
+    /// The tokens whose values are known: all but the placeholders at the end. A token becomes
+    /// known in one place, [`crate::scheduler::Scheduler::set_token`]; whatever reads token
+    /// values (block hashes, grammars, penalties) reads these.
+    pub fn known_tokens(&self) -> &[u32] {
+        &self.tokens[..self.tokens.len() - self.num_pending]
+    }
+
+    /// Prompt positions `< prompt_len - 1` among the next `num_new` tokens to compute: the rows
+    /// of prompt logprobs such a chunk produces.
+    pub fn prompt_logprob_rows(&self, num_new: usize) -> usize {
+        if self.meta.prompt_logprobs.is_none() {
+            return 0;
+        }
+        let end = (self.num_computed_tokens + num_new).min(self.prompt_len.saturating_sub(1));
+        end.saturating_sub(self.num_computed_tokens)
     }
 
     pub fn num_tokens(&self) -> usize {

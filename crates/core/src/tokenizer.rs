@@ -16,9 +16,11 @@
 //! [`take_delta`]: IncrementalDetokenizer::take_delta
 //! [`text`]: IncrementalDetokenizer::text
 
+use crate::stop_strings::{StopScan, StopStrings};
 use std::collections::HashSet;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Errors from loading a tokenizer, encoding or decoding.
 #[derive(Debug, thiserror::Error)]
@@ -159,23 +161,31 @@ pub struct IncrementalDetokenizer {
     text: String,
     /// Bytes of `text` already returned by `take_delta`.
     emitted: usize,
-    stop: Vec<String>,
-    max_stop_len: usize,
+    stops: Arc<StopStrings>,
+    /// The stop-string automaton's state after all of `text`.
+    scan: StopScan,
     include_stop_str_in_output: bool,
     stopped: Option<String>,
 }
 
 impl IncrementalDetokenizer {
-    /// `prompt_ids` give decoding context only; their text is never part of the output.
-    /// Empty stop strings are ignored.
+    /// `prompt_ids` give decoding context only; their text is never part of the output (ids the
+    /// tokenizer does not know are left out of it).
     pub fn new(
+        tok: &Tokenizer,
         prompt_ids: &[u32],
         skip_special_tokens: bool,
-        stop: Vec<String>,
+        stops: Arc<StopStrings>,
         include_stop_str_in_output: bool,
     ) -> Self {
-        let ids = prompt_ids[prompt_ids.len().saturating_sub(PROMPT_CONTEXT)..].to_vec();
-        let stop: Vec<String> = stop.into_iter().filter(|s| !s.is_empty()).collect();
+        let known: Vec<u32> = prompt_ids
+            .iter()
+            .rev()
+            .filter(|id| tok.known_ids.contains(id))
+            .take(PROMPT_CONTEXT)
+            .copied()
+            .collect();
+        let ids: Vec<u32> = known.into_iter().rev().collect();
         Self {
             prefix_offset: 0,
             read_offset: ids.len(),
@@ -183,22 +193,20 @@ impl IncrementalDetokenizer {
             skip_special_tokens,
             text: String::new(),
             emitted: 0,
-            max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
-            stop,
+            stops,
+            scan: StopScan::default(),
             include_stop_str_in_output,
             stopped: None,
         }
     }
 
     /// Appends a generated token. Returns `Some(stop)` when a stop string now appears in
-    /// the text (which is then truncated); after that, further pushes are ignored.
-    /// Fails if `id` (or one of the context prompt ids) is not in the vocabulary.
+    /// the text (which is then truncated); after that, further pushes are ignored. An id the
+    /// tokenizer does not know (a model whose vocabulary is larger than its tokenizer's)
+    /// decodes to nothing.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>, TokenizerError> {
-        if self.stopped.is_some() {
+        if self.stopped.is_some() || !tok.known_ids.contains(&id) {
             return Ok(None);
-        }
-        if !tok.known_ids.contains(&id) {
-            return Err(tok.unknown(id));
         }
         self.ids.push(id);
         self.advance(tok, false)
@@ -260,42 +268,26 @@ impl IncrementalDetokenizer {
         Ok(self.check_stop(new_start))
     }
 
-    /// Finds the earliest stop string that ends in the text added at `new_start`.
+    /// Finds the earliest stop string that ends in the text added at `new_start` (linear in the
+    /// new text, whatever the number and length of the stop strings).
     fn check_stop(&mut self, new_start: usize) -> Option<String> {
-        let mut from = new_start.saturating_sub(self.max_stop_len.saturating_sub(1));
-        while !self.text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let haystack = self.text.get(from..)?;
-        let (pos, stop) = self
-            .stop
-            .iter()
-            .filter_map(|s| haystack.find(s.as_str()).map(|pos| (from + pos, s)))
-            .min_by_key(|(pos, _)| *pos)?;
+        let new = self.text.as_bytes().get(new_start..)?;
+        let m = self.stops.feed(&mut self.scan, new, new_start)?;
+        let stop = self.stops.pattern(m.pattern).to_string();
         let end = if self.include_stop_str_in_output {
-            pos + stop.len()
+            m.start + stop.len()
         } else {
-            pos
+            m.start
         };
         self.text.truncate(end);
         self.emitted = self.emitted.min(end);
         self.stopped = Some(stop.clone());
-        self.stopped.clone()
+        Some(stop)
     }
 
     /// Length of the longest tail of the text that is a proper prefix of a stop string.
     fn holdback(&self) -> usize {
-        self.stop
-            .iter()
-            .flat_map(|s| {
-                (1..s.len())
-                    .filter(|&k| s.is_char_boundary(k))
-                    .map(|k| &s[..k])
-            })
-            .filter(|prefix| self.text.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0)
+        self.stops.holdback(self.scan)
     }
 }
 
@@ -367,8 +359,10 @@ mod tests {
         (deltas, hit)
     }
 
-    fn stops(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
+    fn stops(list: &[&str]) -> Arc<StopStrings> {
+        Arc::new(StopStrings::new(
+            list.iter().map(|s| s.to_string()).collect(),
+        ))
     }
 
     #[test]
@@ -401,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn unknown_ids_are_errors() {
+    fn unknown_ids_are_errors_to_decode_and_nothing_to_stream() {
         let tok = tokenizer();
         let bad = u32::try_from(tok.vocab_size()).expect("fits") + 7;
         let err = tok
@@ -411,9 +405,12 @@ mod tests {
             matches!(err, TokenizerError::UnknownId { id, .. } if id == bad),
             "{err}"
         );
-        let mut det = IncrementalDetokenizer::new(&[], true, vec![], false);
-        assert!(det.push(&tok, u32::MAX).is_err());
-        let (deltas, _) = stream(&tok, &mut det, &byte_ids(&tok, "ok"));
+        // a model whose vocabulary is larger than its tokenizer's still streams
+        let mut det = IncrementalDetokenizer::new(&tok, &[bad, 5], true, stops(&[]), false);
+        assert_eq!(det.push(&tok, u32::MAX).expect("no error"), None);
+        let mut ids = byte_ids(&tok, "ok");
+        ids.insert(1, bad);
+        let (deltas, _) = stream(&tok, &mut det, &ids);
         assert_eq!(deltas.concat(), "ok");
     }
 
@@ -425,13 +422,13 @@ mod tests {
             byte_ids(&tok, text),
             tok.encode(text, false).expect("encode"),
         ] {
-            let mut det = IncrementalDetokenizer::new(&[], true, vec![], false);
+            let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&[]), false);
             let (deltas, _) = stream(&tok, &mut det, &ids);
             assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
             assert_eq!(deltas.concat(), tok.decode(&ids, true).expect("decode"));
             assert_eq!(deltas.concat(), text);
         }
-        let mut det = IncrementalDetokenizer::new(&[], true, vec![], false);
+        let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&[]), false);
         let (deltas, _) = stream(&tok, &mut det, &byte_ids(&tok, "中"));
         assert_eq!(deltas, ["", "", "中", ""]);
     }
@@ -445,7 +442,7 @@ mod tests {
         let mut gen = tok.encode(" hello there", false).expect("encode");
         gen.push(eot);
         for (skip, expected) in [(true, " hello there"), (false, " hello there<|eot_id|>")] {
-            let mut det = IncrementalDetokenizer::new(&prompt, skip, vec![], false);
+            let mut det = IncrementalDetokenizer::new(&tok, &prompt, skip, stops(&[]), false);
             let (deltas, _) = stream(&tok, &mut det, &gen);
             assert_eq!(deltas.concat(), expected);
             assert_eq!(det.text(), expected);
@@ -457,7 +454,7 @@ mod tests {
         let tok = tokenizer();
         let ids = byte_ids(&tok, "abc STOP def");
         for (include, expected) in [(false, "abc "), (true, "abc STOP")] {
-            let mut det = IncrementalDetokenizer::new(&[], true, stops(&["STOP"]), include);
+            let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&["STOP"]), include);
             let (deltas, hit) = stream(&tok, &mut det, &ids);
             assert_eq!(hit, Some(7), "stop completes with the 'P' byte");
             assert_eq!(det.stopped(), Some("STOP"));
@@ -471,7 +468,8 @@ mod tests {
     #[test]
     fn holdback_is_released_when_the_prefix_stops_matching() {
         let tok = tokenizer();
-        let mut det = IncrementalDetokenizer::new(&[], true, stops(&["STOP", "中文!"]), false);
+        let mut det =
+            IncrementalDetokenizer::new(&tok, &[], true, stops(&["STOP", "中文!"]), false);
         let (deltas, hit) = stream(&tok, &mut det, &byte_ids(&tok, "a ST b 中文 c"));
         assert_eq!(hit, None);
         assert_eq!(deltas[..4].concat(), "a ");
@@ -479,7 +477,7 @@ mod tests {
         assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
         assert_eq!(deltas[..13].concat(), "a ST b ", "'中文' is held back");
         assert_eq!(deltas.concat(), "a ST b 中文 c");
-        let mut det = IncrementalDetokenizer::new(&[], true, stops(&["STOP"]), false);
+        let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&["STOP"]), false);
         let (deltas, _) = stream(&tok, &mut det, &byte_ids(&tok, "xST"));
         assert_eq!(
             deltas,
@@ -493,7 +491,7 @@ mod tests {
         let tok = tokenizer();
         let ids = tok.encode("hello world, the end", false).expect("encode");
         let stop = stops(&["the end", "o w"]);
-        let mut det = IncrementalDetokenizer::new(&[], true, stop, false);
+        let mut det = IncrementalDetokenizer::new(&tok, &[], true, stop, false);
         let (deltas, hit) = stream(&tok, &mut det, &ids);
         let hit = hit.expect("stop found");
         let before = tok.decode(&ids[..hit], true).expect("decode");
@@ -516,7 +514,7 @@ mod tests {
         let tok = tokenizer();
         let mut ids = byte_ids(&tok, "ok中");
         ids.pop();
-        let mut det = IncrementalDetokenizer::new(&[], true, vec![], false);
+        let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&[]), false);
         let (deltas, _) = stream(&tok, &mut det, &ids);
         assert_eq!(deltas.concat(), "ok");
         assert_eq!(det.flush(&tok).expect("flush"), None);
@@ -531,7 +529,7 @@ mod tests {
         let lone = tok
             .token_to_id(&byte_char(0x80).to_string())
             .expect("byte token");
-        let mut det = IncrementalDetokenizer::new(&[], true, vec![], false);
+        let mut det = IncrementalDetokenizer::new(&tok, &[], true, stops(&[]), false);
         let (deltas, _) = stream(&tok, &mut det, &[lone; MAX_PENDING + 1]);
         assert_eq!(deltas[MAX_PENDING - 1], "\u{FFFD}".repeat(MAX_PENDING));
         assert_eq!(deltas.concat(), "\u{FFFD}".repeat(MAX_PENDING));

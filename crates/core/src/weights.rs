@@ -4,7 +4,7 @@
 //! Owns the memory-mapped safetensors files. Every failure is a typed [`LoadError`] that names the
 //! tensor (and file where known); nothing here panics on a bad checkpoint.
 
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;

@@ -225,6 +225,79 @@ fn seeded_sampling_is_reproducible_and_independent_of_the_batch() {
     assert_sound(&h);
 }
 
+/// Submits `(prompt, params)` pairs at once; each one's tokens.
+fn run_batch(h: &EngineHandle, reqs: Vec<(Vec<u32>, SamplingParams)>) -> Vec<Vec<u32>> {
+    let streams: Vec<_> = reqs
+        .into_iter()
+        .map(|(prompt_token_ids, params)| {
+            h.submit(EngineRequest {
+                prompt_token_ids,
+                params,
+            })
+            .expect("submit")
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| s.wait().expect("done").outputs[0].token_ids.clone())
+        .collect()
+}
+
+#[test]
+fn seeded_rows_draw_alike_on_either_sampler_and_beside_logprob_requests() {
+    // A request that asks for top-N logprobs is sampled on the host, the others on the device
+    // when there is one; the choice is made per row and both samplers draw with the same counter
+    // hash, so a seeded request's tokens depend neither on its neighbours nor on where it ran.
+    let h = start("llama3", |_| {});
+    let prompts = prompts();
+    let seeded = |seed: u64| SamplingParams {
+        temperature: 0.8,
+        seed: Some(seed),
+        max_tokens: Some(12),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let alone: Vec<Vec<u32>> = (0..3)
+        .map(|i| run_alone(&h, &prompts[i], &seeded(40 + i as u64)))
+        .collect();
+    // beside requests that take the host sampler
+    let mut reqs: Vec<(Vec<u32>, SamplingParams)> = (0..3)
+        .map(|i| (prompts[i].clone(), seeded(40 + i as u64)))
+        .collect();
+    for (i, p) in prompts.iter().enumerate().skip(3) {
+        let mut lp = seeded(i as u64);
+        lp.logprobs = Some(3);
+        reqs.push((p.clone(), lp));
+    }
+    let mixed = run_batch(&h, reqs);
+    assert_eq!(mixed[..3], alone[..]);
+    // the same seeded requests on the host sampler (they ask for logprobs) draw the same tokens
+    let on_host: Vec<Vec<u32>> = (0..3)
+        .map(|i| {
+            let mut p = seeded(40 + i as u64);
+            p.logprobs = Some(0);
+            run_alone(&h, &prompts[i], &p)
+        })
+        .collect();
+    assert_eq!(on_host, alone);
+    // and with top-k, top-p and min-p thresholds, alone and beside logprob requests
+    let filtered = |seed: u64| SamplingParams {
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.01,
+        ..seeded(seed)
+    };
+    let want = run_alone(&h, &prompts[1], &filtered(5));
+    let mut lp = filtered(9);
+    lp.logprobs = Some(1);
+    let got = run_batch(
+        &h,
+        vec![(prompts[1].clone(), filtered(5)), (prompts[4].clone(), lp)],
+    );
+    assert_eq!(got[0], want);
+    assert_sound(&h);
+}
+
 #[test]
 fn n_samples_fork_share_the_prompt_and_are_reproducible() {
     let h = start("llama2", |c| c.block_size = 4);
@@ -347,17 +420,20 @@ fn streaming_deltas_concatenate_to_the_text() {
         })
         .expect("submit");
     let mut acc = String::new();
-    let mut deltas = Vec::new();
-    let mut last = None;
+    let mut deltas: Vec<String> = Vec::new();
+    let mut tokens: Vec<u32> = Vec::new();
     while let Some(o) = s.blocking_next() {
         let o = o.expect("ok");
-        acc.push_str(&o.outputs[0].delta);
-        deltas.push(o.outputs[0].delta.clone());
-        last = Some(o);
+        for c in &o.outputs {
+            acc.push_str(&c.text);
+            deltas.push(c.text.clone());
+            tokens.extend(&c.token_ids);
+        }
     }
-    let last = last.expect("outputs");
+    let last = s.output().clone();
     assert!(last.finished);
     assert_eq!(acc, last.outputs[0].text);
+    assert_eq!(tokens, last.outputs[0].token_ids);
     let decoded = h
         .info()
         .tokenizer
@@ -430,6 +506,35 @@ fn bad_requests_are_errors_not_panics() {
         "This model's maximum context length is 64 tokens. However, you requested 70 tokens (60 in the messages, 10 in the completion). Please reduce the length of the messages or completion."
     );
     assert!(e.is_user_error());
+    // an absurd max_tokens is a context-length error, not an overflow
+    let e = sub(vec![1, 2], greedy(usize::MAX)).expect("too long");
+    assert!(matches!(e, EngineError::ContextLength { .. }), "{e}");
+    assert!(e.to_string().contains("maximum context length"), "{e}");
+    // caps on stop strings and logit_bias, named in the errors
+    let many_stops = SamplingParams {
+        stop: (0..200).map(|i| format!("s{i}")).collect(),
+        ..greedy(4)
+    };
+    let long_stop = SamplingParams {
+        stop: vec!["x".repeat(5000)],
+        ..greedy(4)
+    };
+    let big_bias = SamplingParams {
+        logit_bias: (0..2000).map(|t| (t, 1.0)).collect(),
+        ..greedy(4)
+    };
+    for (p, field, limit) in [
+        (many_stops, "stop", "128"),
+        (long_stop, "stop", "1024"),
+        (big_bias, "logit_bias", "1024"),
+    ] {
+        match sub(vec![1, 2], p) {
+            Some(EngineError::InvalidParam { field: f, message }) => {
+                assert!(f == field && message.contains(limit), "{f}: {message}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
     let bad = SamplingParams {
         top_p: 0.0,
         ..greedy(4)
@@ -469,9 +574,11 @@ fn run_mixed(
 #[test]
 fn async_scheduling_matches_waiting_for_every_step() {
     // On a GPU the next step is issued before this step's tokens are read back (they reach its
-    // token ids on the device); tokens and where each completion stops must not change. Small
-    // steps mix prompt chunks with decode rows waiting for tokens; length limits, stop tokens,
-    // seeded sampling and a penalty (which turns the lookahead off for its steps) all occur.
+    // token ids on the device); on the CPU `lookahead_on_host` runs the same bookkeeping with
+    // host-sampled tokens. Tokens and where each completion stops must not change. Small steps
+    // mix prompt chunks with decode rows waiting for tokens; length limits, stop tokens, stop
+    // strings, seeded sampling and a penalty (which turns the lookahead off for its steps) all
+    // occur.
     let prompts = prompts();
     let sync = start("llama3", |c| {
         c.async_scheduling = false;
@@ -486,8 +593,14 @@ fn async_scheduling_matches_waiting_for_every_step() {
         p
     };
     let first = run_mixed(&sync, &prompts, plain);
-    // stop on a token the first request really produces mid-way
+    // stop on a token the first request really produces mid-way, and on the text of a token
+    // the last one produces
     let stop = first[1].0[3];
+    let stop_text = sync
+        .info()
+        .tokenizer
+        .decode(&first[5].0[4..5], true)
+        .expect("decode");
     let params = |i: usize| {
         let mut p = plain(i);
         if i % 3 == 1 {
@@ -497,13 +610,23 @@ fn async_scheduling_matches_waiting_for_every_step() {
         if i == 4 {
             p.repetition_penalty = 1.3;
         }
+        if i == 5 {
+            p.stop = vec![stop_text.clone()];
+        }
         p
     };
     let want = run_mixed(&sync, &prompts, params);
     assert_eq!(want[1].1, Some(FinishReason::Stop));
     assert!(want[1].0.len() <= 4, "the stop token ends request 1 early");
+    if !stop_text.trim().is_empty() {
+        assert_eq!(want[5].1, Some(FinishReason::Stop));
+        assert!(want[5].0.len() <= 5, "the stop string ends request 5 early");
+    }
     assert_sound(&sync);
-    let lookahead = start("llama3", |c| c.max_num_batched_tokens = Some(16));
+    let lookahead = start("llama3", |c| {
+        c.max_num_batched_tokens = Some(16);
+        c.lookahead_on_host = true;
+    });
     for round in 0..2 {
         assert_eq!(
             run_mixed(&lookahead, &prompts, params),
@@ -516,5 +639,7 @@ fn async_scheduling_matches_waiting_for_every_step() {
             "round {round}"
         );
     }
+    assert!(lookahead.stats().steps_ahead.load(Ordering::Relaxed) > 10);
+    assert_eq!(sync.stats().steps_ahead.load(Ordering::Relaxed), 0);
     assert_sound(&lookahead);
 }

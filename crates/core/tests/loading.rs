@@ -132,3 +132,93 @@ fn half_precision_dtypes_load_and_generate_close_to_float32() {
         );
     }
 }
+
+#[test]
+fn special_token_ids_outside_the_vocabulary_are_load_errors_naming_the_file() {
+    let d = copy_fixture("qwen2", "eos-gen");
+    // 2^31: a signed compare in a kernel would take it for a negative id
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [1, 2147483648]}"#,
+    )
+    .unwrap();
+    let e = load_err(&d);
+    assert!(
+        matches!(&e, LoadError::SpecialToken { file, .. } if file.ends_with("generation_config.json")),
+        "{e}"
+    );
+    assert!(e.to_string().contains("2147483648"), "{e}");
+
+    let d = copy_fixture("qwen2", "eos-cfg");
+    let _ = std::fs::remove_file(d.join("generation_config.json"));
+    edit_config(&d, |v| v["eos_token_id"] = serde_json::json!(1000));
+    let e = load_err(&d);
+    assert!(
+        matches!(&e, LoadError::SpecialToken { file, .. } if file.ends_with("config.json")),
+        "{e}"
+    );
+    edit_config(&d, |v| v["bos_token_id"] = serde_json::json!(-3));
+    edit_config(&d, |v| v["eos_token_id"] = serde_json::json!(2));
+    assert!(matches!(load_err(&d), LoadError::SpecialToken { .. }));
+    edit_config(&d, |v| v["bos_token_id"] = serde_json::json!(null));
+    let m = load_model(&d, "auto", &candle_core::Device::Cpu, None).expect("loads");
+    assert_eq!(m.generation.eos_token_ids, vec![2]);
+}
+
+#[test]
+fn the_model_runs_from_input_embeddings_as_from_token_ids() {
+    use rserve_core::batch::ForwardBatch;
+    use rserve_core::kv_cache::KvCache;
+    use rserve_kernels::AttentionMetadata;
+    use std::sync::Arc;
+    let m = load_model(
+        &fixture_model("llama3"),
+        "float32",
+        &candle_core::Device::Cpu,
+        None,
+    )
+    .unwrap();
+    let mc = m.model.config().clone();
+    let dev = candle_core::Device::Cpu;
+    let ids: Vec<u32> = vec![5, 17, 301, 9, 44];
+    let t = ids.len();
+    let batch = || ForwardBatch {
+        input_ids: candle_core::Tensor::new(ids.as_slice(), &dev).unwrap(),
+        positions: candle_core::Tensor::new(&[0u32, 1, 2, 3, 4], &dev).unwrap(),
+        logits_indices: candle_core::Tensor::new(&[2u32, 4], &dev).unwrap(),
+        attn: Arc::new(
+            AttentionMetadata::new(
+                (0..t as i64).collect(),
+                vec![0],
+                1,
+                vec![t as u32],
+                vec![0, t as u32],
+                &dev,
+            )
+            .unwrap(),
+        ),
+        adapter_slots: None,
+    };
+    let kv = || {
+        KvCache::new(
+            mc.num_layers,
+            1,
+            16,
+            mc.num_kv_heads,
+            mc.head_dim,
+            candle_core::DType::F32,
+            &dev,
+        )
+        .unwrap()
+    };
+    let b = batch();
+    let by_ids = m.model.forward(&b, &kv()).unwrap();
+    let embeds = m.model.embed(&b.input_ids).unwrap();
+    assert_eq!(embeds.dims(), &[t, mc.hidden_size]);
+    let by_embeds = m.model.forward_embeds(&embeds, &b, &kv()).unwrap();
+    assert_eq!(
+        by_ids.to_vec2::<f32>().unwrap(),
+        by_embeds.to_vec2::<f32>().unwrap()
+    );
+    assert_eq!(m.model.max_positions(), mc.max_position_embeddings);
+}

@@ -21,7 +21,7 @@ use rserve_core::{Engine, EngineConfig, EngineRequest, KvBudget, SamplingParams}
 use std::io::Write;
 use std::path::PathBuf;
 
-fn init_logging(level: &str) {
+pub(crate) fn init_logging(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(format!(
             "rserve={level},rserve_core={level},rserve_server={level}"
@@ -74,17 +74,20 @@ fn generate(args: GenerateArgs) -> Result<()> {
         prompt_token_ids: prompt_ids,
         params,
     })?;
-    let mut last = None;
     let mut stdout = std::io::stdout();
-    while let Some(out) = stream.blocking_next() {
-        let out = out?;
+    while let Some(delta) = stream.blocking_next() {
+        let delta = delta?;
         if !args.json {
-            write!(stdout, "{}", out.outputs[0].delta)?;
+            for c in &delta.outputs {
+                write!(stdout, "{}", c.text)?;
+            }
             stdout.flush()?;
         }
-        last = Some(out);
     }
-    let out = last.context("the engine returned no output")?;
+    let out = stream.output();
+    if !out.finished {
+        anyhow::bail!("the engine stopped before the request finished");
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {

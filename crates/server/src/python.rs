@@ -1,6 +1,7 @@
 //! `rserve._core`: the engine for Python, in-process. `Engine` wraps the same [`EngineHandle`]
-//! the HTTP server drives; `RequestStream` iterates a request's outputs (as JSON of
-//! `RequestOutput`) with the GIL released, checking for Ctrl-C while it waits. Parameters are
+//! the HTTP server drives; `RequestStream` iterates a request's deltas (as JSON of
+//! `RequestDelta`) or waits for its assembled output (`result`), with the GIL released, checking
+//! for Ctrl-C while it waits. Parameters are
 //! parsed by the server's own code (`openai::params`), so Python and HTTP accept and reject the
 //! same input; user errors become `ValueError`.
 
@@ -13,6 +14,7 @@ use rserve_core::loader::GenerationDefaults;
 use rserve_core::RequestId;
 use rserve_core::{
     Engine, EngineConfig, EngineError, EngineHandle, EngineRequest, KvBudget, OutputStream,
+    RequestOutput,
 };
 use std::sync::Mutex;
 use std::time::Duration;
@@ -171,6 +173,7 @@ impl PyEngine {
             .map_err(engine_err)?;
         Ok(PyRequestStream {
             id: stream.request_id(),
+            prompt: stream.output().prompt_token_ids.clone(),
             engine: self.handle.clone(),
             inner: Mutex::new(Some(stream)),
         })
@@ -186,6 +189,7 @@ struct PyRequestStream {
     id: RequestId,
     /// Aborts go straight to the engine, never through the stream's lock (held while waiting).
     engine: EngineHandle,
+    prompt: Vec<u32>,
     inner: Mutex<Option<OutputStream>>,
 }
 
@@ -239,6 +243,11 @@ impl PyRequestStream {
     }
 
     fn next_timeout(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<String>> {
+        if timeout_s.is_nan() {
+            return Err(PyValueError::new_err(
+                "timeout_s must be a number of seconds, got nan",
+            ));
+        }
         let t = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
         self.wait_once(py, t)
     }
@@ -246,11 +255,53 @@ impl PyRequestStream {
     fn abort(&self) {
         self.engine.abort(self.id);
     }
+
+    #[getter]
+    fn prompt_token_ids(&self) -> Vec<u32> {
+        self.prompt.clone()
+    }
+
+    /// Waits for the end (GIL released, Ctrl-C checked) and returns the assembled output as
+    /// JSON: one conversion however long the output.
+    fn result(&self, py: Python<'_>) -> PyResult<String> {
+        loop {
+            let r = py.detach(|| -> PyResult<Option<Result<RequestOutput, EngineError>>> {
+                let mut g = self
+                    .inner
+                    .lock()
+                    .map_err(|_| PyRuntimeError::new_err("stream lock poisoned"))?;
+                let Some(s) = g.as_mut() else {
+                    return Err(PyRuntimeError::new_err("the stream was consumed"));
+                };
+                match s.next_timeout(Duration::from_millis(100)) {
+                    Err(()) => Ok(None),
+                    Ok(Some(Err(e))) => Ok(Some(Err(e))),
+                    Ok(Some(Ok(_))) => Ok(None),
+                    Ok(None) => Ok(Some(match g.take() {
+                        Some(s) if s.output().finished => Ok(s.into_output()),
+                        _ => Err(EngineError::Stopped),
+                    })),
+                }
+            })?;
+            match r {
+                Some(Ok(out)) => {
+                    return serde_json::to_string(&out)
+                        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+                }
+                Some(Err(e)) => return Err(engine_err(e)),
+                None => py.check_signals()?,
+            }
+        }
+    }
 }
 
 #[pymodule]
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // the engine's logs go to stderr when RUST_LOG asks for them (as `rserve serve` does)
+    if std::env::var_os("RUST_LOG").is_some() {
+        crate::init_logging("warn");
+    }
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(check_params, m)?)?;
     m.add_function(wrap_pyfunction!(serve, m)?)?;

@@ -133,6 +133,7 @@ impl Bucket {
             positions: positions.clone(),
             logits_indices: Tensor::new(rows.as_slice(), device)?,
             attn: Arc::new(attn),
+            adapter_slots: None,
         };
         Ok(Self {
             size,

@@ -4,7 +4,7 @@
 
 use super::layers::decoder::DecoderConfig;
 use super::layers::rotary::{RopeConfig, RopeScaling};
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -62,19 +62,6 @@ impl HfConfig {
     /// The checkpoint's dtype name (`torch_dtype` or `dtype`), if any.
     pub fn dtype_name(&self) -> Option<&str> {
         self.dtype.as_deref().or(self.torch_dtype.as_deref())
-    }
-
-    /// Token ids listed under `key` (`eos_token_id` may be a number or a list).
-    pub fn token_ids(v: &Option<Value>) -> Vec<u32> {
-        match v {
-            Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect(),
-            _ => Vec::new(),
-        }
     }
 
     /// The sliding window size if set to a number.

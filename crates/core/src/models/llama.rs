@@ -2,7 +2,7 @@
 //! untied embeddings, explicit `head_dim`, `linear` and `llama3` rope scaling.
 
 use super::{DecoderConfig, HfConfig};
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 
 pub fn config(c: &HfConfig) -> Result<DecoderConfig, LoadError> {
     let mut d = c.base_decoder("LlamaForCausalLM")?;

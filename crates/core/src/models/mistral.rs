@@ -2,7 +2,7 @@
 //! `sliding_window` is set.
 
 use super::{DecoderConfig, HfConfig};
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 
 pub fn config(c: &HfConfig) -> Result<DecoderConfig, LoadError> {
     let mut d = c.base_decoder("MistralForCausalLM")?;

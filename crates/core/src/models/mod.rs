@@ -9,9 +9,10 @@ pub mod mistral;
 pub mod qwen2;
 pub mod qwen3;
 
+use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCache;
-use crate::loader::LoadError;
-use crate::model_runner::ForwardBatch;
+use crate::load_error::LoadError;
+use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 pub use hf_config::HfConfig;
 pub use layers::decoder::{Decoder, DecoderConfig};
@@ -19,9 +20,20 @@ pub use layers::decoder::{Decoder, DecoderConfig};
 /// A loaded model that computes logits for a flattened batch over the paged cache.
 pub trait Model: Send {
     fn config(&self) -> &DecoderConfig;
-    /// Runs every token of `batch`, writing K/V into `kv`; returns f32 logits
-    /// `[batch.logits_indices.len(), vocab]` for the selected rows.
-    fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor>;
+    /// Positions the model can encode (its rotary table's length); the runner checks every
+    /// step's positions against it.
+    fn max_positions(&self) -> usize;
+    /// The input embeddings of `input_ids` `[T]`: `[T, hidden]`. A model with other inputs
+    /// (image features) writes them into these rows before [`Model::forward_embeds`].
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor>;
+    /// Runs every token of `batch` from its input embeddings `[T, hidden]`, writing K/V into
+    /// `kv`; returns f32 logits `[batch.logits_indices.len(), vocab]` for the selected rows.
+    fn forward_embeds(&self, embeds: &Tensor, batch: &ForwardBatch, kv: &KvCache)
+        -> Result<Tensor>;
+    /// [`Model::forward_embeds`] of the embeddings of `batch.input_ids`.
+    fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
+        self.forward_embeds(&self.embed(&batch.input_ids)?, batch, kv)
+    }
     /// [`Model::forward`] with the logits written into the first rows of `logits` (contiguous
     /// f32, such as a buffer a CUDA graph owns).
     fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
@@ -29,10 +41,26 @@ pub trait Model: Send {
     }
 }
 
-/// An architecture: its `architectures` name and how to read its config.
+/// How an architecture builds its model from its config, the weights and the number of positions
+/// to support. A plain decoder uses [`build_decoder`]; an architecture that is not one (a vision
+/// encoder in front, another layout) brings its own.
+pub type BuildFn =
+    fn(DecoderConfig, &Weights, usize) -> std::result::Result<Box<dyn Model>, LoadError>;
+
+/// An architecture: its `architectures` name, how to read its config and how to build it.
 pub struct Architecture {
     pub name: &'static str,
     pub config: fn(&HfConfig) -> std::result::Result<DecoderConfig, LoadError>,
+    pub build: BuildFn,
+}
+
+/// The shared decoder stack.
+pub fn build_decoder(
+    cfg: DecoderConfig,
+    w: &Weights,
+    max_positions: usize,
+) -> std::result::Result<Box<dyn Model>, LoadError> {
+    Ok(Box::new(Decoder::load(cfg, w, max_positions)?))
 }
 
 /// Every supported architecture.
@@ -40,18 +68,22 @@ pub const REGISTRY: &[Architecture] = &[
     Architecture {
         name: "LlamaForCausalLM",
         config: llama::config,
+        build: build_decoder,
     },
     Architecture {
         name: "MistralForCausalLM",
         config: mistral::config,
+        build: build_decoder,
     },
     Architecture {
         name: "Qwen2ForCausalLM",
         config: qwen2::config,
+        build: build_decoder,
     },
     Architecture {
         name: "Qwen3ForCausalLM",
         config: qwen3::config,
+        build: build_decoder,
     },
 ];
 
@@ -60,16 +92,31 @@ pub fn supported() -> Vec<&'static str> {
     REGISTRY.iter().map(|a| a.name).collect()
 }
 
-/// Normalises a parsed `config.json` through its architecture's mapping.
-pub fn decoder_config(cfg: &HfConfig) -> std::result::Result<DecoderConfig, LoadError> {
+/// The architecture `config.json` names.
+pub fn architecture(cfg: &HfConfig) -> std::result::Result<&'static Architecture, LoadError> {
     let names = cfg.architectures.clone().unwrap_or_default();
     for n in &names {
         if let Some(a) = REGISTRY.iter().find(|a| a.name == n) {
-            return (a.config)(cfg);
+            return Ok(a);
         }
     }
     Err(LoadError::UnsupportedArchitecture {
         found: names,
         supported: supported().into_iter().map(String::from).collect(),
     })
+}
+
+/// Normalises a parsed `config.json` through its architecture's mapping.
+pub fn decoder_config(cfg: &HfConfig) -> std::result::Result<DecoderConfig, LoadError> {
+    (architecture(cfg)?.config)(cfg)
+}
+
+/// Builds the model `config.json` names from `weights`, for `max_positions` positions.
+pub fn build(
+    cfg: &HfConfig,
+    weights: &Weights,
+    max_positions: usize,
+) -> std::result::Result<Box<dyn Model>, LoadError> {
+    let arch = architecture(cfg)?;
+    (arch.build)((arch.config)(cfg)?, weights, max_positions)
 }

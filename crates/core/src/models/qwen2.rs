@@ -3,7 +3,7 @@
 //! `max_window_layers`) marks.
 
 use super::{DecoderConfig, HfConfig};
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 
 /// Per-layer windows as transformers assigns them for Qwen-family configs.
 pub fn qwen_windows(c: &HfConfig, num_layers: usize) -> Vec<Option<usize>> {

@@ -3,7 +3,7 @@
 
 use super::qwen2::qwen_windows;
 use super::{DecoderConfig, HfConfig};
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 
 pub fn config(c: &HfConfig) -> Result<DecoderConfig, LoadError> {
     let mut d = c.base_decoder("Qwen3ForCausalLM")?;

@@ -11,7 +11,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use rserve_core::request::{CompletionOutput, TokenLogprob};
+use rserve_core::request::{CompletionDelta, TokenLogprob};
 use rserve_core::tokenizer::Tokenizer;
 use rserve_core::EngineRequest;
 use serde_json::{json, Value};
@@ -68,22 +68,17 @@ impl ChunkFormat for ChatFormat {
         Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
     }
 
-    fn content(
-        &self,
-        index: usize,
-        out: &CompletionOutput,
-        new_lps: &[TokenLogprob],
-        _first: bool,
-    ) -> Value {
+    fn content(&self, index: usize, out: &CompletionDelta, _first: bool) -> Value {
+        let new_lps = &out.logprobs;
         let logprobs = if self.want_logprobs {
             logprobs_content(&self.tokenizer, new_lps, self.as_ids)
         } else {
             Value::Null
         };
-        let delta = if out.delta.is_empty() && out.finish_reason.is_some() {
+        let delta = if out.text.is_empty() && out.finish_reason.is_some() {
             json!({})
         } else {
-            json!({"content": out.delta})
+            json!({"content": out.text})
         };
         self.chunk(json!([{
             "index": index,

@@ -12,7 +12,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use rserve_core::request::{CompletionOutput, TokenLogprob};
+use rserve_core::request::{CompletionDelta, TokenLogprob};
 use rserve_core::tokenizer::Tokenizer;
 use rserve_core::EngineRequest;
 use serde_json::{json, Map, Value};
@@ -71,14 +71,9 @@ impl ChunkFormat for CompletionFormat {
         None
     }
 
-    fn content(
-        &self,
-        index: usize,
-        out: &CompletionOutput,
-        new_lps: &[TokenLogprob],
-        first: bool,
-    ) -> Value {
-        let mut text = out.delta.clone();
+    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Value {
+        let new_lps = &out.logprobs;
+        let mut text = out.text.clone();
         if first {
             if let Some(Some(p)) = self.echo.get(index / self.n.max(1)) {
                 text = format!("{p}{text}");

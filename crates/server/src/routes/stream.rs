@@ -4,7 +4,7 @@
 //! request in the engine.
 
 use super::Shared;
-use rserve_core::{EngineError, OutputStream, RequestOutput};
+use rserve_core::{EngineError, OutputStream, RequestDelta, RequestOutput};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -34,9 +34,9 @@ impl Tracked {
         }
     }
 
-    fn observe(&mut self, out: &RequestOutput) {
+    fn observe(&mut self, out: &RequestDelta) {
         let now = Instant::now();
-        let n = out.num_generated_tokens();
+        let n = self.tokens + out.num_new_tokens();
         let m = &self.state.metrics;
         if n > self.tokens {
             match self.last {
@@ -51,7 +51,7 @@ impl Tracked {
         }
         if out.finished {
             m.e2e.observe(now.duration_since(self.start).as_secs_f64());
-            if let Some(q) = out.queue_time {
+            if let Some(q) = self.inner.output().queue_time {
                 m.queue.observe(q);
             }
             if let (Some(f), true) = (self.first, n > 1) {
@@ -61,8 +61,8 @@ impl Tracked {
         }
     }
 
-    /// The next output; `None` after the final one.
-    pub async fn next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+    /// The next delta; `None` after the final one.
+    pub async fn next(&mut self) -> Option<Result<RequestDelta, EngineError>> {
         let item = self.inner.next().await;
         match &item {
             Some(Ok(o)) => {
@@ -76,13 +76,16 @@ impl Tracked {
         item
     }
 
-    /// Waits for the final output.
+    /// Waits for the end; the assembled output.
     pub async fn finish(mut self) -> Result<RequestOutput, EngineError> {
-        let mut last = None;
         while let Some(item) = self.next().await {
-            last = Some(item?);
+            item?;
         }
-        last.ok_or(EngineError::Stopped)
+        let out = self.inner.output();
+        if !out.finished {
+            return Err(EngineError::Stopped);
+        }
+        Ok(out.clone())
     }
 
     fn end(&mut self) {
@@ -103,7 +106,7 @@ use crate::openai::error::ApiError;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
-use rserve_core::request::{CompletionOutput, TokenLogprob};
+use rserve_core::request::CompletionDelta;
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -114,15 +117,9 @@ use std::sync::Arc;
 pub trait ChunkFormat: Send + Sync + 'static {
     /// A chunk sent once per choice before any text (chat: the role).
     fn opening(&self, index: usize) -> Option<Value>;
-    /// A chunk carrying new text and tokens of one choice; `first` is true for its first content
-    /// chunk (completions' `echo` puts the prompt there).
-    fn content(
-        &self,
-        index: usize,
-        out: &CompletionOutput,
-        new_logprobs: &[TokenLogprob],
-        first: bool,
-    ) -> Value;
+    /// A chunk carrying new text and tokens of one choice (`out.logprobs` are the new tokens');
+    /// `first` is true for its first content chunk (completions' `echo` puts the prompt there).
+    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Value;
     /// The final usage chunk.
     fn usage(&self, usage: Value) -> Value;
 }
@@ -130,7 +127,7 @@ pub trait ChunkFormat: Send + Sync + 'static {
 /// Per-choice progress of a streamed request.
 #[derive(Default, Clone)]
 struct Progress {
-    logprobs_sent: usize,
+    tokens: usize,
     content_sent: bool,
     finished: bool,
 }
@@ -180,23 +177,23 @@ fn one_request<F: ChunkFormat>(
                     prog.iter_mut().for_each(|p| p.finished = true);
                     Some((events, (t, prog, true)))
                 }
-                Some(Ok(out)) => {
-                    for (i, c) in out.outputs.iter().enumerate() {
-                        let Some(p) = prog.get_mut(i) else { continue };
+                Some(Ok(delta)) => {
+                    for c in &delta.outputs {
+                        let Some(p) = prog.get_mut(c.index) else {
+                            continue;
+                        };
                         if p.finished {
                             continue;
                         }
-                        let lps = c.logprobs.as_deref().unwrap_or(&[]);
-                        let new_lps = lps.get(p.logprobs_sent..).unwrap_or(&[]);
+                        p.tokens += c.token_ids.len();
                         let finishing = c.finish_reason.is_some();
-                        if !c.delta.is_empty() || finishing || !new_lps.is_empty() {
-                            events.push(data(&fmt.content(base + i, c, new_lps, !p.content_sent)));
+                        if !c.text.is_empty() || finishing || !c.logprobs.is_empty() {
+                            events.push(data(&fmt.content(base + c.index, c, !p.content_sent)));
                             p.content_sent = true;
-                            p.logprobs_sent = lps.len();
                         }
                         if finishing {
                             p.finished = true;
-                            generated.fetch_add(c.token_ids.len(), Ordering::Relaxed);
+                            generated.fetch_add(p.tokens, Ordering::Relaxed);
                         }
                     }
                     Some((events, (t, prog, true)))

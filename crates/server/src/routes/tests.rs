@@ -76,6 +76,39 @@ async fn validation_errors_are_400_in_openai_shape() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body} -> {text}");
         assert_eq!(error_of(&text)["code"], 400);
     }
+    // limits on stop strings and logit_bias, named in the message
+    let stops: Vec<String> = (0..129).map(|i| format!("s{i}")).collect();
+    let bias: serde_json::Map<String, Value> =
+        (0..1025).map(|t| (t.to_string(), json!(1))).collect();
+    for (body, limit) in [
+        (
+            json!({"model": "tiny", "prompt": "a", "stop": stops}),
+            "128",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "a", "stop": ["y".repeat(1025)]}),
+            "1024",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "a", "logit_bias": bias}),
+            "1024",
+        ),
+    ] {
+        let (status, _, text) = call(
+            &app,
+            "POST",
+            "/v1/completions",
+            Some(&body.to_string()),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+        let msg = error_of(&text)["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(msg.contains(limit), "{msg}");
+    }
     let long = format!(
         r#"{{"model":"tiny","prompt":[{}],"max_tokens":10}}"#,
         vec!["5"; 125].join(",")

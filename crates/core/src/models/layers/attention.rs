@@ -7,8 +7,8 @@
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rotary::RotaryEmbedding;
-use crate::loader::LoadError;
-use crate::model_runner::ForwardBatch;
+use crate::batch::ForwardBatch;
+use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 use rserve_kernels::{paged_attention, PagedAttentionParams};
@@ -78,9 +78,10 @@ impl Attention {
         let t = x.dim(0)?;
         let (h, kvh) = (s.num_heads, s.num_kv_heads);
         // [T, heads + 2 * kv_heads, head_dim]
+        let ctx = batch.layer_ctx();
         let mut qkv = self
             .qkv_proj
-            .forward(x)?
+            .forward(x, &ctx)?
             .reshape((t, h + 2 * kvh, s.head_dim))?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             let q = qn.forward(&qkv.narrow(1, 0, h)?)?;
@@ -96,6 +97,6 @@ impl Attention {
         };
         let o = paged_attention(&q, &cache.0, &cache.1, &batch.attn, &params)?;
         self.o_proj
-            .forward(&o.reshape((t, s.num_heads * s.head_dim))?)
+            .forward(&o.reshape((t, s.num_heads * s.head_dim))?, &ctx)
     }
 }

@@ -3,12 +3,13 @@
 //! An architecture file only translates its `config.json` into a [`DecoderConfig`].
 
 use super::attention::{Attention, AttentionSpec};
+use super::linear::Linear;
 use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::rotary::{RopeConfig, RotaryEmbedding};
+use crate::batch::{ForwardBatch, LayerCtx};
 use crate::kv_cache::KvCache;
-use crate::loader::LoadError;
-use crate::model_runner::ForwardBatch;
+use crate::load_error::LoadError;
 use crate::models::Model;
 use crate::weights::Weights;
 use candle_core::{DType, Result, Tensor};
@@ -49,8 +50,9 @@ pub struct Decoder {
     embed_tokens: Tensor, // [vocab, hidden]
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Tensor, // [vocab, hidden]
+    lm_head: Linear, // [vocab, hidden]
     rotary: RotaryEmbedding,
+    max_positions: usize,
 }
 
 impl Decoder {
@@ -97,11 +99,14 @@ impl Decoder {
             });
         }
         let norm = RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
-        let lm_head = if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
-            embed_tokens.clone()
-        } else {
-            w.get(&[cfg.vocab_size, cfg.hidden_size], "lm_head.weight")?
-        };
+        let lm_head = Linear::new(
+            if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
+                embed_tokens.clone()
+            } else {
+                w.get(&[cfg.vocab_size, cfg.hidden_size], "lm_head.weight")?
+            },
+            None,
+        );
         let rotary = RotaryEmbedding::new(
             cfg.head_dim,
             max_positions,
@@ -120,6 +125,7 @@ impl Decoder {
             norm,
             lm_head,
             rotary,
+            max_positions,
         })
     }
 }
@@ -129,8 +135,21 @@ impl Model for Decoder {
         &self.cfg
     }
 
-    fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
-        match self.lm_head_rows(batch, kv)? {
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embed_tokens.index_select(input_ids, 0)
+    }
+
+    fn forward_embeds(
+        &self,
+        embeds: &Tensor,
+        batch: &ForwardBatch,
+        kv: &KvCache,
+    ) -> Result<Tensor> {
+        match self.lm_head_rows(embeds.clone(), batch, kv)? {
             Some(raw) => rserve_kernels::to_f32(&raw),
             // prompt chunks only: the cache is written, no logits are wanted
             None => Tensor::zeros(
@@ -142,7 +161,8 @@ impl Model for Decoder {
     }
 
     fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
-        match self.lm_head_rows(batch, kv)? {
+        let embeds = self.embed(&batch.input_ids)?;
+        match self.lm_head_rows(embeds, batch, kv)? {
             Some(raw) => rserve_kernels::to_f32_into(&raw, logits),
             None => Ok(()),
         }
@@ -150,11 +170,18 @@ impl Model for Decoder {
 }
 
 impl Decoder {
-    /// Runs the layers over every token of `batch` (writing K/V into `kv`) and the LM head over
-    /// the logit rows, in the model's dtype; `None` when the batch wants no logits.
-    fn lm_head_rows(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Option<Tensor>> {
+    /// Runs the layers over every token of `batch` from its input embeddings `[T, hidden]`
+    /// (writing K/V into `kv`) and the LM head over the logit rows, in the model's dtype; `None`
+    /// when the batch wants no logits.
+    fn lm_head_rows(
+        &self,
+        embeds: Tensor,
+        batch: &ForwardBatch,
+        kv: &KvCache,
+    ) -> Result<Option<Tensor>> {
+        let ctx = batch.layer_ctx();
         // the residual stream and the last sub-layer's output, added lazily by the next norm
-        let mut residual = self.embed_tokens.index_select(&batch.input_ids, 0)?; // [T, hidden]
+        let mut residual = embeds; // [T, hidden]
         let mut out: Option<Tensor> = None;
         for (layer, cache) in self.layers.iter().zip(&kv.layers) {
             let h = match out.take() {
@@ -168,7 +195,7 @@ impl Decoder {
             let a = layer.self_attn.forward(&h, &self.rotary, batch, cache)?;
             let (sum, h) = layer.post_attention_layernorm.forward_add(&a, &residual)?;
             residual = sum;
-            out = Some(layer.mlp.forward(&h)?);
+            out = Some(layer.mlp.forward(&h, &ctx)?);
         }
         let x = match out {
             Some(o) => (o + residual)?,
@@ -179,6 +206,7 @@ impl Decoder {
         }
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
-        rserve_kernels::linear_rows(&x, &self.lm_head).map(Some)
+        // the logit rows are a subset of the batch's: no per-token context applies to them
+        self.lm_head.forward(&x, &LayerCtx::default()).map(Some)
     }
 }

@@ -1,18 +1,82 @@
-//! A dense linear layer `y = x W^T + b` over flattened tokens (`x`: `[num_tokens, in]`).
+//! The linear layer `y = x W^T + b` over flattened tokens (`x`: `[num_tokens, in]`): the one place
+//! a weight is applied to activations, the LM head and the fused gate-up projection included.
+//!
+//! How the weight is stored and multiplied is a [`LinearMethod`]: [`Dense`] today; a quantized
+//! format is another method, and a LoRA adapter wraps one (reading the rows' adapter slots from
+//! the [`LayerCtx`]). Model code only ever sees [`Linear`], so no model file changes for either.
 
-use crate::loader::LoadError;
+use crate::batch::LayerCtx;
+use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
+use std::fmt;
+use std::sync::Arc;
+
+/// How a linear layer's weight multiplies its input rows.
+pub trait LinearMethod: Send + Sync + fmt::Debug {
+    /// `x`: `[num_tokens, in]` -> `x W^T`, `[num_tokens, out]` (the bias is the layer's).
+    fn matmul(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor>;
+
+    /// For a fused gate-up weight (gate rows, then up rows): `silu(x G^T) * (x U^T)`,
+    /// `[num_tokens, out / 2]`. A method with a fused kernel overrides it.
+    fn matmul_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        rserve_kernels::silu_and_mul(&self.matmul(x, ctx)?)
+    }
+
+    /// `(out, in)`.
+    fn shape(&self) -> (usize, usize);
+}
+
+/// A weight kept as it was loaded, `[out, in]` in the model's dtype.
+#[derive(Debug, Clone)]
+pub struct Dense {
+    weight: Tensor,
+}
+
+impl Dense {
+    pub fn new(weight: Tensor) -> Self {
+        Self { weight }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+impl LinearMethod for Dense {
+    fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        rserve_kernels::linear_rows(x, &self.weight)
+    }
+
+    /// One kernel for decode batches on CUDA.
+    fn matmul_silu_glu(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        rserve_kernels::silu_glu_rows(x, &self.weight)
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        let d = self.weight.dims();
+        (
+            d.first().copied().unwrap_or(0),
+            d.get(1).copied().unwrap_or(0),
+        )
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: Tensor,       // [out, in]
+    method: Arc<dyn LinearMethod>,
     bias: Option<Tensor>, // [out]
 }
 
 impl Linear {
+    /// A dense layer of `weight` `[out, in]`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias }
+        Self::with_method(Arc::new(Dense::new(weight)), bias)
+    }
+
+    /// A layer whose weight is applied by `method`.
+    pub fn with_method(method: Arc<dyn LinearMethod>, bias: Option<Tensor>) -> Self {
+        Self { method, bias }
     }
 
     /// Loads `weight` (and `bias` when `bias` is true) under `w`.
@@ -22,13 +86,23 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
+        let (weight, bias) = Self::load_parts(w, in_dim, out_dim, bias)?;
+        Ok(Self::new(weight, bias))
+    }
+
+    fn load_parts(
+        w: &Weights,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> std::result::Result<(Tensor, Option<Tensor>), LoadError> {
         let weight = w.get(&[out_dim, in_dim], "weight")?;
         let bias = if bias {
             Some(w.get(&[out_dim], "bias")?)
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok((weight, bias))
     }
 
     /// Several projections of the same input as one: the weights (and biases) of `parts` (each a
@@ -40,47 +114,101 @@ impl Linear {
     ) -> std::result::Result<Self, LoadError> {
         let loaded = parts
             .iter()
-            .map(|(w, out)| Self::load(w, in_dim, *out, bias))
+            .map(|(w, out)| Self::load_parts(w, in_dim, *out, bias))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        if loaded.len() == 1 {
-            return Ok(loaded.into_iter().next().expect("one part"));
-        }
         let fuse = |ts: Vec<&Tensor>| {
+            if ts.len() == 1 {
+                return Ok(ts[0].clone());
+            }
             Tensor::cat(&ts, 0).map_err(|e| LoadError::Tensor {
                 name: "fused projection".into(),
                 reason: e.to_string(),
             })
         };
-        let weight = fuse(loaded.iter().map(|l| &l.weight).collect())?;
+        let weight = fuse(loaded.iter().map(|(w, _)| w).collect())?;
         let bias = if bias {
             Some(fuse(
-                loaded.iter().filter_map(|l| l.bias.as_ref()).collect(),
+                loaded.iter().filter_map(|(_, b)| b.as_ref()).collect(),
             )?)
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self::new(weight, bias))
     }
 
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
+    pub fn method(&self) -> &Arc<dyn LinearMethod> {
+        &self.method
+    }
+
+    /// `(out, in)`.
+    pub fn shape(&self) -> (usize, usize) {
+        self.method.shape()
     }
 
     /// For a fused gate-up projection (gate rows, then up rows): `silu(gate) * up`,
-    /// `[num_tokens, out / 2]` (one kernel for decode batches on CUDA when there is no bias).
-    pub fn forward_silu_glu(&self, x: &Tensor) -> Result<Tensor> {
+    /// `[num_tokens, out / 2]`.
+    pub fn forward_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
         match &self.bias {
-            None => rserve_kernels::silu_glu_rows(x, &self.weight),
-            Some(_) => rserve_kernels::silu_and_mul(&self.forward(x)?),
+            None => self.method.matmul_silu_glu(x, ctx),
+            Some(_) => rserve_kernels::silu_and_mul(&self.forward(x, ctx)?),
         }
     }
 
     /// `x`: `[num_tokens, in]` -> `[num_tokens, out]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = rserve_kernels::linear_rows(x, &self.weight)?;
+    pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let y = self.method.matmul(x, ctx)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// A method that scales a dense product: stands for any other way of applying a weight.
+    #[derive(Debug)]
+    struct Scaled(Dense, f64);
+
+    impl LinearMethod for Scaled {
+        fn matmul(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+            self.0.matmul(x, ctx)? * self.1
+        }
+
+        fn shape(&self) -> (usize, usize) {
+            self.0.shape()
+        }
+    }
+
+    #[test]
+    fn a_layer_applies_its_method_and_bias() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::arange(0f32, 12.0, &dev)?.reshape((4, 3))?; // [out 4, in 3]
+        let b = Tensor::new(&[1f32, 2.0, 3.0, 4.0], &dev)?;
+        let x = Tensor::new(&[[1f32, 0.0, -1.0], [0.5, 0.5, 0.5]], &dev)?;
+        let ctx = LayerCtx::default();
+        let dense = Linear::new(w.clone(), Some(b.clone()));
+        let want = x.matmul(&w.t()?)?.broadcast_add(&b)?;
+        let got = dense.forward(&x, &ctx)?;
+        assert_eq!(got.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+        assert_eq!(dense.shape(), (4, 3));
+        let scaled = Linear::with_method(Arc::new(Scaled(Dense::new(w.clone()), 2.0)), None);
+        let got = scaled.forward(&x, &ctx)?;
+        assert_eq!(
+            got.to_vec2::<f32>()?,
+            (x.matmul(&w.t()?)? * 2.0)?.to_vec2::<f32>()?
+        );
+        // the fused gate-up path of a method without its own kernel: silu(gate) * up
+        let glu = scaled.forward_silu_glu(&x, &ctx)?;
+        let full = (x.matmul(&w.t()?)? * 2.0)?;
+        let (gate, up) = (full.narrow(1, 0, 2)?, full.narrow(1, 2, 2)?);
+        let want = (gate.silu()? * up)?;
+        let diff = (&glu - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        assert_eq!(glu.dtype(), DType::F32);
+        Ok(())
     }
 }

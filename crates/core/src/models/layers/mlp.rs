@@ -2,7 +2,8 @@
 //! projection and SiLU-and-multiply as one op.
 
 use super::linear::Linear;
-use crate::loader::LoadError;
+use crate::batch::LayerCtx;
+use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 
@@ -33,8 +34,8 @@ impl Mlp {
     }
 
     /// `x`: `[num_tokens, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.gate_up_proj.forward_silu_glu(x)?;
-        self.down_proj.forward(&h)
+    pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let h = self.gate_up_proj.forward_silu_glu(x, ctx)?;
+        self.down_proj.forward(&h, ctx)
     }
 }

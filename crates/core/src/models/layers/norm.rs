@@ -1,6 +1,6 @@
 //! RMSNorm as in Llama: `x / sqrt(mean(x^2) + eps) * weight`, computed in f32.
 
-use crate::loader::LoadError;
+use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 

@@ -1,0 +1,136 @@
+//! Sizing at start: the step's token budget and how many KV blocks fit (on a GPU, what
+//! `gpu_memory_utilization` leaves after the weights, the measured activation peak of one step
+//! and the decode graphs).
+
+use super::{EngineConfig, EngineError, KvBudget};
+use crate::kv_cache::KvCache;
+use crate::loader::LoadedModel;
+#[cfg(feature = "cuda")]
+use crate::model_runner::graphs::GraphPlan;
+use candle_core::Device;
+
+/// The step token budget when none is given, as vLLM's server chooses it: 8192 tokens on GPUs
+/// of 70 GiB or more (H100, H200: fewer, larger prompt chunks keep the products at their
+/// ceiling), 2048 elsewhere (smaller GPUs, the CPU).
+pub fn default_batched_tokens(device: &Device) -> usize {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => match crate::device::gpu::memory(dev) {
+            Ok(m) if m.total >= 70 << 30 => 8192,
+            _ => 2048,
+        },
+        _ => 2048,
+    }
+}
+
+/// Bytes of KV cache a GPU can hold: `gpu_memory_utilization` of the card, less what is in use
+/// after loading (weights, context, other processes) and the activation peak of a forward pass over
+/// `batched_tokens` tokens (the step budget), measured on the pool's high-water mark.
+#[cfg(feature = "cuda")]
+pub(super) fn gpu_kv_budget(
+    cfg: &EngineConfig,
+    batched_tokens: usize,
+    loaded: &LoadedModel,
+    device: &Device,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
+    use crate::device::gpu;
+    let Device::Cuda(dev) = device else {
+        return Err(EngineError::InvalidConfig("not a CUDA device".into()));
+    };
+    let err = |e: String| EngineError::Model(format!("sizing the KV cache: {e}"));
+    let before = gpu::memory(dev).map_err(err)?;
+    gpu::reset_peak(dev).map_err(err)?;
+    let tokens = batched_tokens.min(max_model_len.max(1));
+    let rows = cfg.max_num_seqs.min(tokens);
+    let scratch = crate::model_runner::profile_forward(
+        loaded.model.as_ref(),
+        loaded.dtype,
+        device,
+        tokens,
+        rows,
+        cfg.block_size,
+    )
+    .map_err(|e| err(e.to_string()))?;
+    let peak = gpu::peak(dev)
+        .map_err(err)?
+        .saturating_sub(before.pool_used + scratch);
+    let in_use = before.total - before.free;
+    let allowed = (before.total as f64 * cfg.gpu_memory_utilization) as usize;
+    // decode graphs: the shared f32 logits buffer, the largest bucket's logits inside its graph
+    // (model dtype, then f32) and its other activations
+    let graphs = if cfg.enforce_eager {
+        0
+    } else {
+        let largest = GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size)
+            .buckets
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let logits = largest * loaded.model.config().vocab_size;
+        logits * (8 + loaded.dtype.size_in_bytes()) + peak * largest / tokens.max(1)
+    };
+    let budget = allowed.saturating_sub(in_use + peak + graphs);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    tracing::info!(
+        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading, activation peak {:.2} GiB for {tokens} tokens, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
+        gib(before.total),
+        gib(in_use),
+        gib(peak),
+        gib(graphs),
+        gib(budget),
+        cfg.gpu_memory_utilization
+    );
+    Ok(budget)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(super) fn gpu_kv_budget(
+    _cfg: &EngineConfig,
+    _batched_tokens: usize,
+    _loaded: &LoadedModel,
+    _device: &Device,
+    _max_model_len: usize,
+) -> Result<usize, EngineError> {
+    Err(EngineError::InvalidConfig(
+        "this build has no GPU support".into(),
+    ))
+}
+
+/// The number of KV blocks for `cfg` (see [`KvBudget`]): never more than `max_num_seqs`
+/// sequences of `max_model_len` tokens need.
+pub(super) fn kv_blocks(
+    cfg: &EngineConfig,
+    loaded: &LoadedModel,
+    device: &Device,
+    batched_tokens: usize,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
+    let mc = loaded.model.config();
+    let per_block = KvCache::bytes_per_block(
+        mc.num_layers,
+        cfg.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        loaded.dtype,
+    );
+    let useful = cfg
+        .max_num_seqs
+        .saturating_mul(max_model_len.div_ceil(cfg.block_size));
+    let num_blocks = match cfg.kv_cache {
+        KvBudget::Bytes(b) => b / per_block,
+        KvBudget::Blocks(n) => n,
+        KvBudget::Auto if !device.is_cpu() => {
+            let budget = gpu_kv_budget(cfg, batched_tokens, loaded, device, max_model_len)?;
+            (budget / per_block).min(useful)
+        }
+        KvBudget::Auto => ((1usize << 30) / per_block).min(useful),
+    };
+    if num_blocks == 0 {
+        return Err(EngineError::InvalidConfig(format!(
+            "the KV cache budget holds no block (one block of {} tokens takes {per_block} bytes)",
+            cfg.block_size
+        )));
+    }
+    Ok(num_blocks)
+}

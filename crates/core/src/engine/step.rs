@@ -1,0 +1,407 @@
+//! One engine step: plan (scheduler), build and run the forward pass (model runner), sample, and
+//! accept the tokens.
+//!
+//! Sampling is decided per row ([`crate::sampler`] holds the policy): a row whose request wants
+//! top-N logprobs is sampled on the host, every other row on the device when there is one, and
+//! prompt-logprob rows are log-softmaxed on the device before they are read. Both samplers follow
+//! the same rules and draw with the same counter hash, so a seeded request's tokens do not depend
+//! on what else is in the step. When every row is sampled on the device with nothing that reads
+//! earlier output values (penalties), forks or prompt rows, the next step is planned before the
+//! tokens are read ([`super::in_flight`]).
+
+use super::in_flight::{InFlight, Sampled};
+use super::{Engine, EngineError};
+use crate::model_runner::LogitRow;
+use crate::request::TokenLogprob;
+use crate::sampler::{self, RowSampling};
+use crate::sequence::SeqId;
+use candle_core::{Tensor, D};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+/// One token to sample: from logits row `row`, for `seq`.
+struct Job {
+    row: u32,
+    seq: SeqId,
+    sampling: RowSampling,
+    /// Top alternatives wanted with the token (host sampler only).
+    logprobs: Option<usize>,
+}
+
+/// `logits` rows `rows` as one tensor (the same tensor when they are all of its rows, in order).
+fn select_rows(logits: &Tensor, rows: &[u32]) -> candle_core::Result<Tensor> {
+    let identity = rows.len() == logits.dim(0)? && rows.iter().zip(0u32..).all(|(&r, i)| r == i);
+    if identity {
+        return Ok(logits.clone());
+    }
+    let idx = Tensor::from_slice(rows, rows.len(), logits.device())?;
+    logits.index_select(&idx, 0)
+}
+
+impl Engine {
+    pub(super) fn step(&mut self) {
+        self.profile.tick(self.runner.device());
+        let started = Instant::now();
+        self.step_inner();
+        self.timing.finish(started);
+    }
+
+    fn step_inner(&mut self) {
+        let out = self.scheduler.schedule();
+        if out.is_empty() {
+            // Only possible when every running sequence was preempted this step; the next call
+            // admits them again. Tokens of the steps before still go out now.
+            self.collect_in_flight();
+            self.settle();
+            return;
+        }
+        self.stats
+            .preemptions
+            .fetch_add(out.preempted.len() as u64, Ordering::Relaxed);
+        let now = Instant::now();
+        for s in &out.scheduled {
+            let Some((rid, _)) = self.requests.owner(s.seq_id) else {
+                continue;
+            };
+            if let Some(st) = self.requests.get_mut(rid) {
+                if !st.queued {
+                    st.queued = true;
+                    let waited = now.duration_since(st.arrival).as_secs_f64();
+                    self.output.queue_time(rid, waited);
+                }
+            }
+        }
+        let prepared = self.runner.prepare(&self.scheduler, &out);
+        self.timing.prepared = Some(Instant::now());
+        let result = prepared.and_then(|(step, rows, pending)| {
+            self.feed_pending(&step, &pending)?;
+            Ok((self.runner.execute(&out, &step)?, rows))
+        });
+        self.timing.issued = Some(Instant::now());
+        self.timing.tokens += out.num_batched_tokens;
+        self.timing.shape = (
+            out.scheduled.len(),
+            out.num_batched_tokens,
+            out.scheduled.iter().filter(|s| s.num_new == 1).count(),
+        );
+        let (logits, rows) = match result {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::error!("forward pass failed: {e}");
+                self.fail_all(EngineError::Model(e.to_string()));
+                return;
+            }
+        };
+        self.scheduler.complete_step(&out);
+        if let Err(e) = self.sample_step(&logits, &rows) {
+            tracing::error!("sampling failed: {e}");
+            self.fail_all(EngineError::Model(e.to_string()));
+        }
+    }
+
+    /// Samples a step's rows and accepts the tokens (or, planning ahead, leaves them in flight).
+    fn sample_step(&mut self, logits: &Tensor, rows: &[LogitRow]) -> candle_core::Result<()> {
+        let forks_before = self.requests_forking(rows);
+        let mut jobs = self.plan_jobs(rows);
+        let prompt_rows: Vec<(u32, SeqId, usize)> = rows
+            .iter()
+            .zip(0u32..)
+            .filter_map(|(r, i)| match *r {
+                LogitRow::PromptLogprob { seq, pos } => Some((i, seq, pos)),
+                LogitRow::Sample(_) => None,
+            })
+            .collect();
+        let gpu = !self.runner.device().is_cpu();
+        let on_device: Vec<bool> = jobs.iter().map(|j| gpu && j.logprobs.is_none()).collect();
+        let plain = !forks_before
+            && prompt_rows.is_empty()
+            && jobs.iter().all(|j| {
+                j.logprobs.is_none()
+                    && self
+                        .requests
+                        .of_seq(j.seq)
+                        .is_some_and(|st| !st.meta.penalized)
+            });
+        let ahead = self.async_scheduling
+            && plain
+            && !jobs.is_empty()
+            && if gpu {
+                on_device.iter().all(|&d| d)
+            } else {
+                self.host_lookahead
+            };
+        // the device's rows are queued first, so the host's work below overlaps them
+        let device_rows: Vec<u32> = jobs
+            .iter()
+            .zip(&on_device)
+            .filter(|(_, &d)| d)
+            .map(|(j, _)| j.row)
+            .collect();
+        let pending = if device_rows.is_empty() {
+            None
+        } else {
+            let settings: Vec<RowSampling> = jobs
+                .iter_mut()
+                .zip(&on_device)
+                .filter(|(_, &d)| d)
+                .map(|(j, _)| std::mem::take(&mut j.sampling))
+                .collect();
+            let selected = select_rows(logits, &device_rows)?;
+            Some(rserve_kernels::sampling::sample_rows_async(
+                &selected,
+                &settings,
+                &mut self.readback,
+            )?)
+        };
+        if ahead {
+            let sampled = match pending {
+                Some(p) => Sampled::Device(p),
+                None => Sampled::Host(
+                    self.sample_on_host(logits, &jobs)?
+                        .into_iter()
+                        .map(|t| (t.token_id, t.logprob))
+                        .collect(),
+                ),
+            };
+            let targets: Vec<(SeqId, usize)> = jobs
+                .iter()
+                .map(|j| {
+                    let at = self.scheduler.seq(j.seq).map_or(0, |s| s.tokens.len());
+                    (j.seq, at)
+                })
+                .collect();
+            // sequences that go on hold a placeholder, so the next step can be planned now
+            let mut reserved = false;
+            for &(seq, _) in &targets {
+                if !self.ends_by_length(seq) {
+                    self.scheduler.reserve_token(seq);
+                    reserved = true;
+                }
+            }
+            let this = InFlight {
+                sampled,
+                rows: targets,
+            };
+            // the device runs this step while the step before's tokens are taken in and become
+            // text
+            self.collect_in_flight();
+            if reserved {
+                self.stats.steps_ahead.fetch_add(1, Ordering::Relaxed);
+                self.in_flight = Some(this);
+                self.timing.sampled = Some(Instant::now());
+                self.settle_overlapped();
+            } else {
+                self.settle_overlapped();
+                self.collect(this);
+                self.timing.sampled = Some(Instant::now());
+                if !self.scheduler.has_work() {
+                    self.settle();
+                }
+            }
+            return Ok(());
+        }
+        self.collect_in_flight();
+        self.settle_overlapped();
+        self.prompt_logprobs(logits, &prompt_rows)?;
+        let host_jobs: Vec<&Job> = jobs
+            .iter()
+            .zip(&on_device)
+            .filter(|(_, &d)| !d)
+            .map(|(j, _)| j)
+            .collect();
+        let mut host = self.sample_on_host_refs(logits, &host_jobs)?.into_iter();
+        let mut device = match pending {
+            Some(p) => p.wait(&mut self.readback)?.into_iter(),
+            None => Vec::new().into_iter(),
+        };
+        self.timing.sampled = Some(Instant::now());
+        let had_host = !host_jobs.is_empty() || !prompt_rows.is_empty();
+        let seqs: Vec<SeqId> = jobs.iter().map(|j| j.seq).collect();
+        for (seq, d) in seqs.into_iter().zip(on_device) {
+            let tl = if d {
+                device.next().map(|(token_id, logprob)| TokenLogprob {
+                    token_id,
+                    logprob,
+                    top: Vec::new(),
+                })
+            } else {
+                host.next()
+            };
+            if let Some(tl) = tl {
+                self.accept_token(seq, tl);
+            }
+        }
+        // with another step to come on a device, the text work overlaps it
+        if had_host || !self.scheduler.has_work() {
+            self.settle();
+        }
+        Ok(())
+    }
+
+    /// Whether a sampled row's sequence forks now (its first sample fans out to `n` completions).
+    fn requests_forking(&self, rows: &[LogitRow]) -> bool {
+        rows.iter().any(|r| match *r {
+            LogitRow::Sample(seq) => self.scheduler.seq(seq).is_some_and(|s| s.pending_forks > 0),
+            LogitRow::PromptLogprob { .. } => false,
+        })
+    }
+
+    /// The step's tokens to sample, in row order: forks happen here (the children share their
+    /// parent's row), and each completion's settings draw from its own random stream.
+    fn plan_jobs(&mut self, rows: &[LogitRow]) -> Vec<Job> {
+        let mut jobs = Vec::with_capacity(rows.len());
+        for (row, r) in (0u32..).zip(rows) {
+            let LogitRow::Sample(seq) = *r else {
+                continue;
+            };
+            let forks = self.scheduler.seq(seq).map_or(0, |s| s.pending_forks);
+            let mut seqs = vec![seq];
+            if forks > 0 {
+                let children: Vec<SeqId> = (0..forks).map(|_| self.requests.new_seq_id()).collect();
+                self.scheduler.fork(seq, &children);
+                if let Some((rid, _)) = self.requests.owner(seq) {
+                    for (k, &c) in children.iter().enumerate() {
+                        self.requests.attach(rid, k + 1, c);
+                    }
+                    seqs.extend(&children);
+                }
+            }
+            for s in seqs {
+                if let Some(job) = self.job(row, s) {
+                    jobs.push(job);
+                }
+            }
+        }
+        jobs
+    }
+
+    fn job(&mut self, row: u32, seq: SeqId) -> Option<Job> {
+        let (rid, idx) = self.requests.owner(seq)?;
+        let s = self.scheduler.seq(seq)?;
+        let st = self.requests.get_mut(rid)?;
+        let p = &st.params;
+        let known = s.known_tokens();
+        let (prompt, output) = known.split_at(s.prompt_len.min(known.len()));
+        let suppress: Vec<u32> = if s.num_output_tokens() < p.min_tokens {
+            let eos = &self.info.generation.eos_token_ids;
+            p.stop_token_ids.iter().chain(eos).copied().collect()
+        } else {
+            Vec::new()
+        };
+        let c = st.completions.get_mut(idx)?;
+        let sampling = sampler::row_sampling(p, prompt, output, &suppress, &mut c.rng);
+        Some(Job {
+            row,
+            seq,
+            sampling,
+            logprobs: p.logprobs,
+        })
+    }
+
+    fn sample_on_host(
+        &self,
+        logits: &Tensor,
+        jobs: &[Job],
+    ) -> candle_core::Result<Vec<TokenLogprob>> {
+        let refs: Vec<&Job> = jobs.iter().collect();
+        self.sample_on_host_refs(logits, &refs)
+    }
+
+    /// Reads the jobs' rows (a forked row once per job) and samples them on the host.
+    fn sample_on_host_refs(
+        &self,
+        logits: &Tensor,
+        jobs: &[&Job],
+    ) -> candle_core::Result<Vec<TokenLogprob>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<u32> = jobs.iter().map(|j| j.row).collect();
+        let mut values = select_rows(logits, &rows)?.to_vec2::<f32>()?;
+        let plans: Vec<(&RowSampling, usize)> = jobs
+            .iter()
+            .map(|j| (&j.sampling, j.logprobs.unwrap_or(0)))
+            .collect();
+        Ok(sampler::sample_rows_host(&mut values, &plans))
+    }
+
+    /// Prompt logprobs of the step's prompt rows: log-softmax on the device, then each row's next
+    /// prompt token and top alternatives are read on the host.
+    fn prompt_logprobs(
+        &mut self,
+        logits: &Tensor,
+        rows: &[(u32, SeqId, usize)],
+    ) -> candle_core::Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let idx: Vec<u32> = rows.iter().map(|r| r.0).collect();
+        let selected = select_rows(logits, &idx)?;
+        let lp = candle_nn::ops::log_softmax(&selected, D::Minus1)?.to_vec2::<f32>()?;
+        for (values, &(_, seq, pos)) in lp.iter().zip(rows) {
+            let Some((rid, _)) = self.requests.owner(seq) else {
+                continue;
+            };
+            let Some(next) = self
+                .scheduler
+                .seq(seq)
+                .and_then(|s| s.tokens.get(pos + 1).copied())
+            else {
+                continue;
+            };
+            let Some(st) = self.requests.get_mut(rid) else {
+                continue;
+            };
+            // a recomputed (preempted) prompt produces its rows again: each is taken once
+            if st.prompt_logprobs_done == pos + 1 {
+                st.prompt_logprobs_done += 1;
+                let entry = sampler::prompt_logprob_of(values, next, st.params.prompt_logprobs);
+                self.output.prompt_logprob(rid, entry);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the token being sampled for `seq` ends it by length whatever its value (so no step
+    /// is planned past it).
+    fn ends_by_length(&self, seq: SeqId) -> bool {
+        let Some(s) = self.scheduler.seq(seq) else {
+            return true;
+        };
+        let max_tokens = self.requests.of_seq(seq).map_or(0, |st| st.max_tokens);
+        s.num_output_tokens() + 1 >= max_tokens || s.num_tokens() + 1 >= self.info.max_model_len
+    }
+
+    /// Appends a sampled token to its sequence.
+    fn accept_token(&mut self, seq: SeqId, tl: TokenLogprob) {
+        let at = self.scheduler.seq(seq).map_or(0, |s| s.tokens.len());
+        self.accept_token_at(seq, at, tl);
+    }
+
+    /// Accepts the token at index `at` of a sequence (a placeholder's, or appended at the end):
+    /// the stops that need no text end the completion now; the text waits for `settle`.
+    pub(super) fn accept_token_at(&mut self, seq: SeqId, at: usize, tl: TokenLogprob) {
+        let Some((rid, idx)) = self.requests.owner(seq) else {
+            return;
+        };
+        self.scheduler.set_token(seq, at, tl.token_id);
+        self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let eos = &self.info.generation.eos_token_ids;
+        let max_len = self.info.max_model_len;
+        let Some((text, finish)) = self
+            .requests
+            .count_token(rid, idx, tl.token_id, eos, max_len)
+        else {
+            return;
+        };
+        let ended = finish.is_some();
+        if ended {
+            self.scheduler.finish(seq);
+            self.requests.release(seq);
+        }
+        self.output.token(rid, idx, tl, text, finish);
+        if ended {
+            self.requests.remove_if_finished(rid);
+        }
+    }
+}
