@@ -492,14 +492,17 @@ def speed_benches(a, srv, out: Path, want: list, rec: dict, kind: str) -> None:
 def part_speed(a, out: Path) -> None:
     """Serving figures without the transformers side: batch 1 and 64 decode, 256 concurrent
     requests, an 8k prompt's TTFT, and (with `sweep` in --speed) the concurrency sweep; for each
-    model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ..." and/or RSERVE_AB_ARGS="--flag value"
-    each shape is served a second time with those variables set and flags added (an A/B on one
-    checkpoint and one machine)."""
+    model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ...", RSERVE_AB_ARGS="--flag value" and/or
+    RSERVE_AB_BINARY=PATH (another build) each shape is served a second time with those variables
+    set, flags added and that binary (an A/B on one checkpoint and one machine); RSERVE_AB_ROUNDS=N
+    repeats the pair N times, interleaved."""
     import torch
 
     want = a.speed.split(",")
     ab_env = dict(kv.split("=", 1) for kv in shlex.split(os.environ.get("RSERVE_AB_ENV", "")))
     ab_args = shlex.split(os.environ.get("RSERVE_AB_ARGS", ""))
+    ab_binary = Path(os.environ["RSERVE_AB_BINARY"]) if os.environ.get("RSERVE_AB_BINARY") else None
+    rounds = int(os.environ.get("RSERVE_AB_ROUNDS", "1"))
     for kind in a.big.split(","):
         model, path = fresh_checkpoint(kind, Path(a.scratch), keep_model="hf" in want)
         hf: dict = {}
@@ -512,16 +515,20 @@ def part_speed(a, out: Path) -> None:
             del model
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
-        variants = [({}, [])] + ([(ab_env, ab_args)] if ab_env or ab_args else [])
-        for variant, extra in variants:
+        ab = ab_env or ab_args or ab_binary
+        variants = ([({}, [], a.binary)] + ([(ab_env, ab_args, ab_binary or a.binary)] if ab else [])) * rounds
+        for variant, extra, binary in variants:
             rec: dict = {"part": "speed", "model": kind, **hf}
             if variant:
                 rec["env"] = variant
             if extra:
                 rec["args"] = extra
-            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra,
+            if ab_binary:
+                rec["binary"] = str(binary)
+            is_ab = bool(variant or extra or binary != a.binary)
+            srv = Server(binary, str(path), a.port, out, "--max-model-len", "9000", *extra,
                          env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
-                              **variant}, tag="-ab" if variant or extra else "")
+                              **variant}, tag="-ab" if is_ab else "")
             rec["ready_s"] = srv.ready_s
             try:
                 speed_benches(a, srv, out, want, rec, kind)

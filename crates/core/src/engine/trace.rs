@@ -100,7 +100,7 @@ impl StepTiming {
         if self.steps == 200 {
             let n = f64::from(self.steps);
             tracing::debug!(
-                "steps: {:.1} tokens/step; per step {:.2} ms host issue (of which {:.2} ms schedule + inputs), {:.2} ms device wait + read (of which {:.2} ms detokenize + send), {:.2} ms host after",
+                "steps: {:.1} tokens/step; per step {:.3} ms host issue (of which {:.3} ms schedule + inputs), {:.3} ms device wait + read (of which {:.3} ms detokenize + send), {:.3} ms host after",
                 self.tokens as f64 / n,
                 self.issue_s / n * 1e3,
                 self.prepare_s / n * 1e3,
