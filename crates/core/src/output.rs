@@ -42,6 +42,8 @@ struct RequestText {
     new_prompt_logprobs: Vec<Option<TokenLogprob>>,
     queue_time: Option<f64>,
     queue_time_sent: bool,
+    /// Listed in `touched`: something to send at the next settle.
+    touched: bool,
 }
 
 impl RequestText {
@@ -125,6 +127,7 @@ impl OutputProcessor {
                 new_prompt_logprobs,
                 queue_time: None,
                 queue_time_sent: false,
+                touched: false,
             },
         );
     }
@@ -151,7 +154,7 @@ impl OutputProcessor {
     pub fn prompt_logprob(&mut self, rid: RequestId, entry: TokenLogprob) {
         if let Some(r) = self.requests.get_mut(&rid) {
             r.new_prompt_logprobs.push(Some(entry));
-            Self::touch(&mut self.touched, rid);
+            Self::touch(&mut self.touched, r, rid);
         }
     }
 
@@ -166,8 +169,9 @@ impl OutputProcessor {
         !self.events.is_empty() || !self.touched.is_empty()
     }
 
-    fn touch(touched: &mut Vec<RequestId>, rid: RequestId) {
-        if touched.last() != Some(&rid) && !touched.contains(&rid) {
+    fn touch(touched: &mut Vec<RequestId>, r: &mut RequestText, rid: RequestId) {
+        if !r.touched {
+            r.touched = true;
             touched.push(rid);
         }
     }
@@ -217,7 +221,7 @@ impl OutputProcessor {
                 self.stats.record_finish(reason);
             }
             c.changed = true;
-            Self::touch(&mut self.touched, ev.rid);
+            Self::touch(&mut self.touched, r, ev.rid);
         }
         for rid in std::mem::take(&mut self.touched) {
             if !self.send(rid) {
@@ -232,6 +236,7 @@ impl OutputProcessor {
         let Some(r) = self.requests.get_mut(&rid) else {
             return true;
         };
+        r.touched = false;
         let finished = r.finished();
         let outputs = r
             .completions
