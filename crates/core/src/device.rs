@@ -4,7 +4,7 @@
 //! to keep what it has (no release at each synchronisation), which also lets the activation peak of
 //! a profiling forward pass be read off the pool's high-water mark.
 
-use crate::engine_types::EngineError;
+use crate::engine_error::EngineError;
 use candle_core::Device;
 
 /// Picks the device from a `--device` value: `cpu`, `cuda` / `cuda:N`, or `auto` (the first GPU

@@ -7,10 +7,10 @@
 //! or a request that cannot finish.
 
 use crate::chat_template::ChatTemplate;
-use crate::load_error::LoadError;
+pub use crate::engine_error::EngineError;
 use crate::loader::GenerationDefaults;
 use crate::models::DecoderConfig;
-use crate::request::{EngineRequest, FinishReason, InvalidParam, RequestId};
+use crate::request::{EngineRequest, FinishReason, RequestId};
 use crate::stream::{OutputStream, Sink};
 use crate::tokenizer::Tokenizer;
 use candle_core::DType;
@@ -76,58 +76,6 @@ impl EngineConfig {
             async_scheduling: true,
             lookahead_on_host: false,
         }
-    }
-}
-
-/// Everything that can go wrong between a caller and the engine.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum EngineError {
-    /// A request the caller must fix (HTTP 400).
-    #[error("{0}")]
-    InvalidRequest(String),
-    #[error("{field}: {message}")]
-    InvalidParam { field: String, message: String },
-    /// Prompt plus completion exceed the context (HTTP 400, vLLM's wording).
-    #[error("This model's maximum context length is {max} tokens. However, you requested {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce the length of the messages or completion.", prompt.saturating_add(*completion))]
-    ContextLength {
-        max: usize,
-        prompt: usize,
-        completion: usize,
-    },
-    #[error("invalid configuration: {0}")]
-    InvalidConfig(String),
-    #[error("failed to load the model: {0}")]
-    Load(String),
-    #[error("model error: {0}")]
-    Model(String),
-    #[error("the engine has stopped")]
-    Stopped,
-}
-
-impl From<LoadError> for EngineError {
-    fn from(e: LoadError) -> Self {
-        EngineError::Load(e.to_string())
-    }
-}
-
-impl From<InvalidParam> for EngineError {
-    fn from(e: InvalidParam) -> Self {
-        EngineError::InvalidParam {
-            field: e.field.to_string(),
-            message: e.message,
-        }
-    }
-}
-
-impl EngineError {
-    /// True when the caller's input caused the error (a 400, a `ValueError`).
-    pub fn is_user_error(&self) -> bool {
-        matches!(
-            self,
-            EngineError::InvalidRequest(_)
-                | EngineError::InvalidParam { .. }
-                | EngineError::ContextLength { .. }
-        )
     }
 }
 
@@ -258,7 +206,11 @@ impl EngineHandle {
     pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
         self.validate(&req)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (sink, stream) = crate::stream::channel(id, &req, self.tx.clone());
+        let commands = self.tx.clone();
+        let abort = move |id| {
+            let _ = commands.send(Command::Abort(id));
+        };
+        let (sink, stream) = crate::stream::channel(id, &req, Arc::new(abort));
         self.tx
             .send(Command::Submit {
                 id,

@@ -7,6 +7,7 @@ pub mod chat_template;
 pub mod default_model;
 pub mod device;
 pub mod engine;
+mod engine_error;
 mod engine_types;
 pub mod hub;
 pub mod kv_cache;

@@ -11,7 +11,8 @@
 //!
 //! Owns each live request's text state; knows nothing of sequences, blocks or the scheduler.
 
-use crate::engine_types::{EngineError, EngineStats};
+use crate::engine_error::EngineError;
+use crate::engine_types::EngineStats;
 use crate::request::{
     CompletionDelta, FinishReason, RequestDelta, RequestId, SamplingParams, StopReason,
     TokenLogprob,

@@ -8,9 +8,9 @@
 //! [`RequestOutput`] beside them. A reader that went away is seen by the engine at its next
 //! post (the doorbell is disconnected); dropping an unfinished stream also aborts its request.
 
-use crate::engine_types::{Command, EngineError};
+use crate::engine_error::EngineError;
 use crate::request::{EngineRequest, RequestDelta, RequestId, RequestOutput};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Default)]
@@ -74,12 +74,11 @@ impl Sink {
     }
 }
 
+/// How a stream asks the engine to abort its request.
+pub(crate) type AbortFn = Arc<dyn Fn(RequestId) + Send + Sync>;
+
 /// A sink and the stream that reads it, for request `id`.
-pub(crate) fn channel(
-    id: RequestId,
-    req: &EngineRequest,
-    commands: mpsc::Sender<Command>,
-) -> (Sink, OutputStream) {
+pub(crate) fn channel(id: RequestId, req: &EngineRequest, abort: AbortFn) -> (Sink, OutputStream) {
     let mailbox = Arc::new(Mailbox::default());
     let (bell, rx) = flume::bounded(1);
     let sink = Sink {
@@ -90,7 +89,7 @@ pub(crate) fn channel(
         id,
         mailbox,
         bell: rx,
-        tx: commands,
+        abort,
         done: false,
         output: RequestOutput::new(id, req.prompt_token_ids.clone(), &req.params),
     };
@@ -103,7 +102,7 @@ pub struct OutputStream {
     id: RequestId,
     mailbox: Arc<Mailbox>,
     bell: flume::Receiver<()>,
-    tx: mpsc::Sender<Command>,
+    abort: AbortFn,
     done: bool,
     output: RequestOutput,
 }
@@ -196,7 +195,7 @@ impl OutputStream {
 
     /// Aborts the request (its final output still arrives, with finish reason `abort`).
     pub fn abort(&self) {
-        let _ = self.tx.send(Command::Abort(self.id));
+        (self.abort)(self.id);
     }
 
     /// Waits (blocking) for the end and returns the assembled output.
@@ -226,7 +225,7 @@ impl OutputStream {
 impl Drop for OutputStream {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.tx.send(Command::Abort(self.id));
+            (self.abort)(self.id);
         }
     }
 }
@@ -254,13 +253,16 @@ mod tests {
         }
     }
 
-    fn pair() -> (Sink, OutputStream, mpsc::Receiver<Command>) {
-        let (tx, rx) = mpsc::channel();
+    fn pair() -> (Sink, OutputStream, std::sync::mpsc::Receiver<RequestId>) {
+        let (tx, rx) = std::sync::mpsc::channel();
         let req = EngineRequest {
             prompt_token_ids: vec![1, 2],
             params: SamplingParams::default(),
         };
-        let (sink, stream) = channel(RequestId(1), &req, tx);
+        let abort: AbortFn = Arc::new(move |id| {
+            let _ = tx.send(id);
+        });
+        let (sink, stream) = channel(RequestId(1), &req, abort);
         (sink, stream, rx)
     }
 
@@ -306,7 +308,7 @@ mod tests {
     fn the_engine_sees_a_reader_that_left_and_a_dropped_stream_aborts() {
         let (sink, stream, rx) = pair();
         drop(stream);
-        assert!(matches!(rx.try_recv(), Ok(Command::Abort(RequestId(1)))));
+        assert_eq!(rx.try_recv(), Ok(RequestId(1)));
         assert!(!sink.post(delta("x", &[1], false)));
         let (sink, mut stream, _rx) = pair();
         drop(sink);
