@@ -310,6 +310,15 @@ impl Engine {
         self.output.abort(id);
     }
 
+    /// Ends one request with an error; the others go on.
+    fn fail_request(&mut self, id: RequestId, err: EngineError) {
+        for s in self.scheduler.abort_request(id) {
+            self.requests.release(s);
+        }
+        self.requests.remove(id);
+        self.output.fail(id, err);
+    }
+
     fn fail_all(&mut self, err: EngineError) {
         // tokens of the step before the failure are good: they go out first
         self.in_flight = None;

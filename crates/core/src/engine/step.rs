@@ -202,7 +202,18 @@ impl Engine {
         }
         self.collect_in_flight();
         self.settle_overlapped();
-        self.prompt_logprobs(logits, &prompt_rows)?;
+        if let Err(e) = self.prompt_logprobs(logits, &prompt_rows) {
+            // only the requests that asked for them fail
+            tracing::error!("prompt logprobs failed: {e}");
+            let mut ids: Vec<_> = prompt_rows
+                .iter()
+                .filter_map(|&(_, seq, _)| self.requests.owner(seq).map(|(rid, _)| rid))
+                .collect();
+            ids.dedup();
+            for rid in ids {
+                self.fail_request(rid, EngineError::Model(format!("prompt logprobs: {e}")));
+            }
+        }
         let host_jobs: Vec<&Job> = jobs
             .iter()
             .zip(&on_device)
