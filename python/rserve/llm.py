@@ -111,7 +111,9 @@ class _Assembler:
     every completion present. Each delta costs time in its own size; each `RequestOutput` built
     copies the lists so far (the engine merges deltas a slow reader has not taken yet)."""
 
-    def __init__(self, prompt: str | None, n: int, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, prompt: str | None, n: int, prompt_token_ids: list[int], logprobs: bool = False
+    ) -> None:
         self.prompt = prompt
         self.n = n
         self.request_id = -1
@@ -121,8 +123,8 @@ class _Assembler:
         self.finished = False
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list[Logprob] | None] = [None] * n
-        self.cumulative: list[float | None] = [None] * n
+        self.logprobs: list[list[Logprob] | None] = [[] if logprobs else None for _ in range(n)]
+        self.cumulative: list[float | None] = [0.0] * n
         self.finish: list[str | None] = [None] * n
         self.stop: list[int | str | None] = [None] * n
 
@@ -147,9 +149,10 @@ class _Assembler:
             self.texts[i].append(text)
             self.tokens[i].extend(out.get("token_ids") or [])
             if out.get("logprobs"):
-                lps = self.logprobs[i] if self.logprobs[i] is not None else []
+                lps = self.logprobs[i]
+                if lps is None:
+                    lps = self.logprobs[i] = []
                 lps.extend(_logprob(e) for e in out["logprobs"])
-                self.logprobs[i] = lps
             self.cumulative[i] = out.get("cumulative_logprob")
             self.finish[i] = out.get("finish_reason") or self.finish[i]
             if out.get("stop_reason") is not None:
@@ -398,6 +401,7 @@ class LLM:
             native = list(prompt)
             if not native:
                 raise ValueError("prompt: must not be empty")
+        logprobs = params is not None and params.logprobs is not None
         if params is None:
             params_json, n = "{}", 1
         else:
@@ -407,7 +411,7 @@ class LLM:
                 fill = max(1, self.max_model_len - len(ids))
             params_json, n = params.to_engine_json(fill), params.n
         stream = self._engine.submit(native, params_json)
-        return stream, _Assembler(text, n, stream.prompt_token_ids)
+        return stream, _Assembler(text, n, stream.prompt_token_ids, logprobs)
 
     # -- streaming -------------------------------------------------------------------------------
 

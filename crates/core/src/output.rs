@@ -202,8 +202,9 @@ impl OutputProcessor {
             }
             let mut finish = ev.finish;
             if ev.text {
-                match c.detok.push(&self.tokenizer, id) {
-                    Ok(Some(stop)) if c.num_tokens >= r.min_tokens => {
+                let active = c.num_tokens >= r.min_tokens;
+                match c.detok.push_with(&self.tokenizer, id, active) {
+                    Ok(Some(stop)) => {
                         if finish.is_none() {
                             settled.stopped.push((ev.rid, ev.idx));
                         }
@@ -285,6 +286,9 @@ impl OutputProcessor {
         };
         for c in &mut r.completions {
             if c.finish.is_none() {
+                if let Err(e) = c.detok.flush(&self.tokenizer) {
+                    tracing::debug!("detokenizer: {e}");
+                }
                 c.finish = Some(FinishReason::Abort);
                 c.changed = true;
             }

@@ -6,7 +6,9 @@
 //! where it runs: on the device (`rserve_kernels::sampling`) or on the host ([`sample_row`],
 //! for rows that want top-N logprobs, and on the CPU). Both apply the same rules and draw with
 //! the same counter hash of the seed and the token id ([`uniform`], Gumbel-max), so a seeded row
-//! picks the same token on either, alone or in any batch.
+//! picks the same token alone or in any batch, and on either sampler up to float rounding (the
+//! device's fast `exp`/`log` and f32 sums can settle a near-tie at a threshold or between two
+//! noisy scores the other way; non-finite logits are read as `-inf` here).
 //!
 //! Pure functions over host rows; no tensors, no locks, no request state (the caller keeps
 //! prompt / output ids and decides which ids to suppress, e.g. EOS and stop ids before

@@ -164,6 +164,8 @@ pub struct IncrementalDetokenizer {
     stops: Arc<StopStrings>,
     /// The stop-string automaton's state after all of `text`.
     scan: StopScan,
+    /// Whether a stop string found now ends the text (see `push_with`).
+    stops_active: bool,
     include_stop_str_in_output: bool,
     stopped: Option<String>,
 }
@@ -195,6 +197,7 @@ impl IncrementalDetokenizer {
             emitted: 0,
             stops,
             scan: StopScan::default(),
+            stops_active: true,
             include_stop_str_in_output,
             stopped: None,
         }
@@ -205,10 +208,22 @@ impl IncrementalDetokenizer {
     /// tokenizer does not know (a model whose vocabulary is larger than its tokenizer's)
     /// decodes to nothing.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>, TokenizerError> {
+        self.push_with(tok, id, true)
+    }
+
+    /// [`IncrementalDetokenizer::push`], with stop strings ending the text only when
+    /// `stops_active` (before `min_tokens` a stop string is ordinary text).
+    pub fn push_with(
+        &mut self,
+        tok: &Tokenizer,
+        id: u32,
+        stops_active: bool,
+    ) -> Result<Option<String>, TokenizerError> {
         if self.stopped.is_some() || !tok.known_ids.contains(&id) {
             return Ok(None);
         }
         self.ids.push(id);
+        self.stops_active = stops_active;
         self.advance(tok, false)
     }
 
@@ -273,6 +288,9 @@ impl IncrementalDetokenizer {
     fn check_stop(&mut self, new_start: usize) -> Option<String> {
         let new = self.text.as_bytes().get(new_start..)?;
         let m = self.stops.feed(&mut self.scan, new, new_start)?;
+        if !self.stops_active {
+            return None;
+        }
         let stop = self.stops.pattern(m.pattern).to_string();
         let end = if self.include_stop_str_in_output {
             m.start + stop.len()

@@ -388,8 +388,14 @@ fn stop_tokens_stop_strings_and_min_tokens() {
         assert_eq!(o.text, text[..cut]);
         assert_eq!(o.stop_reason, Some(StopReason::Text(stop.clone())));
         p.include_stop_str_in_output = true;
-        let o = run_req(&h, &prompt, p);
+        let o = run_req(&h, &prompt, p.clone());
         assert_eq!(o.text, text[..cut + stop.len()]);
+        // before min_tokens a stop string is ordinary text: all 12 tokens and their whole text
+        p.include_stop_str_in_output = false;
+        p.min_tokens = 12;
+        let o = run_req(&h, &prompt, p);
+        assert_eq!((o.token_ids.len(), o.text.as_str()), (12, text.as_str()));
+        assert_eq!(o.finish_reason, Some(FinishReason::Length));
     }
     assert_sound(&h);
 }

@@ -78,7 +78,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     while let Some(delta) = stream.blocking_next() {
         let delta = delta?;
         if !args.json {
-            for c in &delta.outputs {
+            for c in delta.outputs.iter().filter(|c| c.index == 0) {
                 write!(stdout, "{}", c.text)?;
             }
             stdout.flush()?;
