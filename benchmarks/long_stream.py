@@ -72,14 +72,15 @@ def run_http(args: argparse.Namespace) -> None:
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         try:
-            for _ in range(600):
+            for _ in range(1200):  # up to 2 minutes (a cold CUDA driver cache compiles first)
                 try:
                     c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
                     c.request("GET", "/health")
                     if c.getresponse().status == 200:
                         break
                 except OSError:
-                    time.sleep(0.1)
+                    pass
+                time.sleep(0.1)
             body = {"model": args.served_name, "prompt": "Once upon a time", "max_tokens": args.tokens,
                     "ignore_eos": True, "stream": True, "temperature": 0}
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
