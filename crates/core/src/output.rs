@@ -25,7 +25,6 @@ use std::sync::Arc;
 
 struct CompletionText {
     detok: IncrementalDetokenizer,
-    num_tokens: usize,
     new_tokens: Vec<u32>,
     new_logprobs: Vec<TokenLogprob>,
     cumulative_logprob: f32,
@@ -37,7 +36,6 @@ struct CompletionText {
 
 struct RequestText {
     sink: Sink,
-    min_tokens: usize,
     logprobs: bool,
     completions: Vec<CompletionText>,
     new_prompt_logprobs: Vec<Option<TokenLogprob>>,
@@ -53,14 +51,22 @@ impl RequestText {
     }
 }
 
+/// What a token means for its completion, decided without its text.
+pub(crate) struct Counted {
+    /// Whether the token is text (not a stop token or EOS that ended the completion).
+    pub text: bool,
+    /// Whether stop strings may end the completion now (`min_tokens` reached).
+    pub stops_active: bool,
+    /// Why the completion ended here, if it did.
+    pub finish: Option<(FinishReason, Option<StopReason>)>,
+}
+
 /// A token the engine accepted, waiting for its text.
 struct TokenEvent {
     rid: RequestId,
     idx: usize,
     token: TokenLogprob,
-    /// Whether it is text (a stop token or EOS that ended its completion is not).
-    text: bool,
-    finish: Option<(FinishReason, Option<StopReason>)>,
+    counted: Counted,
 }
 
 /// What [`OutputProcessor::settle`] tells the engine.
@@ -104,7 +110,6 @@ impl OutputProcessor {
                     stops.clone(),
                     p.include_stop_str_in_output,
                 ),
-                num_tokens: 0,
                 new_tokens: Vec::new(),
                 new_logprobs: Vec::new(),
                 cumulative_logprob: 0.0,
@@ -122,7 +127,6 @@ impl OutputProcessor {
             rid,
             RequestText {
                 sink,
-                min_tokens: p.min_tokens,
                 logprobs: p.logprobs.is_some(),
                 completions,
                 new_prompt_logprobs,
@@ -133,21 +137,14 @@ impl OutputProcessor {
         );
     }
 
-    /// A token accepted for completion `idx` of `rid` (its text is worked out in `settle`).
-    pub fn token(
-        &mut self,
-        rid: RequestId,
-        idx: usize,
-        token: TokenLogprob,
-        text: bool,
-        finish: Option<(FinishReason, Option<StopReason>)>,
-    ) {
+    /// A token accepted for completion `idx` of `rid`, with what the engine decided of it (its
+    /// text is worked out in `settle`).
+    pub fn token(&mut self, rid: RequestId, idx: usize, token: TokenLogprob, counted: Counted) {
         self.events.push(TokenEvent {
             rid,
             idx,
             token,
-            text,
-            finish,
+            counted,
         });
     }
 
@@ -193,17 +190,18 @@ impl OutputProcessor {
                 // a token computed past a stop string found since: dropped
                 continue;
             }
-            c.num_tokens += 1;
             c.new_tokens.push(ev.token.token_id);
             c.cumulative_logprob += ev.token.logprob;
             let id = ev.token.token_id;
             if r.logprobs {
                 c.new_logprobs.push(ev.token);
             }
-            let mut finish = ev.finish;
-            if ev.text {
-                let active = c.num_tokens >= r.min_tokens;
-                match c.detok.push_with(&self.tokenizer, id, active) {
+            let mut finish = ev.counted.finish;
+            if ev.counted.text {
+                match c
+                    .detok
+                    .push_with(&self.tokenizer, id, ev.counted.stops_active)
+                {
                     Ok(Some(stop)) => {
                         if finish.is_none() {
                             settled.stopped.push((ev.rid, ev.idx));

@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
-/// Total logits (rows x vocab) from which [`sample_batch`] spreads rows over rayon's pool.
+/// Total logits (rows x vocab) from which [`sample_rows_host`] spreads rows over rayon's pool.
 const PAR_MIN_WORK: usize = 1 << 17;
 
 fn splitmix64(state: &mut u64) -> u64 {
@@ -84,21 +84,6 @@ impl SeqRng {
     pub fn next_f32(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
     }
-}
-
-/// Everything needed to pick one sequence's next token.
-pub struct SampleInput<'a> {
-    /// Raw model logits for this position, `[vocab]` (may be longer than the tokenizer's vocab).
-    /// Used as scratch; holds its raw values again on return.
-    pub logits: &'a mut [f32],
-    pub params: &'a SamplingParams,
-    /// Prompt and generated ids so far: the repetition penalty uses both, the presence and
-    /// frequency penalties only the output.
-    pub prompt_ids: &'a [u32],
-    pub output_ids: &'a [u32],
-    /// Ids forbidden at this step (EOS and stop ids while `min_tokens` is not reached).
-    pub suppress: &'a [u32],
-    pub rng: &'a mut SeqRng,
 }
 
 /// NaN as `-inf` (`f32::max` ignores a NaN operand).
@@ -400,29 +385,6 @@ pub fn sample_row(row: &mut [f32], s: &RowSampling, logprobs: usize) -> TokenLog
     }
 }
 
-/// Picks one sequence's next token ([`row_sampling`] then [`sample_row`]); returns it with its
-/// raw logprob and the raw top `params.logprobs` alternatives.
-pub fn sample(input: SampleInput<'_>) -> TokenLogprob {
-    let s = row_sampling(
-        input.params,
-        input.prompt_ids,
-        input.output_ids,
-        input.suppress,
-        input.rng,
-    );
-    sample_row(input.logits, &s, input.params.logprobs.unwrap_or(0))
-}
-
-/// [`sample`] for every row, spread over rayon's pool when the batch is large.
-pub fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
-    let work: usize = inputs.iter().map(|i| i.logits.len()).sum();
-    if inputs.len() > 1 && work >= PAR_MIN_WORK {
-        inputs.into_par_iter().map(sample).collect()
-    } else {
-        inputs.into_iter().map(sample).collect()
-    }
-}
-
 /// A prompt position's entry from its row of log-probabilities (log-softmax already applied, on
 /// the device): the next prompt token's and the top `k` alternatives.
 pub fn prompt_logprob_of(logprobs: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
@@ -452,18 +414,6 @@ pub fn sample_rows_host(
             .zip(plans)
             .map(|(row, &(s, k))| sample_row(row, s, k))
             .collect()
-    }
-}
-
-/// Raw log-probability of `next_token` given `logits`, with the top `k` alternatives.
-pub fn prompt_logprob(logits: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
-    let z = LogZ::of(logits);
-    TokenLogprob {
-        token_id: next_token,
-        logprob: logits
-            .get(next_token as usize)
-            .map_or(NEG_INF, |&x| z.logprob(x)),
-        top: with_logprobs(logits, &z, k.unwrap_or(0)),
     }
 }
 

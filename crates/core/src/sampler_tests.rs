@@ -4,6 +4,58 @@
 use super::*;
 use std::collections::BTreeMap;
 
+// The parameter-level entry points the tests drive: the policy, then the host executor.
+
+/// Everything needed to pick one sequence's next token.
+struct SampleInput<'a> {
+    /// Raw model logits for this position, `[vocab]` (may be longer than the tokenizer's vocab).
+    /// Used as scratch; holds its raw values again on return.
+    logits: &'a mut [f32],
+    params: &'a SamplingParams,
+    /// Prompt and generated ids so far: the repetition penalty uses both, the presence and
+    /// frequency penalties only the output.
+    prompt_ids: &'a [u32],
+    output_ids: &'a [u32],
+    /// Ids forbidden at this step (EOS and stop ids while `min_tokens` is not reached).
+    suppress: &'a [u32],
+    rng: &'a mut SeqRng,
+}
+
+/// Picks one sequence's next token ([`row_sampling`] then [`sample_row`]); returns it with its
+/// raw logprob and the raw top `params.logprobs` alternatives.
+fn sample(input: SampleInput<'_>) -> TokenLogprob {
+    let s = row_sampling(
+        input.params,
+        input.prompt_ids,
+        input.output_ids,
+        input.suppress,
+        input.rng,
+    );
+    sample_row(input.logits, &s, input.params.logprobs.unwrap_or(0))
+}
+
+/// [`sample`] for every row, spread over rayon's pool when the batch is large.
+fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
+    let work: usize = inputs.iter().map(|i| i.logits.len()).sum();
+    if inputs.len() > 1 && work >= PAR_MIN_WORK {
+        inputs.into_par_iter().map(sample).collect()
+    } else {
+        inputs.into_iter().map(sample).collect()
+    }
+}
+
+/// Raw log-probability of `next_token` given `logits`, with the top `k` alternatives.
+fn prompt_logprob(logits: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
+    let z = LogZ::of(logits);
+    TokenLogprob {
+        token_id: next_token,
+        logprob: logits
+            .get(next_token as usize)
+            .map_or(NEG_INF, |&x| z.logprob(x)),
+        top: with_logprobs(logits, &z, k.unwrap_or(0)),
+    }
+}
+
 /// `ids` = [prompt, output, suppress]; also checks the row is restored.
 fn run(x: &[f32], params: &SamplingParams, ids: [&[u32]; 3], rng: &mut SeqRng) -> TokenLogprob {
     let mut row = x.to_vec();

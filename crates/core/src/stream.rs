@@ -200,21 +200,22 @@ impl OutputStream {
 
     /// Waits (blocking) for the end and returns the assembled output.
     pub fn wait(mut self) -> Result<RequestOutput, EngineError> {
-        let mut finished = self.output.finished;
         while let Some(item) = self.blocking_next() {
-            finished |= item?.finished;
+            item?;
         }
-        if !finished {
+        if !self.output.finished {
             return Err(EngineError::Stopped);
         }
-        Ok(std::mem::replace(
-            &mut self.output,
-            RequestOutput::new(self.id, Vec::new(), &Default::default()),
-        ))
+        Ok(self.into_output())
     }
 
     /// The assembled output, taken out of a stream that has ended.
     pub fn into_output(mut self) -> RequestOutput {
+        self.take_output()
+    }
+
+    /// Moves the assembled output out (an empty one stays behind).
+    pub fn take_output(&mut self) -> RequestOutput {
         std::mem::replace(
             &mut self.output,
             RequestOutput::new(self.id, Vec::new(), &Default::default()),

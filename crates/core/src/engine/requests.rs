@@ -6,6 +6,7 @@
 //! ([`crate::output`]). A request leaves this registry once every completion is done (by EOS, a
 //! stop token or string, length, or abort); it may still have text to send then.
 
+use crate::output::Counted;
 use crate::request::{EngineRequest, FinishReason, RequestId, SamplingParams, StopReason};
 use crate::sampler::SeqRng;
 use crate::sequence::{RequestMeta, SeqId};
@@ -50,9 +51,6 @@ pub(super) struct Requests {
     owner: HashMap<SeqId, (RequestId, usize)>,
     next_seq: u64,
 }
-
-/// Why a completion ended at a token that needs no text to tell.
-pub(super) type TokenFinish = Option<(FinishReason, Option<StopReason>)>;
 
 impl Requests {
     pub fn new_seq_id(&mut self) -> SeqId {
@@ -125,8 +123,7 @@ impl Requests {
     }
 
     /// Counts a token accepted for completion `idx` of `rid` and decides the stops that need no
-    /// text (stop token ids, EOS unless ignored, length). Returns whether the token is text (not a
-    /// stop token or EOS that ended the completion) and the finish.
+    /// text (stop token ids, EOS unless ignored, length).
     pub fn count_token(
         &mut self,
         rid: RequestId,
@@ -134,7 +131,7 @@ impl Requests {
         token: u32,
         eos: &[u32],
         max_model_len: usize,
-    ) -> Option<(bool, TokenFinish)> {
+    ) -> Option<Counted> {
         let st = self.map.get_mut(&rid)?;
         let p = &st.params;
         let c = st.completions.get_mut(idx)?;
@@ -154,7 +151,11 @@ impl Requests {
         if finish.is_some() {
             c.done = true;
         }
-        Some((text, finish))
+        Some(Counted {
+            text,
+            stops_active: n_out >= p.min_tokens,
+            finish,
+        })
     }
 
     /// Marks completion `idx` of `rid` done; returns its sequence if it was still running.

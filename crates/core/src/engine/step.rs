@@ -26,6 +26,10 @@ struct Job {
     sampling: RowSampling,
     /// Top alternatives wanted with the token (host sampler only).
     logprobs: Option<usize>,
+    /// Sampled on the device (a GPU, and no top alternatives wanted).
+    device: bool,
+    /// The request's sampling reads earlier output values (penalties).
+    penalized: bool,
 }
 
 /// `logits` rows `rows` as one tensor (the same tensor when they are all of its rows, in order).
@@ -101,8 +105,8 @@ impl Engine {
 
     /// Samples a step's rows and accepts the tokens (or, planning ahead, leaves them in flight).
     fn sample_step(&mut self, logits: &Tensor, rows: &[LogitRow]) -> candle_core::Result<()> {
-        let forks_before = self.requests_forking(rows);
-        let mut jobs = self.plan_jobs(rows);
+        let gpu = !self.runner.device().is_cpu();
+        let (mut jobs, forked) = self.plan_jobs(rows, gpu);
         let prompt_rows: Vec<(u32, SeqId, usize)> = rows
             .iter()
             .zip(0u32..)
@@ -111,40 +115,26 @@ impl Engine {
                 LogitRow::Sample(_) => None,
             })
             .collect();
-        let gpu = !self.runner.device().is_cpu();
-        let on_device: Vec<bool> = jobs.iter().map(|j| gpu && j.logprobs.is_none()).collect();
-        let plain = !forks_before
+        let plain = !forked
             && prompt_rows.is_empty()
-            && jobs.iter().all(|j| {
-                j.logprobs.is_none()
-                    && self
-                        .requests
-                        .of_seq(j.seq)
-                        .is_some_and(|st| !st.meta.penalized)
-            });
+            && jobs.iter().all(|j| j.logprobs.is_none() && !j.penalized);
         let ahead = self.async_scheduling
             && plain
             && !jobs.is_empty()
             && if gpu {
-                on_device.iter().all(|&d| d)
+                jobs.iter().all(|j| j.device)
             } else {
                 self.host_lookahead
             };
         // the device's rows are queued first, so the host's work below overlaps them
-        let device_rows: Vec<u32> = jobs
-            .iter()
-            .zip(&on_device)
-            .filter(|(_, &d)| d)
-            .map(|(j, _)| j.row)
-            .collect();
+        let device_rows: Vec<u32> = jobs.iter().filter(|j| j.device).map(|j| j.row).collect();
         let pending = if device_rows.is_empty() {
             None
         } else {
             let settings: Vec<RowSampling> = jobs
                 .iter_mut()
-                .zip(&on_device)
-                .filter(|(_, &d)| d)
-                .map(|(j, _)| std::mem::take(&mut j.sampling))
+                .filter(|j| j.device)
+                .map(|j| std::mem::take(&mut j.sampling))
                 .collect();
             let selected = select_rows(logits, &device_rows)?;
             Some(rserve_kernels::sampling::sample_rows_async(
@@ -157,7 +147,7 @@ impl Engine {
             let sampled = match pending {
                 Some(p) => Sampled::Device(p),
                 None => Sampled::Host(
-                    self.sample_on_host(logits, &jobs)?
+                    self.sample_on_host(logits, &jobs.iter().collect::<Vec<_>>())?
                         .into_iter()
                         .map(|t| (t.token_id, t.logprob))
                         .collect(),
@@ -209,26 +199,21 @@ impl Engine {
                 .iter()
                 .filter_map(|&(_, seq, _)| self.requests.owner(seq).map(|(rid, _)| rid))
                 .collect();
+            ids.sort_unstable();
             ids.dedup();
             for rid in ids {
                 self.fail_request(rid, EngineError::Model(format!("prompt logprobs: {e}")));
             }
         }
-        let host_jobs: Vec<&Job> = jobs
-            .iter()
-            .zip(&on_device)
-            .filter(|(_, &d)| !d)
-            .map(|(j, _)| j)
-            .collect();
-        let mut host = self.sample_on_host_refs(logits, &host_jobs)?.into_iter();
+        let host_jobs: Vec<&Job> = jobs.iter().filter(|j| !j.device).collect();
+        let mut host = self.sample_on_host(logits, &host_jobs)?.into_iter();
         let mut device = match pending {
             Some(p) => p.wait(&mut self.readback)?.into_iter(),
             None => Vec::new().into_iter(),
         };
         self.timing.sampled = Some(Instant::now());
         let had_host = !host_jobs.is_empty() || !prompt_rows.is_empty();
-        let seqs: Vec<SeqId> = jobs.iter().map(|j| j.seq).collect();
-        for (seq, d) in seqs.into_iter().zip(on_device) {
+        for (seq, d) in jobs.iter().map(|j| (j.seq, j.device)).collect::<Vec<_>>() {
             let tl = if d {
                 device.next().map(|(token_id, logprob)| TokenLogprob {
                     token_id,
@@ -249,18 +234,12 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether a sampled row's sequence forks now (its first sample fans out to `n` completions).
-    fn requests_forking(&self, rows: &[LogitRow]) -> bool {
-        rows.iter().any(|r| match *r {
-            LogitRow::Sample(seq) => self.scheduler.seq(seq).is_some_and(|s| s.pending_forks > 0),
-            LogitRow::PromptLogprob { .. } => false,
-        })
-    }
-
-    /// The step's tokens to sample, in row order: forks happen here (the children share their
-    /// parent's row), and each completion's settings draw from its own random stream.
-    fn plan_jobs(&mut self, rows: &[LogitRow]) -> Vec<Job> {
+    /// The step's tokens to sample, in row order, and whether a request forked: forks happen
+    /// here (the children share their parent's row), and each completion's settings draw from
+    /// its own random stream. On a GPU (`gpu`) a job that wants no top alternatives runs there.
+    fn plan_jobs(&mut self, rows: &[LogitRow], gpu: bool) -> (Vec<Job>, bool) {
         let mut jobs = Vec::with_capacity(rows.len());
+        let mut forked = false;
         for (row, r) in (0u32..).zip(rows) {
             let LogitRow::Sample(seq) = *r else {
                 continue;
@@ -268,6 +247,7 @@ impl Engine {
             let forks = self.scheduler.seq(seq).map_or(0, |s| s.pending_forks);
             let mut seqs = vec![seq];
             if forks > 0 {
+                forked = true;
                 let children: Vec<SeqId> = (0..forks).map(|_| self.requests.new_seq_id()).collect();
                 self.scheduler.fork(seq, &children);
                 if let Some((rid, _)) = self.requests.owner(seq) {
@@ -278,15 +258,15 @@ impl Engine {
                 }
             }
             for s in seqs {
-                if let Some(job) = self.job(row, s) {
+                if let Some(job) = self.job(row, s, gpu) {
                     jobs.push(job);
                 }
             }
         }
-        jobs
+        (jobs, forked)
     }
 
-    fn job(&mut self, row: u32, seq: SeqId) -> Option<Job> {
+    fn job(&mut self, row: u32, seq: SeqId, gpu: bool) -> Option<Job> {
         let (rid, idx) = self.requests.owner(seq)?;
         let s = self.scheduler.seq(seq)?;
         let st = self.requests.get_mut(rid)?;
@@ -306,20 +286,13 @@ impl Engine {
             seq,
             sampling,
             logprobs: p.logprobs,
+            device: gpu && p.logprobs.is_none(),
+            penalized: st.meta.penalized,
         })
     }
 
-    fn sample_on_host(
-        &self,
-        logits: &Tensor,
-        jobs: &[Job],
-    ) -> candle_core::Result<Vec<TokenLogprob>> {
-        let refs: Vec<&Job> = jobs.iter().collect();
-        self.sample_on_host_refs(logits, &refs)
-    }
-
     /// Reads the jobs' rows (a forked row once per job) and samples them on the host.
-    fn sample_on_host_refs(
+    fn sample_on_host(
         &self,
         logits: &Tensor,
         jobs: &[&Job],
@@ -399,18 +372,18 @@ impl Engine {
         self.stats.generation_tokens.fetch_add(1, Ordering::Relaxed);
         let eos = &self.info.generation.eos_token_ids;
         let max_len = self.info.max_model_len;
-        let Some((text, finish)) = self
+        let Some(counted) = self
             .requests
             .count_token(rid, idx, tl.token_id, eos, max_len)
         else {
             return;
         };
-        let ended = finish.is_some();
+        let ended = counted.finish.is_some();
         if ended {
             self.scheduler.finish(seq);
             self.requests.release(seq);
         }
-        self.output.token(rid, idx, tl, text, finish);
+        self.output.token(rid, idx, tl, counted);
         if ended {
             self.requests.remove_if_finished(rid);
         }

@@ -81,11 +81,10 @@ impl Tracked {
         while let Some(item) = self.next().await {
             item?;
         }
-        let out = self.inner.output();
-        if !out.finished {
+        if !self.inner.output().finished {
             return Err(EngineError::Stopped);
         }
-        Ok(out.clone())
+        Ok(self.inner.take_output())
     }
 
     fn end(&mut self) {
