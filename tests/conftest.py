@@ -24,6 +24,19 @@ MODEL_DIR = REPO_ROOT / "tests" / "fixtures" / "models" / "qwen2"
 SERVED_MODEL_NAME = "tiny-qwen"
 MAX_MODEL_LEN = 256
 API_KEY = "sekrit"
+# flags of the `edge_server` instance: connection timeouts, a small per-request cap on choices and
+# the /tokenizer_info endpoint
+EDGE_ARGS = [
+    "--enable-tokenizer-info-endpoint",
+    "--timeout-keep-alive",
+    "1",
+    "--header-read-timeout",
+    "2",
+    "--max-choices-per-request",
+    "8",
+]
+# which session fixture started the instance of each name (for the log tails of failed tests)
+FIXTURE_OF = {"main": "server", "auth": "auth_server", "edge": "edge_server"}
 
 _STARTED: list["RserveServer"] = []
 
@@ -62,10 +75,22 @@ def server(tmp_path_factory) -> RserveServer:
 
 @pytest.fixture(scope="session")
 def auth_server(tmp_path_factory) -> RserveServer:
-    """A second instance started with `--api-key sekrit`."""
+    """A second instance started with `--api-key sekrit` (and /tokenizer_info, to check that it
+    is behind the key too)."""
     yield from running(
-        RserveServer("auth", tmp_path_factory.mktemp("rserve-auth"), ["--api-key", API_KEY])
+        RserveServer(
+            "auth",
+            tmp_path_factory.mktemp("rserve-auth"),
+            ["--api-key", API_KEY, "--enable-tokenizer-info-endpoint"],
+        )
     )
+
+
+@pytest.fixture(scope="session")
+def edge_server(tmp_path_factory) -> RserveServer:
+    """A third instance with short connection timeouts (header read 2 s, keep-alive 1 s), at most
+    8 choices per request and the /tokenizer_info endpoint (flags in EDGE_ARGS)."""
+    yield from running(RserveServer("edge", tmp_path_factory.mktemp("rserve-edge"), EDGE_ARGS))
 
 
 @pytest.fixture(scope="session")
@@ -97,8 +122,7 @@ def pytest_runtest_makereport(item, call):
         return
     names = set(getattr(item, "fixturenames", ()))
     for srv in _STARTED:
-        fixture = "server" if srv.name == "main" else "auth_server"
-        if fixture in names:
+        if FIXTURE_OF.get(srv.name) in names:
             report.sections.append(
                 (
                     f"rserve {srv.name} ({srv.status_line()}), log tail of {srv.log_path}",

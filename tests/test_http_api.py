@@ -8,18 +8,16 @@ template) as `tiny-qwen` with a context of 256 tokens. Its text is nonsense, but
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import select
-import socket
 import time
 import warnings
 
-import h11
 import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
+
+from support.http_checks import assert_error, assert_still_serving, parse_sse, post_raw_body
 
 MODEL = "tiny-qwen"
 MAX_MODEL_LEN = 256
@@ -88,61 +86,8 @@ def chat(client: OpenAI, messages=None, max_tokens=8, extra=None, **kw):
     )
 
 
-def parse_sse(resp: httpx.Response) -> list[dict]:
-    """Checks SSE framing (`data: <json>\\n\\n` events ending with `data: [DONE]`); returns the JSON."""
-    assert resp.status_code == 200, resp.text[:1000]
-    ctype = resp.headers.get("content-type", "")
-    assert ctype.startswith("text/event-stream"), f"Content-Type is {ctype!r}"
-    raw = resp.text
-    assert raw.endswith("\n\n"), f"stream does not end with a blank line: {raw[-200:]!r}"
-    payloads = []
-    for block in raw[:-2].split("\n\n"):
-        lines = [line for line in block.split("\n") if not line.startswith(":")]  # SSE comments
-        if not lines:
-            continue
-        assert len(lines) == 1, f"event is not a single data line: {block!r}"
-        assert lines[0].startswith("data: "), f"event is not `data: ...`: {block!r}"
-        payloads.append(lines[0][len("data: ") :])
-    assert payloads, "empty stream"
-    assert payloads[-1] == "[DONE]", f"stream does not end with data: [DONE]: {payloads[-1]!r}"
-    assert "[DONE]" not in payloads[:-1], "data: [DONE] before the end"
-    events = []
-    for p in payloads[:-1]:
-        ev = json.loads(p)
-        assert "error" not in ev, f"error event in stream: {ev}"
-        events.append(ev)
-    return events
-
-
 def stream_raw(http: httpx.Client, path: str, body: dict) -> list[dict]:
     return parse_sse(http.post(path, json={"model": MODEL, "stream": True, **body}))
-
-
-def assert_error(resp: httpx.Response, status: int, contains: str | None = None) -> dict:
-    """The response is `status` with the body {"error": {"message", "type", "param", "code"}}."""
-    assert resp.status_code == status, f"expected {status}, got {resp.status_code}: {resp.text[:500]}"
-    ctype = resp.headers.get("content-type", "")
-    assert ctype.startswith("application/json"), f"Content-Type is {ctype!r}: {resp.text[:300]}"
-    body = resp.json()
-    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
-    err = body["error"]
-    for key in ("message", "type", "param", "code"):
-        assert key in err, f"error lacks {key!r}: {body}"
-    assert isinstance(err["message"], str) and err["message"], body
-    assert isinstance(err["type"], str) and err["type"], body
-    assert err["param"] is None or isinstance(err["param"], str), body
-    assert err["code"] is None or isinstance(err["code"], (int, str)), body
-    if contains is not None:
-        assert contains in err["message"], f"{contains!r} not in {err['message']!r}"
-    return err
-
-
-def assert_still_serving(http: httpx.Client) -> None:
-    r = http.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1, "temperature": 0}
-    )
-    assert r.status_code == 200, f"server stopped serving after an error: {r.status_code} {r.text}"
-    assert r.json()["choices"][0]["text"] is not None
 
 
 _SAMPLE_RE = re.compile(
@@ -970,83 +915,13 @@ def test_openai_client_raises_typed_errors(client):
     assert chat(client, max_tokens=1).choices[0].finish_reason in ("stop", "length")
 
 
-def _post_raw_body(host: str, port: int, path: str, body: bytes) -> tuple[h11.Response | None, bytes]:
-    """POSTs `body` over a plain socket, stopping the upload as soon as the server answers, so an
-    early 413 (and a closed connection) is read instead of ending in a broken pipe."""
-    conn = h11.Connection(our_role=h11.CLIENT)
-    head = conn.send(
-        h11.Request(
-            method="POST",
-            target=path,
-            headers=[
-                ("Host", f"{host}:{port}"),
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))),
-                ("Connection", "close"),
-            ],
-        )
-    )
-    sock = socket.create_connection((host, port), timeout=30)
-    received = b""
-    try:
-        sock.sendall(head)
-        sock.setblocking(False)
-        view, sent = memoryview(body), 0
-        deadline = time.monotonic() + 60
-        while sent < len(body) and time.monotonic() < deadline:
-            readable, writable, _ = select.select([sock], [sock], [], 1.0)
-            if readable:
-                break
-            if writable:
-                try:
-                    sent += sock.send(view[sent : sent + (1 << 16)])
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    break
-        sock.settimeout(30)
-        while True:
-            try:
-                data = sock.recv(1 << 16)
-            except OSError:
-                break
-            if not data:
-                break
-            received += data
-    finally:
-        sock.close()
-    conn.receive_data(received)
-    conn.receive_data(b"")
-    response, content = None, b""
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError:
-            break
-        if isinstance(event, h11.Response):
-            response = event
-        elif isinstance(event, h11.Data):
-            content += event.data
-        elif event in (h11.NEED_DATA, h11.PAUSED) or isinstance(
-            event, (h11.EndOfMessage, h11.ConnectionClosed)
-        ):
-            break
-    return response, content
-
-
 def test_body_too_large_is_413(server, http):
     size = 50 * 1024 * 1024
     head, tail = b'{"model": "tiny-qwen", "prompt": "', b'", "max_tokens": 1}'
     body = head + b"a" * (size - len(head) - len(tail)) + tail
-    resp, content = _post_raw_body(server.host, server.port, COMPLETIONS, body)
+    resp = post_raw_body(server.host, server.port, COMPLETIONS, body)
     assert resp is not None, "no HTTP response to a 50 MB body"
-    assert resp.status_code == 413, (resp.status_code, content[:300])
-    as_httpx = httpx.Response(
-        resp.status_code,
-        headers=[(k.decode(), v.decode()) for k, v in resp.headers],
-        content=content,
-    )
-    assert_error(as_httpx, 413)
+    assert_error(resp, 413)
     assert_still_serving(http)
 
 

@@ -203,6 +203,7 @@ def _logprob(entry: Mapping[str, Any]) -> Logprob:
         token_id=entry["token_id"],
         logprob=entry["logprob"],
         top=[(t, lp) for t, lp in entry.get("top") or []],
+        rank=entry.get("rank"),
     )
 
 

@@ -85,6 +85,7 @@ class Logprob(_Output):
     token_id: int
     logprob: float
     top: List[Tuple[int, float]] = Field(default_factory=list)
+    rank: Optional[int] = Field(default=None, description="1 + the number of more likely tokens (prompt logprobs).")
 
 
 class CompletionOutput(_Output):

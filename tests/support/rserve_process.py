@@ -50,7 +50,8 @@ def free_port() -> int:
 class RserveProcess:
     """One `<command> serve <model_dir> ...` process on a free port; stdout and stderr go to a log file.
 
-    `command` is the server binary or the Python console script (as a list of arguments)."""
+    `command` is the server binary or the Python console script (as a list of arguments).
+    With `max_model_len=None`, no `--max-model-len` is passed (the server picks its default)."""
 
     def __init__(
         self,
@@ -60,7 +61,7 @@ class RserveProcess:
         log_dir: Path,
         *,
         served_model_name: str,
-        max_model_len: int,
+        max_model_len: int | None,
         extra_args: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
     ):
@@ -82,8 +83,7 @@ class RserveProcess:
             str(self.port),
             "--served-model-name",
             served_model_name,
-            "--max-model-len",
-            str(max_model_len),
+            *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
             "--seed",
             "0",
             *(extra_args or []),

@@ -62,6 +62,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// `bos_token`/`eos_token` context entries, for the tokens that are known.
     special_tokens: Vec<(&'static str, String)>,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -92,7 +93,13 @@ impl ChatTemplate {
         Ok(Self {
             env,
             special_tokens: special_tokens.collect(),
+            source: source.to_owned(),
         })
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages` like transformers' `apply_chat_template(tokenize=False)`.

@@ -281,6 +281,10 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// Top alternatives, most likely first: (token id, logprob).
     pub top: Vec<(u32, f32)>,
+    /// 1 + the number of tokens more likely than this one, where it was computed (prompt
+    /// logprobs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
 }
 
 /// What a request is asked to do.

@@ -382,19 +382,28 @@ pub fn sample_row(row: &mut [f32], s: &RowSampling, logprobs: usize) -> TokenLog
         token_id,
         logprob,
         top,
+        rank: None,
     }
 }
 
 /// A prompt position's entry from its row of log-probabilities (log-softmax already applied, on
 /// the device): the next prompt token's and the top `k` alternatives.
 pub fn prompt_logprob_of(logprobs: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
+    let logprob = logprobs
+        .get(next_token as usize)
+        .map_or(NEG_INF, |&x| clean(x));
     TokenLogprob {
         token_id: next_token,
-        logprob: logprobs
-            .get(next_token as usize)
-            .map_or(NEG_INF, |&x| clean(x)),
+        logprob,
         top: top_n(logprobs, k.unwrap_or(0)),
+        rank: Some(rank_of(logprobs, logprob)),
     }
+}
+
+/// 1 + the number of entries of `row` above `value`.
+pub fn rank_of(row: &[f32], value: f32) -> u32 {
+    let above = row.iter().filter(|&&x| clean(x) > value).count();
+    u32::try_from(above).unwrap_or(u32::MAX).saturating_add(1)
 }
 
 /// Samples each row of `rows` on the host with its settings and number of top logprobs

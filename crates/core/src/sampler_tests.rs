@@ -47,12 +47,15 @@ fn sample_batch(inputs: Vec<SampleInput<'_>>) -> Vec<TokenLogprob> {
 /// Raw log-probability of `next_token` given `logits`, with the top `k` alternatives.
 fn prompt_logprob(logits: &[f32], next_token: u32, k: Option<usize>) -> TokenLogprob {
     let z = LogZ::of(logits);
+    let logprob = logits
+        .get(next_token as usize)
+        .map_or(NEG_INF, |&x| z.logprob(x));
+    let row: Vec<f32> = logits.iter().map(|&x| z.logprob(x)).collect();
     TokenLogprob {
         token_id: next_token,
-        logprob: logits
-            .get(next_token as usize)
-            .map_or(NEG_INF, |&x| z.logprob(x)),
+        logprob,
         top: with_logprobs(logits, &z, k.unwrap_or(0)),
+        rank: Some(rank_of(&row, logprob)),
     }
 }
 

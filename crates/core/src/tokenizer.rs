@@ -42,6 +42,7 @@ pub struct Tokenizer {
     known_ids: HashSet<u32>,
     special_ids: HashSet<u32>,
     vocab_size: usize,
+    max_token_chars: usize,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -75,7 +76,12 @@ impl Tokenizer {
             origin,
             reason: e.to_string(),
         })?;
-        let known_ids = inner.get_vocab(true).into_values().collect();
+        let vocab = inner.get_vocab(true);
+        // a token's stored form is at least as long as its text (byte-level BPE stores one
+        // character per byte, SentencePiece's byte fallback six), so this bounds characters per
+        // token from above
+        let max_token_chars = vocab.keys().map(|t| t.chars().count()).max().unwrap_or(1);
+        let known_ids = vocab.into_values().collect();
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -87,7 +93,14 @@ impl Tokenizer {
             known_ids,
             special_ids,
             vocab_size,
+            max_token_chars: max_token_chars.max(1),
         })
+    }
+
+    /// The most characters of text one token can stand for: a text of more than
+    /// `n * max_token_chars()` characters cannot encode to `n` tokens or fewer.
+    pub fn max_token_chars(&self) -> usize {
+        self.max_token_chars
     }
 
     /// The wrapped `tokenizers` tokenizer.

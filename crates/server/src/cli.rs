@@ -88,9 +88,25 @@ pub struct ServeArgs {
     /// Requests in flight beyond which new ones get 503 with Retry-After.
     #[arg(long, default_value_t = 4096)]
     pub max_pending: usize,
-    /// Largest accepted request body in bytes (larger ones get 413).
-    #[arg(long, default_value_t = 32 * 1024 * 1024)]
-    pub max_body_bytes: usize,
+    /// Largest accepted request body in bytes (larger ones get 413). Default: what the longest
+    /// prompt the context can hold takes, plus 1 MiB.
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Completions one request may ask for: prompts x `n` (or x `best_of`); more is a 400.
+    #[arg(long, default_value_t = 256)]
+    pub max_choices_per_request: usize,
+    /// Seconds an idle keep-alive connection stays open.
+    #[arg(long, env = "RSERVE_HTTP_TIMEOUT_KEEP_ALIVE", default_value_t = 5.0)]
+    pub timeout_keep_alive: f64,
+    /// Seconds a client has to send a request's headers once the server waits for them.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_read_timeout: f64,
+    /// Threads that render chat templates and tokenize prompts (default: one per core).
+    #[arg(long)]
+    pub tokenizer_threads: Option<usize>,
+    /// Serve `GET /tokenizer_info` (the tokenizer's configuration).
+    #[arg(long)]
+    pub enable_tokenizer_info_endpoint: bool,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod bench_serve;
 pub mod cli;
+mod listener;
 pub mod metrics;
 pub mod openai;
 #[cfg(feature = "python")]

@@ -3,7 +3,8 @@
 //! lets in-flight requests finish within a deadline, then exits.
 
 use crate::cli::ServeArgs;
-use crate::routes::{router, AppState};
+use crate::listener::ConnLimits;
+use crate::routes::{router, AppState, EdgeConfig};
 use anyhow::{Context, Result};
 use rserve_core::default_model::DEFAULT_MODEL_NAME;
 use rserve_core::Engine;
@@ -58,7 +59,35 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| DEFAULT_MODEL_NAME.to_string())
     });
     let api_key = args.api_key.clone().filter(|k| !k.is_empty());
-    let state = Arc::new(AppState::new(name.clone(), api_key, args.max_pending));
+    let seconds = |flag: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(anyhow::anyhow!(
+                "{flag} must be a positive number of seconds, got {v}"
+            ))
+        }
+    };
+    let limits = ConnLimits {
+        header_read_timeout: seconds("--header-read-timeout", args.header_read_timeout)?,
+        keep_alive: seconds("--timeout-keep-alive", args.timeout_keep_alive)?,
+        max_head_bytes: 1 << 20,
+        max_headers: 1024,
+    };
+    if args.max_choices_per_request == 0 {
+        anyhow::bail!("--max-choices-per-request must be positive");
+    }
+    let mut edge = EdgeConfig {
+        max_pending: args.max_pending,
+        max_choices: args.max_choices_per_request.min(args.max_pending.max(1)),
+        body_limit: args.max_body_bytes,
+        tokenizer_info: args.enable_tokenizer_info_endpoint,
+        ..EdgeConfig::default()
+    };
+    if let Some(t) = args.tokenizer_threads {
+        edge.prep_threads = t.max(1);
+    }
+    let state = Arc::new(AppState::new(name.clone(), api_key, edge));
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -76,13 +105,21 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let load_state = state.clone();
     let started = std::time::Instant::now();
     let loader = tokio::task::spawn_blocking(move || Engine::start(cfg));
-    let app = router(state.clone(), args.max_body_bytes);
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal(
-        state.clone(),
-        Duration::from_secs(args.shutdown_timeout),
-    ));
-    let serving = tokio::spawn(async move { server.await });
-    let handle = loader.await.context("model loader")??;
+    let app = router(state.clone());
+    let server = crate::listener::serve(
+        listener,
+        app,
+        limits,
+        shutdown_signal(state.clone(), Duration::from_secs(args.shutdown_timeout)),
+    );
+    let serving = tokio::spawn(server);
+    let handle = match loader.await.context("model loader")? {
+        Ok(h) => h,
+        Err(e) => {
+            // nothing to serve: exit with the reason rather than answer 503 forever
+            return Err(e).context("loading the model");
+        }
+    };
     let info = handle.info().clone();
     tracing::info!(
         "serving `{name}` ({} from {}, {:?}, max_model_len {}) on http://{addr}",
@@ -100,7 +137,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         kv_tokens as f64 / info.max_model_len as f64,
         info.max_model_len
     );
-    let _ = load_state.engine.set(handle);
+    load_state.set_engine(handle);
     serving.await.context("server task")??;
     if let Some(h) = state.engine.get() {
         h.shutdown();

@@ -95,6 +95,7 @@ impl Engine {
                         token_id,
                         logprob,
                         top: Vec::new(),
+                        rank: None,
                     };
                     self.accept_token_at(seq, at, tl);
                 }

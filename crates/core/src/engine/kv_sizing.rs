@@ -134,3 +134,43 @@ pub(super) fn kv_blocks(
     }
     Ok(num_blocks)
 }
+
+/// The context length the engine serves with a KV cache of `cache_tokens` tokens: one sequence
+/// of `max_model_len` tokens must fit. A length the user asked for is refused when it does not;
+/// the model's own is lowered to what fits, with a warning (a server that starts and then
+/// refuses every long request helps nobody).
+pub(super) fn fit_context(
+    max_model_len: usize,
+    explicit: bool,
+    cache_tokens: usize,
+) -> Result<usize, EngineError> {
+    if max_model_len <= cache_tokens {
+        return Ok(max_model_len);
+    }
+    if explicit {
+        return Err(EngineError::InvalidConfig(format!(
+            "max_model_len {max_model_len} does not fit the KV cache, which holds {cache_tokens} \
+             tokens: lower --max-model-len to at most {cache_tokens}, or give the cache more \
+             memory (--gpu-memory-utilization, --kv-cache-memory)"
+        )));
+    }
+    tracing::warn!(
+        "max_model_len lowered from the model's {max_model_len} to {cache_tokens}, what the KV \
+         cache holds (give the cache more memory to serve longer sequences)"
+    );
+    Ok(cache_tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_context;
+
+    #[test]
+    fn context_fits_the_cache() {
+        assert_eq!(fit_context(256, true, 256).ok(), Some(256));
+        assert_eq!(fit_context(512, false, 128).ok(), Some(128));
+        let err = fit_context(256, true, 128).err().map(|e| e.to_string());
+        let msg = err.unwrap_or_default();
+        assert!(msg.contains("256") && msg.contains("128"), "{msg}");
+    }
+}

@@ -92,7 +92,7 @@ impl Engine {
         cfg: EngineConfig,
         loaded: LoadedModel,
         device: Device,
-        max_model_len: usize,
+        mut max_model_len: usize,
     ) -> Result<EngineHandle, EngineError> {
         let batched_tokens = cfg
             .max_num_batched_tokens
@@ -112,6 +112,11 @@ impl Engine {
         let kv_dtype: DType = loaded.dtype;
         let num_blocks =
             kv_sizing::kv_blocks(&cfg, &loaded, &device, batched_tokens, max_model_len)?;
+        max_model_len = kv_sizing::fit_context(
+            max_model_len,
+            cfg.max_model_len.is_some(),
+            num_blocks * cfg.block_size,
+        )?;
         let kv = KvCache::new(
             mc.num_layers,
             num_blocks,

@@ -219,6 +219,7 @@ impl Engine {
                     token_id,
                     logprob,
                     top: Vec::new(),
+                    rank: None,
                 })
             } else {
                 host.next()

@@ -50,7 +50,10 @@ impl ApiError {
 
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "BadRequestError",
+            StatusCode::BAD_REQUEST
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => "BadRequestError",
+            StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowedError",
             StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::TOO_MANY_REQUESTS => "RateLimitError",

@@ -4,4 +4,5 @@
 
 pub mod error;
 pub mod params;
+pub mod parse;
 pub mod types;

@@ -35,6 +35,12 @@ pub fn sampling_params_with(
     g: &GenerationDefaults,
     default_max_tokens: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
+    if let Some(field) = c.unserved().next() {
+        return Err(ApiError::bad_request(format!(
+            "`{field}` is not supported yet: this server does not constrain output to grammars"
+        ))
+        .with_param(field));
+    }
     let mut p = SamplingParams {
         temperature: g.temperature.unwrap_or(1.0),
         top_p: g.top_p.unwrap_or(1.0),
@@ -68,8 +74,15 @@ pub fn sampling_params_with(
     if let Some(x) = c.frequency_penalty {
         p.frequency_penalty = x as f32;
     }
-    if let Some(n) = c.n {
-        p.n = non_negative("n", n)?;
+    p.n = samples(c)?;
+    if let Some(k) = c.prompt_logprobs {
+        if c.stream.unwrap_or(false) {
+            return Err(ApiError::bad_request(
+                "`prompt_logprobs` are not available when `stream` is true",
+            )
+            .with_param("prompt_logprobs"));
+        }
+        p.prompt_logprobs = Some(logprobs_count("prompt_logprobs", k)?);
     }
     if let Some(m) = c.max_tokens {
         if m < 1 {
@@ -114,6 +127,50 @@ pub fn sampling_params_with(
     Ok(p)
 }
 
+/// The completions asked for per prompt (`n`, at least 1).
+pub fn requested_n(c: &CommonFields) -> Result<usize, ApiError> {
+    match c.n {
+        None => Ok(1),
+        Some(n) if n >= 1 => Ok(non_negative("n", n)?),
+        Some(n) => Err(range_err("n", format!("must be at least 1, got {n}"))),
+    }
+}
+
+/// The completions sampled per prompt: `best_of` when given (at least `n`; not with `stream`
+/// unless equal to `n`), else `n`. The `n` best by cumulative log-probability are returned.
+pub fn samples(c: &CommonFields) -> Result<usize, ApiError> {
+    let n = requested_n(c)?;
+    let Some(b) = c.best_of else {
+        return Ok(n);
+    };
+    let b = usize::try_from(b).unwrap_or(0);
+    if b < n {
+        return Err(range_err(
+            "best_of",
+            format!("must be at least n ({n}), got {b}"),
+        ));
+    }
+    if b > n && c.stream.unwrap_or(false) {
+        return Err(ApiError::bad_request(
+            "`best_of` greater than `n` is not available when `stream` is true",
+        )
+        .with_param("best_of"));
+    }
+    Ok(b)
+}
+
+/// Refuses a `response_format` other than `{"type": "text"}` (JSON modes are not served yet).
+pub fn text_format(rf: Option<&Value>) -> Result<(), ApiError> {
+    let kind = rf.map(|rf| rf.get("type").and_then(Value::as_str).unwrap_or(""));
+    match kind {
+        None | Some("text") => Ok(()),
+        Some(k) => Err(ApiError::bad_request(format!(
+            "response_format `{k}` is not supported yet"
+        ))
+        .with_param("response_format")),
+    }
+}
+
 /// Checks the range of a logprobs count.
 pub fn logprobs_count(field: &str, v: i64) -> Result<usize, ApiError> {
     let k = non_negative(field, v)?;
@@ -137,16 +194,14 @@ pub fn validate_for_vocab(p: &SamplingParams, vocab: usize) -> Result<(), ApiErr
         .map_err(|e| ApiError::bad_request(e.to_string()).with_param(e.field))
 }
 
-/// The offline (Python) parameter set: the shared fields plus integer `logprobs` and
-/// `prompt_logprobs`, as `rserve.SamplingParams` sends them.
+/// The offline (Python) parameter set: the shared fields (`prompt_logprobs` among them) plus
+/// integer `logprobs`, as `rserve.SamplingParams` sends them.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 pub struct OfflineParams {
     #[serde(flatten)]
     pub common: CommonFields,
     #[serde(default)]
     pub logprobs: Option<i64>,
-    #[serde(default)]
-    pub prompt_logprobs: Option<i64>,
 }
 
 /// Parses and validates offline parameters (vocabulary checks need `vocab`).
@@ -155,14 +210,19 @@ pub fn offline_params(
     g: &GenerationDefaults,
     vocab: usize,
 ) -> Result<SamplingParams, ApiError> {
-    let o: OfflineParams = serde_json::from_str(json)
-        .map_err(|e| ApiError::bad_request(format!("invalid sampling parameters: {e}")))?;
+    let o: OfflineParams = super::parse::parse_json(json.as_bytes())?;
+    if o.common
+        .best_of
+        .is_some_and(|b| Some(b) != o.common.n.or(Some(1)))
+    {
+        return Err(
+            ApiError::bad_request("`best_of` is served by the HTTP server only")
+                .with_param("best_of"),
+        );
+    }
     let mut p = sampling_params_with(&o.common, g, Some(16))?;
     if let Some(k) = o.logprobs {
         p.logprobs = Some(logprobs_count("logprobs", k)?);
-    }
-    if let Some(k) = o.prompt_logprobs {
-        p.prompt_logprobs = Some(logprobs_count("prompt_logprobs", k)?);
     }
     validate_for_vocab(&p, vocab)?;
     Ok(p)
@@ -231,7 +291,87 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
     Ok(out)
 }
 
+/// Refuses at once a text that cannot fit the context: more characters than `max_model_len`
+/// tokens of the longest token can hold. Cheap next to tokenizing it (no pass over a text whose
+/// byte length already fits).
+pub fn check_text_fits(text_len: TextLen, info: &EngineInfo, field: &str) -> Result<(), ApiError> {
+    let per_token = info.tokenizer.max_token_chars();
+    let limit = info.max_model_len.saturating_mul(per_token);
+    if text_len.bytes <= limit {
+        return Ok(());
+    }
+    let chars = text_len.chars();
+    if chars <= limit {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(format!(
+        "This model's maximum context length is {} tokens. However, your {field} has {chars} \
+         characters, more than {} tokens can hold (a token stands for at most {per_token} \
+         characters). Please reduce the length of the {field}.",
+        info.max_model_len, info.max_model_len
+    ))
+    .with_param(field))
+}
+
+/// The length of some text: its bytes, and its characters counted only when needed.
+#[derive(Debug, Clone, Copy)]
+pub struct TextLen<'a> {
+    bytes: usize,
+    parts: &'a [ChatMessage],
+    text: Option<&'a str>,
+}
+
+impl<'a> TextLen<'a> {
+    pub fn of_text(s: &'a str) -> Self {
+        Self {
+            bytes: s.len(),
+            parts: &[],
+            text: Some(s),
+        }
+    }
+
+    /// The text content of chat messages (strings and text parts).
+    pub fn of_messages(m: &'a [ChatMessage]) -> Self {
+        let bytes = m
+            .iter()
+            .map(|m| content_texts(m).map(str::len).sum::<usize>())
+            .sum();
+        Self {
+            bytes,
+            parts: m,
+            text: None,
+        }
+    }
+
+    fn chars(&self) -> usize {
+        match self.text {
+            Some(t) => t.chars().count(),
+            None => self
+                .parts
+                .iter()
+                .map(|m| content_texts(m).map(|t| t.chars().count()).sum::<usize>())
+                .sum(),
+        }
+    }
+}
+
+/// The texts of a message's content: the string, or each text part.
+fn content_texts(m: &ChatMessage) -> impl Iterator<Item = &str> {
+    let (one, parts) = match &m.content {
+        Some(Value::String(s)) => (Some(s.as_str()), None),
+        Some(Value::Array(p)) => (None, Some(p)),
+        _ => (None, None),
+    };
+    one.into_iter().chain(
+        parts
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.get("text").and_then(Value::as_str)),
+    )
+}
+
 /// Renders the chat template and tokenizes the result (no extra special tokens, as vLLM does).
+/// Costs time in the length of the messages: run it off the async workers.
 pub fn chat_prompt(
     info: &EngineInfo,
     messages: &[ChatMessage],
@@ -247,6 +387,7 @@ pub fn chat_prompt(
     let text = tpl
         .render(&msgs, add_generation_prompt, None, extra)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}")).with_param("messages"))?;
+    check_text_fits(TextLen::of_text(&text), info, "messages")?;
     let ids = info
         .tokenizer
         .encode(&text, false)
@@ -275,8 +416,29 @@ pub fn token_ids(v: &[i64], info: &EngineInfo, field: &str) -> Result<Vec<u32>, 
 /// A prompt as token ids, with its original text when it was given as text.
 pub type PromptInput = (Vec<u32>, Option<String>);
 
+/// Checks that every text prompt of a completions request can fit (see [`check_text_fits`]).
+pub fn check_prompts_fit(prompt: &Prompt, info: &EngineInfo) -> Result<(), ApiError> {
+    match prompt {
+        Prompt::Text(s) => check_text_fits(TextLen::of_text(s), info, "prompt"),
+        Prompt::Texts(v) => v
+            .iter()
+            .try_for_each(|s| check_text_fits(TextLen::of_text(s), info, "prompt")),
+        Prompt::Tokens(_) | Prompt::TokenLists(_) => Ok(()),
+    }
+}
+
+/// The number of prompts of a completions request.
+pub fn prompt_count(prompt: &Prompt) -> usize {
+    match prompt {
+        Prompt::Text(_) | Prompt::Tokens(_) => 1,
+        Prompt::Texts(v) => v.len(),
+        Prompt::TokenLists(v) => v.len(),
+    }
+}
+
 /// Every prompt of a completions request as token ids (text is tokenized with special tokens),
-/// with its original text when it was given as text.
+/// with its original text when it was given as text. Costs time in the length of the prompts:
+/// run it off the async workers.
 pub fn completion_prompts(
     prompt: &Prompt,
     info: &EngineInfo,

@@ -1,11 +1,15 @@
 //! `POST /v1/chat/completions`: messages -> chat template -> engine; JSON or SSE responses in
 //! OpenAI's shape, logprobs as `choices[i].logprobs.content`.
 
+use super::choices::{keep_best, prompt_logprobs_json};
 use super::stream::{sse_response, usage_json, ChunkFormat};
 use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
-use crate::openai::params::{chat_prompt, logprobs_count, sampling_params, validate};
-use crate::openai::types::ChatCompletionRequest;
+use crate::openai::params::{
+    chat_prompt, check_text_fits, logprobs_count, requested_n, sampling_params, text_format,
+    validate, TextLen,
+};
+use crate::openai::types::{ChatCompletionRequest, ChatMessage};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -55,6 +59,8 @@ struct ChatFormat {
     tokenizer: Arc<Tokenizer>,
     want_logprobs: bool,
     as_ids: bool,
+    /// The text `echo` puts before the reply.
+    echo: String,
 }
 
 impl ChatFormat {
@@ -65,7 +71,7 @@ impl ChatFormat {
 
 impl ChunkFormat for ChatFormat {
     fn opening(&self, index: usize) -> Option<Value> {
-        Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
+        Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": null, "finish_reason": null}])))
     }
 
     fn content(&self, index: usize, out: &CompletionDelta, _first: bool) -> Value {
@@ -96,6 +102,72 @@ impl ChunkFormat for ChatFormat {
     }
 }
 
+/// Refuses the fields this server does not serve (rather than dropping them).
+fn refuse_unserved(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    text_format(req.response_format.as_ref())?;
+    let has_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty());
+    if has_tools {
+        return Err(ApiError::bad_request("tools are not supported yet").with_param("tools"));
+    }
+    if req.tool_choice.as_ref().is_some_and(|c| !c.is_null()) {
+        return Err(
+            ApiError::bad_request("When using `tool_choice`, `tools` must be set.")
+                .with_param("tool_choice"),
+        );
+    }
+    for (field, v) in [
+        ("functions", &req.functions),
+        ("function_call", &req.function_call),
+    ] {
+        if v.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad_request(format!(
+                "`{field}` (legacy function calling) is not supported"
+            ))
+            .with_param(field));
+        }
+    }
+    if let Some(m) = req
+        .modalities
+        .as_ref()
+        .and_then(|m| m.iter().find(|m| *m != "text"))
+    {
+        return Err(ApiError::bad_request(format!(
+            "modalities: only `text` output is served, not `{m}`"
+        ))
+        .with_param("modalities"));
+    }
+    Ok(())
+}
+
+/// The text `echo` repeats: the last message's, when it is the assistant's.
+fn echo_text(req: &ChatCompletionRequest) -> String {
+    let last: Option<&ChatMessage> = req.messages.last();
+    match last {
+        Some(m) if req.echo.unwrap_or(false) && m.role == "assistant" => match &m.content {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            _ => String::new(),
+        },
+        _ => String::new(),
+    }
+}
+
+/// `POST /v1/chat/completions`.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "A chat completion, or its chunks as server-sent events with `stream`"),
+        (status = 400, description = "Invalid request"),
+        (status = 404, description = "Unknown model"),
+        (status = 503, description = "Loading or at capacity")
+    )
+)]
 pub async fn chat_completions(
     State(st): State<Shared>,
     body: Result<Bytes, BytesRejection>,
@@ -104,19 +176,11 @@ pub async fn chat_completions(
     st.check_model(req.common.model.as_deref())?;
     let engine = st.engine()?;
     let info = engine.info().clone();
-    if let Some(rf) = &req.response_format {
-        let kind = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::bad_request(format!(
-                "response_format `{kind}` is not supported yet"
-            ))
-            .with_param("response_format"));
-        }
-    }
-    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::bad_request("tools are not supported yet").with_param("tools"));
-    }
+    refuse_unserved(&req)?;
     let mut params = sampling_params(&req.common, &info, None)?;
+    let n = requested_n(&req.common)?;
+    let by = if params.n > n { "best_of" } else { "n" };
+    st.check_choices(1, params.n, by)?;
     if let Some(m) = req.max_completion_tokens {
         if m < 1 {
             return Err(ApiError::bad_request(format!(
@@ -138,19 +202,10 @@ pub async fn chat_completions(
         _ => {}
     }
     validate(&params, &info)?;
+    check_text_fits(TextLen::of_messages(&req.messages), &info, "messages")?;
     let add_gen =
         req.add_generation_prompt.unwrap_or(true) && !req.continue_final_message.unwrap_or(false);
-    let (_, prompt_ids) = chat_prompt(
-        &info,
-        &req.messages,
-        add_gen,
-        req.chat_template_kwargs.as_ref(),
-    )?;
-    let n = params.n;
-    let tracked = st.submit(EngineRequest {
-        prompt_token_ids: prompt_ids,
-        params,
-    })?;
+    let echo = echo_text(&req);
     let fmt = ChatFormat {
         id: format!("chatcmpl-{}", super::misc::random_id()),
         created: super::misc::now(),
@@ -158,31 +213,59 @@ pub async fn chat_completions(
         tokenizer: info.tokenizer.clone(),
         want_logprobs,
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
+        echo,
     };
-    if req.common.stream.unwrap_or(false) {
-        let include_usage = req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        return Ok(sse_response(fmt, vec![(tracked, 0, n)], include_usage));
+    let stream = req.common.stream.unwrap_or(false);
+    let include_usage = req
+        .common
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
+    let want_prompt_logprobs = params.prompt_logprobs.is_some();
+    let (messages, kwargs) = (req.messages, req.chat_template_kwargs);
+    let work = info.clone();
+    let (_, prompt_ids) = st
+        .blocking(move || chat_prompt(&work, &messages, add_gen, kwargs.as_ref()))
+        .await?;
+    let samples = params.n;
+    let tracked = st.submit(EngineRequest {
+        prompt_token_ids: prompt_ids,
+        params,
+    })?;
+    if stream {
+        return Ok(sse_response(
+            fmt,
+            vec![(tracked, 0, samples)],
+            include_usage,
+        ));
     }
     let prompt_len = tracked.prompt_len;
-    let out = tracked.finish().await?;
+    let mut out = tracked.finish().await?;
+    let completion: usize = out.num_generated_tokens();
+    keep_best(&mut out, n);
     let choices: Vec<Value> = out
         .outputs
         .iter()
         .map(|c| {
             json!({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": format!("{}{}", fmt.echo, c.text)},
                 "logprobs": if want_logprobs { logprobs_content(&fmt.tokenizer, c.logprobs.as_deref().unwrap_or(&[]), fmt.as_ids) } else { Value::Null },
                 "finish_reason": c.finish_reason.map(|f| f.as_str()),
                 "stop_reason": c.stop_reason,
             })
         })
         .collect();
-    let completion: usize = out.num_generated_tokens();
+    let prompt_logprobs = if want_prompt_logprobs {
+        prompt_logprobs_json(
+            &fmt.tokenizer,
+            &out.prompt_token_ids,
+            out.prompt_logprobs.as_deref(),
+            fmt.as_ids,
+        )
+    } else {
+        Value::Null
+    };
     Ok(Json(json!({
         "id": fmt.id,
         "object": "chat.completion",
@@ -190,6 +273,7 @@ pub async fn chat_completions(
         "model": fmt.model,
         "choices": choices,
         "usage": usage_json(prompt_len, completion),
+        "prompt_logprobs": prompt_logprobs,
     }))
     .into_response())
 }

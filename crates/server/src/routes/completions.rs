@@ -2,10 +2,14 @@
 //! in the legacy `{tokens, token_logprobs, top_logprobs, text_offset}` shape; JSON or SSE.
 
 use super::chat::token_text;
+use super::choices::{keep_best, prompt_logprobs_json};
 use super::stream::{sse_response, usage_json, ChunkFormat, Tracked};
 use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
-use crate::openai::params::{completion_prompts, logprobs_count, sampling_params, validate};
+use crate::openai::params::{
+    check_prompts_fit, completion_prompts, logprobs_count, prompt_count, requested_n,
+    sampling_params, text_format, validate,
+};
 use crate::openai::types::CompletionRequest;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -100,6 +104,18 @@ impl ChunkFormat for CompletionFormat {
     }
 }
 
+/// `POST /v1/completions`.
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "A completion, or its chunks as server-sent events with `stream`"),
+        (status = 400, description = "Invalid request"),
+        (status = 404, description = "Unknown model"),
+        (status = 503, description = "Loading or at capacity")
+    )
+)]
 pub async fn completions(
     State(st): State<Shared>,
     body: Result<Bytes, BytesRejection>,
@@ -111,24 +127,38 @@ pub async fn completions(
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad_request("suffix is not supported").with_param("suffix"));
     }
-    if req.best_of.is_some_and(|b| b > 1) {
-        return Err(ApiError::bad_request("best_of is not supported").with_param("best_of"));
-    }
+    text_format(req.response_format.as_ref())?;
     let mut params = sampling_params(&req.common, &info, Some(16))?;
+    let n = requested_n(&req.common)?;
+    let prompts = prompt_count(&req.prompt);
+    let by = if prompts > st.edge.max_choices {
+        "prompt"
+    } else if params.n > n {
+        "best_of"
+    } else {
+        "n"
+    };
+    st.check_choices(prompts, params.n, by)?;
     let echo = req.echo.unwrap_or(false);
+    let want_prompt_logprobs = params.prompt_logprobs.is_some();
     if let Some(k) = req.logprobs {
         let k = logprobs_count("logprobs", k)?;
         params.logprobs = Some(k);
         if echo {
-            params.prompt_logprobs = Some(k);
+            params.prompt_logprobs = Some(params.prompt_logprobs.unwrap_or(0).max(k));
         }
     }
     validate(&params, &info)?;
-    let prompts = completion_prompts(&req.prompt, &info)?;
-    let n = params.n;
-    let mut tracked: Vec<(Tracked, usize, usize)> = Vec::with_capacity(prompts.len());
+    check_prompts_fit(&req.prompt, &info)?;
+    let work = info.clone();
+    let prompt = req.prompt;
+    let prompts = st
+        .blocking(move || completion_prompts(&prompt, &work))
+        .await?;
+    let samples = params.n;
     let mut echo_text = Vec::with_capacity(prompts.len());
-    for (i, (p, text)) in prompts.into_iter().enumerate() {
+    let mut reqs = Vec::with_capacity(prompts.len());
+    for (p, text) in prompts {
         echo_text.push(match (echo, text) {
             (false, _) => None,
             (true, Some(t)) => Some(t),
@@ -138,15 +168,18 @@ pub async fn completions(
                     .map_err(|e| ApiError::bad_request(e.to_string()))?,
             ),
         });
-        tracked.push((
-            st.submit(EngineRequest {
-                prompt_token_ids: p,
-                params: params.clone(),
-            })?,
-            i * n,
-            n,
-        ));
+        reqs.push(EngineRequest {
+            prompt_token_ids: p,
+            params: params.clone(),
+        });
     }
+    let tracked: Vec<(Tracked, usize, usize)> = st
+        .submit_all(reqs)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, i * samples, samples))
+        .collect();
+    let legacy_k = req.logprobs.map(|k| k.max(0) as usize);
     let fmt = CompletionFormat {
         id: format!("cmpl-{}", super::misc::random_id()),
         created: super::misc::now(),
@@ -155,7 +188,7 @@ pub async fn completions(
         logprobs: params.logprobs.is_some(),
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         echo: echo_text,
-        n,
+        n: samples,
     };
     if req.common.stream.unwrap_or(false) {
         let include_usage = req
@@ -167,11 +200,20 @@ pub async fn completions(
     }
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut completion_tokens) = (0usize, 0usize);
-    for (pi, (t, base, _)) in tracked.into_iter().enumerate() {
+    for (pi, (t, _, _)) in tracked.into_iter().enumerate() {
         prompt_tokens += t.prompt_len;
-        let out = t.finish().await?;
+        let mut out = t.finish().await?;
         completion_tokens += out.num_generated_tokens();
+        keep_best(&mut out, n);
         let echo_prefix = fmt.echo.get(pi).cloned().flatten();
+        let prompt_lps = want_prompt_logprobs.then(|| {
+            prompt_logprobs_json(
+                &fmt.tokenizer,
+                &out.prompt_token_ids,
+                out.prompt_logprobs.as_deref(),
+                fmt.as_ids,
+            )
+        });
         for c in &out.outputs {
             let text = format!("{}{}", echo_prefix.as_deref().unwrap_or(""), c.text);
             let logprobs = if fmt.logprobs {
@@ -179,7 +221,13 @@ pub async fn completions(
                 let mut lps: Vec<Option<TokenLogprob>> = Vec::new();
                 if echo_prefix.is_some() {
                     ids.extend(&out.prompt_token_ids);
-                    lps.extend(out.prompt_logprobs.clone().unwrap_or_default());
+                    let k = legacy_k.unwrap_or(0);
+                    lps.extend(out.prompt_logprobs.iter().flatten().map(|l| {
+                        l.clone().map(|mut l| {
+                            l.top.truncate(k);
+                            l
+                        })
+                    }));
                     lps.resize(ids.len(), None);
                 }
                 ids.extend(&c.token_ids);
@@ -189,8 +237,9 @@ pub async fn completions(
                 Value::Null
             };
             choices.push(json!({
-                "index": base + c.index, "text": text, "logprobs": logprobs,
+                "index": pi * n + c.index, "text": text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason.map(|f| f.as_str()), "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_lps.clone().unwrap_or(Value::Null),
             }));
         }
     }

@@ -1,20 +1,23 @@
-//! The HTTP surface: shared state, the router, auth, body parsing into typed requests, and the
-//! tracked output stream that feeds the latency metrics. Endpoint handlers live in the sibling
-//! files, one per family.
+//! The HTTP surface: shared state, the router, auth, body and header limits, errors in OpenAI's
+//! shape for every status, and the tracked output stream that feeds the latency metrics.
+//! Endpoint handlers live in the sibling files, one per family.
 
 pub mod chat;
+pub mod choices;
 pub mod completions;
 pub mod misc;
+pub mod openapi;
+pub mod responses;
 pub mod stream;
 
 use crate::metrics::Metrics;
 use crate::openai::error::ApiError;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use rserve_core::{EngineHandle, EngineRequest};
@@ -22,6 +25,52 @@ use serde::de::DeserializeOwned;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::Semaphore;
+
+/// Request heads larger than this get a 431 (with the error body).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+/// Requests with more header fields than this get a 431.
+pub const MAX_HEADER_FIELDS: usize = 100;
+/// The body limit until the model is loaded and the default can be scaled to its context.
+const PROVISIONAL_BODY_LIMIT: usize = 1 << 20;
+
+/// The limits of the HTTP edge.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// Requests in flight beyond which new ones get a 503.
+    pub max_pending: usize,
+    /// Completions one request may ask for (prompts x `n`, or x `best_of`).
+    pub max_choices: usize,
+    /// The body limit in bytes; `None`: scaled to the context once the model is loaded.
+    pub body_limit: Option<usize>,
+    /// Threads that render chat templates and tokenize at once.
+    pub prep_threads: usize,
+    /// Serve `GET /tokenizer_info`.
+    pub tokenizer_info: bool,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        Self {
+            max_pending: 4096,
+            max_choices: 256,
+            body_limit: None,
+            prep_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            tokenizer_info: false,
+        }
+    }
+}
+
+/// The default body limit for a context of `max_model_len` tokens of at most `token_chars`
+/// characters each: what the longest prompt takes in UTF-8, plus 1 MiB for the rest of the
+/// request, at most 512 MiB.
+pub fn default_body_limit(max_model_len: usize, token_chars: usize) -> usize {
+    max_model_len
+        .saturating_mul(token_chars)
+        .saturating_mul(4)
+        .saturating_add(1 << 20)
+        .min(512 << 20)
+}
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -32,14 +81,16 @@ pub struct AppState {
     pub created: u64,
     /// Requests admitted and not finished; beyond `max_pending` new ones get a 503.
     pub pending: AtomicUsize,
-    pub max_pending: usize,
+    pub edge: EdgeConfig,
+    body_limit: AtomicUsize,
+    prep: Arc<Semaphore>,
     pub shutting_down: AtomicBool,
 }
 
 pub type Shared = Arc<AppState>;
 
 impl AppState {
-    pub fn new(served_model_name: String, api_key: Option<String>, max_pending: usize) -> Self {
+    pub fn new(served_model_name: String, api_key: Option<String>, edge: EdgeConfig) -> Self {
         Self {
             engine: OnceLock::new(),
             served_model_name,
@@ -50,9 +101,26 @@ impl AppState {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             pending: AtomicUsize::new(0),
-            max_pending,
+            body_limit: AtomicUsize::new(edge.body_limit.unwrap_or(PROVISIONAL_BODY_LIMIT)),
+            prep: Arc::new(Semaphore::new(edge.prep_threads.max(1))),
+            edge,
             shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// Installs the loaded engine (and the body limit scaled to its context).
+    pub fn set_engine(&self, handle: EngineHandle) {
+        if self.edge.body_limit.is_none() {
+            let info = handle.info();
+            let limit = default_body_limit(info.max_model_len, info.tokenizer.max_token_chars());
+            self.body_limit.store(limit, Ordering::Relaxed);
+        }
+        let _ = self.engine.set(handle);
+    }
+
+    /// The largest request body accepted now, in bytes.
+    pub fn body_limit(&self) -> usize {
+        self.body_limit.load(Ordering::Relaxed)
     }
 
     /// The engine, or a 503 while it loads or after shutdown began.
@@ -74,31 +142,84 @@ impl AppState {
         }
     }
 
-    /// Submits a validated request, refusing with 503 when too many are pending.
-    pub fn submit(self: &Arc<Self>, req: EngineRequest) -> Result<stream::Tracked, ApiError> {
+    /// Refuses a request for more than `max_choices` completions; `param` names the field
+    /// that multiplies them.
+    pub fn check_choices(
+        &self,
+        prompts: usize,
+        samples: usize,
+        param: &str,
+    ) -> Result<(), ApiError> {
+        let total = prompts.saturating_mul(samples);
+        let cap = self.edge.max_choices;
+        if total > cap {
+            return Err(ApiError::bad_request(format!(
+                "this request asks for {total} completions ({prompts} prompt(s) x {samples}); at \
+                 most {cap} are served per request (--max-choices-per-request)"
+            ))
+            .with_param(param));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` (template rendering, tokenizing: work in the size of the input) on the bounded
+    /// blocking pool, off the async workers, so a huge input cannot stall other clients.
+    pub async fn blocking<T, F>(&self, f: F) -> Result<T, ApiError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Result<T, ApiError> + Send + 'static,
+    {
+        let permit = self
+            .prep
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            f()
+        })
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    }
+
+    /// Submits validated requests, all or none: refused with 503 when they would take the
+    /// pending count past `max_pending`.
+    pub fn submit_all(
+        self: &Arc<Self>,
+        reqs: Vec<EngineRequest>,
+    ) -> Result<Vec<stream::Tracked>, ApiError> {
         let engine = self.engine()?;
-        if self.pending.load(Ordering::Relaxed) >= self.max_pending {
+        let k = reqs.len();
+        let before = self.pending.fetch_add(k, Ordering::AcqRel);
+        if before + k > self.edge.max_pending {
+            self.pending.fetch_sub(k, Ordering::AcqRel);
             return Err(ApiError::unavailable(
                 "the server is at capacity; retry later",
             ));
         }
-        let prompt_len = req.prompt_token_ids.len();
-        let s = engine.submit(req)?;
-        Ok(stream::Tracked::new(s, self.clone(), prompt_len))
+        let mut slots = stream::Slots::new(self.clone(), k);
+        let mut out = Vec::with_capacity(k);
+        for req in reqs {
+            let prompt_len = req.prompt_token_ids.len();
+            let s = engine.submit(req)?;
+            out.push(slots.take(s, prompt_len));
+        }
+        Ok(out)
+    }
+
+    /// [`AppState::submit_all`] for one request.
+    pub fn submit(self: &Arc<Self>, req: EngineRequest) -> Result<stream::Tracked, ApiError> {
+        let mut v = self.submit_all(vec![req])?;
+        v.pop()
+            .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "nothing submitted"))
     }
 }
 
-/// Parses a JSON body into `T`; malformed JSON and wrong types are 400s, oversize bodies 413.
+/// Parses a JSON body into `T`; malformed JSON and wrong types are 400s naming the field.
 pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let bytes = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-    serde_json::from_slice(&bytes).map_err(|e| {
-        let kind = if e.is_syntax() || e.is_eof() {
-            "Invalid JSON"
-        } else {
-            "Invalid request"
-        };
-        ApiError::bad_request(format!("{kind}: {e}"))
-    })
+    crate::openai::parse::parse_json(&bytes)
 }
 
 async fn require_key(
@@ -125,26 +246,109 @@ async fn require_key(
     Ok(next.run(req).await)
 }
 
+/// Header limits (431 with the error body), then the body read up to the current limit (413).
+async fn limits(State(st): State<Shared>, req: Request, next: Next) -> Result<Response, ApiError> {
+    let headers = req.headers();
+    let head_bytes: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + req.uri().to_string().len();
+    if headers.len() > MAX_HEADER_FIELDS || head_bytes > MAX_HEADER_BYTES {
+        return Err(ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "request headers too large: at most {MAX_HEADER_FIELDS} fields and \
+                 {MAX_HEADER_BYTES} bytes are accepted"
+            ),
+        ));
+    }
+    if req.method() == Method::GET || req.method() == Method::HEAD {
+        return Ok(next.run(req).await);
+    }
+    let limit = st.body_limit();
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body too large: at most {limit} bytes are accepted (--max-body-bytes)"
+            ),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, limit).await {
+        Ok(b) => b,
+        Err(e) => {
+            let over = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            return Err(if over {
+                too_large()
+            } else {
+                ApiError::bad_request(format!("reading the request body: {e}"))
+            });
+        }
+    };
+    Ok(next
+        .run(Request::from_parts(parts, Body::from(bytes)))
+        .await)
+}
+
+/// Gives framework answers without a body (405) the error body every other error has.
+async fn error_bodies(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    if resp.status() != StatusCode::METHOD_NOT_ALLOWED {
+        return resp;
+    }
+    let allow = resp
+        .headers()
+        .get(header::ALLOW)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let mut out = ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("Method not allowed; this path accepts {allow}"),
+    )
+    .into_response();
+    if let Ok(v) = header::HeaderValue::from_str(&allow) {
+        out.headers_mut().insert(header::ALLOW, v);
+    }
+    out
+}
+
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "Not found")
 }
 
-/// The full router; `max_body` bytes per request body.
-pub fn router(state: Shared, max_body: usize) -> Router {
-    let v1 = Router::new()
-        .route("/chat/completions", post(chat::chat_completions))
-        .route("/completions", post(completions::completions))
-        .route("/models", get(misc::models))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
-    Router::new()
-        .nest("/v1", v1)
+/// The full router.
+pub fn router(state: Shared) -> Router {
+    let keyed = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/models", get(misc::models))
+        .route("/v1/models/{model}", get(misc::model))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
+        .route("/tokenizer_info", get(misc::tokenizer_info))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .merge(keyed)
         .route("/health", get(misc::health))
         .route("/metrics", get(misc::metrics))
         .route("/version", get(misc::version))
+        .route("/openapi.json", get(openapi::openapi_json))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(max_body))
+        .layer(middleware::from_fn(error_bodies))
+        .layer(middleware::from_fn_with_state(state.clone(), limits))
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }
 

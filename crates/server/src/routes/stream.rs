@@ -19,9 +19,42 @@ pub struct Tracked {
     ended: bool,
 }
 
+/// Places in the pending count reserved for a request's prompts; each becomes a [`Tracked`]
+/// stream, and those never used are given back when this is dropped.
+pub struct Slots {
+    state: Shared,
+    left: usize,
+}
+
+impl Slots {
+    /// Takes over `k` places already added to `state.pending`.
+    pub fn new(state: Shared, k: usize) -> Self {
+        Self { state, left: k }
+    }
+
+    /// One reserved place for the stream of a submitted request.
+    pub fn take(&mut self, inner: OutputStream, prompt_len: usize) -> Tracked {
+        if self.left == 0 {
+            // more streams than places: count this one too
+            self.state.pending.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.left -= 1;
+        }
+        Tracked::new(inner, self.state.clone(), prompt_len)
+    }
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.state.pending.fetch_sub(self.left, Ordering::AcqRel);
+        }
+    }
+}
+
 impl Tracked {
-    pub fn new(inner: OutputStream, state: Shared, prompt_len: usize) -> Self {
-        state.pending.fetch_add(1, Ordering::Relaxed);
+    /// Wraps a stream whose place in the pending count is already taken (see [`Slots`]).
+    fn new(inner: OutputStream, state: Shared, prompt_len: usize) -> Self {
         Self {
             inner,
             state,
@@ -74,6 +107,11 @@ impl Tracked {
             _ => self.end(),
         }
         item
+    }
+
+    /// The output assembled so far.
+    pub fn output(&self) -> &RequestOutput {
+        self.inner.output()
     }
 
     /// Waits for the end; the assembled output.

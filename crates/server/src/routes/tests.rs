@@ -15,9 +15,18 @@ fn app(api_key: Option<&str>) -> Router {
     let mut cfg = EngineConfig::new(model);
     cfg.kv_cache = KvBudget::Blocks(64);
     cfg.max_model_len = Some(128);
-    let state = Arc::new(AppState::new("tiny".into(), api_key.map(String::from), 16));
-    let _ = state.engine.set(Engine::start(cfg).expect("engine"));
-    router(state, 1 << 20)
+    let edge = EdgeConfig {
+        max_pending: 16,
+        body_limit: Some(1 << 20),
+        ..EdgeConfig::default()
+    };
+    let state = Arc::new(AppState::new(
+        "tiny".into(),
+        api_key.map(String::from),
+        edge,
+    ));
+    state.set_engine(Engine::start(cfg).expect("engine"));
+    router(state)
 }
 
 async fn call(
