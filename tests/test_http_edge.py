@@ -351,6 +351,15 @@ def _binary() -> Path:
     return path
 
 
+def test_keep_alive_longer_than_the_header_timeout_is_refused():
+    args = [str(_binary()), "serve", str(MODEL_DIR), "--port", str(free_port())]
+    args += ["--timeout-keep-alive", "30", "--header-read-timeout", "10"]
+    done = subprocess.run(args, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    out = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode != 0, out
+    assert "--timeout-keep-alive" in out and "--header-read-timeout" in out, out
+
+
 def test_explicit_max_model_len_larger_than_kv_cache_is_refused():
     args = [str(_binary()), "serve", str(MODEL_DIR), "--host", "127.0.0.1", "--port", str(free_port())]
     args += ["--kv-cache-memory", str(KV_BYTES), "--max-model-len", "256"]

@@ -79,8 +79,14 @@ def test_unserved_fields_are_refused(http, path, body, field):
         (COMPLETIONS, _cmpl(response_format={"type": "text"})),
         (CHAT, _chat(modalities=["text"])),
         (CHAT, _chat(n=2, best_of=2, stream=True)),
+        (CHAT, _chat(tool_choice="none")),
     ],
-    ids=["cmpl-response_format-text", "chat-modalities-text", "chat-best_of-equals-n-stream"],
+    ids=[
+        "cmpl-response_format-text",
+        "chat-modalities-text",
+        "chat-best_of-equals-n-stream",
+        "chat-tool_choice-none",
+    ],
 )
 def test_served_values_of_those_fields_are_accepted(http, path, body):
     r = http.post(path, json=body)

@@ -165,6 +165,24 @@ struct Live {
     gone: Notify,
 }
 
+/// One live connection; counted out when its task ends, however it ends.
+struct LiveGuard(Arc<Live>);
+
+impl LiveGuard {
+    fn new(live: &Arc<Live>) -> Self {
+        live.count.fetch_add(1, Ordering::AcqRel);
+        Self(live.clone())
+    }
+}
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.gone.notify_waiters();
+        }
+    }
+}
+
 async fn connection(
     sock: TcpStream,
     app: Router,
@@ -244,13 +262,11 @@ pub async fn serve(
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((sock, _)) => {
-                    live.count.fetch_add(1, Ordering::AcqRel);
-                    let (app, stop, live) = (app.clone(), stop_rx.clone(), live.clone());
+                    let guard = LiveGuard::new(&live);
+                    let (app, stop) = (app.clone(), stop_rx.clone());
                     tokio::spawn(async move {
+                        let _guard = guard;
                         connection(sock, app, limits, stop).await;
-                        if live.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-                            live.gone.notify_waiters();
-                        }
                     });
                 }
                 Err(e) => {

@@ -74,6 +74,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         max_head_bytes: 1 << 20,
         max_headers: 1024,
     };
+    if limits.keep_alive > limits.header_read_timeout {
+        // the wait for the next request's head is bounded by both clocks
+        anyhow::bail!(
+            "--timeout-keep-alive ({} s) must not exceed --header-read-timeout ({} s)",
+            args.timeout_keep_alive,
+            args.header_read_timeout
+        );
+    }
     if args.max_choices_per_request == 0 {
         anyhow::bail!("--max-choices-per-request must be positive");
     }

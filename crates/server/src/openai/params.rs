@@ -143,7 +143,7 @@ pub fn samples(c: &CommonFields) -> Result<usize, ApiError> {
     let Some(b) = c.best_of else {
         return Ok(n);
     };
-    let b = usize::try_from(b).unwrap_or(0);
+    let b = non_negative("best_of", b)?;
     if b < n {
         return Err(range_err(
             "best_of",

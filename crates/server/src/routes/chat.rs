@@ -109,7 +109,11 @@ fn refuse_unserved(req: &ChatCompletionRequest) -> Result<(), ApiError> {
     if has_tools {
         return Err(ApiError::bad_request("tools are not supported yet").with_param("tools"));
     }
-    if req.tool_choice.as_ref().is_some_and(|c| !c.is_null()) {
+    if req
+        .tool_choice
+        .as_ref()
+        .is_some_and(|c| !c.is_null() && c != "none")
+    {
         return Err(
             ApiError::bad_request("When using `tool_choice`, `tools` must be set.")
                 .with_param("tool_choice"),

@@ -246,8 +246,13 @@ async fn require_key(
     Ok(next.run(req).await)
 }
 
-/// Header limits (431 with the error body), then the body read up to the current limit (413).
-async fn limits(State(st): State<Shared>, req: Request, next: Next) -> Result<Response, ApiError> {
+/// Header limits (431 with the error body), and a declared body length over the limit (413),
+/// before anything else.
+async fn head_limits(
+    State(st): State<Shared>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
     let headers = req.headers();
     let head_bytes: usize = headers
         .iter()
@@ -263,25 +268,34 @@ async fn limits(State(st): State<Shared>, req: Request, next: Next) -> Result<Re
             ),
         ));
     }
-    if req.method() == Method::GET || req.method() == Method::HEAD {
-        return Ok(next.run(req).await);
-    }
     let limit = st.body_limit();
-    let too_large = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "request body too large: at most {limit} bytes are accepted (--max-body-bytes)"
-            ),
-        )
-    };
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
+        return Err(too_large(limit));
     }
+    Ok(next.run(req).await)
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("request body too large: at most {limit} bytes are accepted (--max-body-bytes)"),
+    )
+}
+
+/// Reads the body up to the current limit (413 beyond it); runs after the API key is checked.
+async fn read_body(
+    State(st): State<Shared>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if req.method() == Method::GET || req.method() == Method::HEAD {
+        return Ok(next.run(req).await);
+    }
+    let limit = st.body_limit();
     let (parts, body) = req.into_parts();
     let bytes = match axum::body::to_bytes(body, limit).await {
         Ok(b) => b,
@@ -289,7 +303,7 @@ async fn limits(State(st): State<Shared>, req: Request, next: Next) -> Result<Re
             let over = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             return Err(if over {
-                too_large()
+                too_large(limit)
             } else {
                 ApiError::bad_request(format!("reading the request body: {e}"))
             });
@@ -334,10 +348,11 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(misc::models))
-        .route("/v1/models/{model}", get(misc::model))
+        .route("/v1/models/{*model}", get(misc::model))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/tokenizer_info", get(misc::tokenizer_info))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .merge(keyed)
@@ -347,7 +362,7 @@ pub fn router(state: Shared) -> Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .fallback(not_found)
         .layer(middleware::from_fn(error_bodies))
-        .layer(middleware::from_fn_with_state(state.clone(), limits))
+        .layer(middleware::from_fn_with_state(state.clone(), head_limits))
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }

@@ -395,8 +395,17 @@ fn stream_events(head: Head, tracked: Tracked) -> Response {
                 );
             }
             None => {
+                // the stream ended without a finish: the engine stopped
                 p.ended = true;
-                finish(&mut ev, &p, &at, None);
+                let message = "the engine stopped before the response was complete";
+                ev.push(
+                    "error",
+                    json!({"code": "503", "message": message, "param": null}),
+                );
+                let mut r = p.head.response(None);
+                r["status"] = json!("failed");
+                r["error"] = json!({"code": "server_error", "message": message});
+                ev.push("response.failed", json!({"response": r}));
             }
         }
         p.seq = ev.seq;
