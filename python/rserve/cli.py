@@ -17,7 +17,19 @@ __all__ = ["main", "prepare_argv"]
 _MODEL_COMMANDS = frozenset({"serve", "generate"})
 #: Options that take no value (every other `--option` takes one, unless written `--option=value`).
 _BOOL_FLAGS = frozenset(
-    {"-h", "--help", "-V", "--version", "--ignore-eos", "--json", "--enable-lora", "--enable-prefix-caching"}
+    {
+        "-h",
+        "--help",
+        "-V",
+        "--version",
+        "--ignore-eos",
+        "--json",
+        "--enforce-eager",
+        "--no-async-scheduling",
+        "--enable-tokenizer-info-endpoint",
+        "--enable-lora",
+        "--enable-prefix-caching",
+    }
 )
 
 

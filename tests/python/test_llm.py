@@ -705,6 +705,8 @@ def test_cli_rewrites_hub_ids() -> None:
         "--log-level", "info", "serve", "--port", "1", "/snap/acme", "--served-model-name", "x",
     ]
     assert prepare_argv(["generate", "acme/tiny", "--prompt", "hi"], fake) == ["generate", "/snap/acme", "--prompt", "hi"]
+    for flag in ("--enforce-eager", "--no-async-scheduling", "--enable-tokenizer-info-endpoint"):
+        assert prepare_argv(["serve", flag, "acme/tiny"], fake)[:3] == ["serve", flag, "/snap/acme"]
     for unchanged in (["serve", str(QWEN2)], ["serve", "--help"], ["bench", "serve", "--model", "acme/tiny"], ["serve"]):
         assert prepare_argv(unchanged, fake) == unchanged
 
