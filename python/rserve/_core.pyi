@@ -32,6 +32,7 @@ class Engine:
         chat_template: str | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool = True,
+        isq: str | None = None,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

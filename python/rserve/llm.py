@@ -46,6 +46,7 @@ _ENGINE_KWARGS = frozenset(
         "gpu_memory_utilization",
         "enforce_eager",
         "async_scheduling",
+        "isq",
     }
 )
 
@@ -258,7 +259,8 @@ class LLM:
     the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
     `block_size`, `chat_template` (a file or inline Jinja replacing the model's template),
     `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps),
-    `async_scheduling` (default on: on a GPU the next step is issued while the current one runs).
+    `async_scheduling` (default on: on a GPU the next step is issued while the current one runs),
+    `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`).
     """
 
     def __init__(

@@ -231,6 +231,17 @@ def test_engine_options_pass_through(llm: LLM) -> None:
         LLM(str(QWEN2), enforce_eager="yes")
 
 
+def test_isq_quantizes_while_loading() -> None:
+    q = LLM(str(QWEN2), max_model_len=128, isq="q8_0")
+    try:
+        out = q.generate("Hello there", greedy())[0]
+        assert len(ids_of(out)) > 0
+    finally:
+        q.shutdown()
+    with pytest.raises(ValueError, match="q4k"):
+        LLM(str(QWEN2), isq="int3")
+
+
 def test_missing_model_dir_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a local directory"):
         LLM(str(tmp_path / "no" / "such" / "model"))

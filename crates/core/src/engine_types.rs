@@ -46,6 +46,8 @@ pub struct EngineConfig {
     pub seed: u64,
     /// A chat template (Jinja source) replacing the model's own.
     pub chat_template: Option<String>,
+    /// Quantize the decoder's projections to this format while loading (`--isq`).
+    pub isq: Option<crate::quant::IsqFormat>,
     /// Run every step eagerly: no CUDA graphs of decode steps.
     pub enforce_eager: bool,
     /// Plan and issue step N+1 while the device runs step N, its sampled tokens fed to it on the
@@ -71,6 +73,7 @@ impl EngineConfig {
             kv_cache: KvBudget::Auto,
             gpu_memory_utilization: 0.9,
             seed: 0,
+            isq: None,
             chat_template: None,
             enforce_eager: false,
             async_scheduling: true,
@@ -87,6 +90,8 @@ pub struct EngineInfo {
     pub tokenizer: Arc<Tokenizer>,
     pub chat_template: Option<Arc<ChatTemplate>>,
     pub generation: GenerationDefaults,
+    /// What in-situ quantization did, when the config asked for it.
+    pub isq: Option<crate::quant::isq::IsqReport>,
     pub max_model_len: usize,
     pub num_blocks: usize,
     pub block_size: usize,

@@ -16,6 +16,7 @@ pub mod loader;
 pub mod model_runner;
 pub mod models;
 mod output;
+pub mod quant;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

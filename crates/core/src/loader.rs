@@ -7,6 +7,8 @@
 
 use crate::chat_template::{load_chat_template, ChatTemplate};
 use crate::models::{decoder_config, HfConfig, Model};
+use crate::quant::isq::{Isq, IsqReport};
+use crate::quant::IsqFormat;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 use candle_core::{DType, Device};
@@ -14,6 +16,19 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 pub use crate::load_error::LoadError;
+
+/// Parses a dtype flag; `auto` follows the checkpoint (`torch_dtype` / `dtype`), defaulting to f32,
+/// except on the CPU, where `auto` is f32 (the CPU computes f32 several times faster than bf16).
+pub fn parse_dtype_for(
+    name: &str,
+    checkpoint: Option<&str>,
+    device: &Device,
+) -> Result<DType, LoadError> {
+    if name == "auto" && device.is_cpu() {
+        return Ok(DType::F32);
+    }
+    parse_dtype(name, checkpoint)
+}
 
 /// Parses a dtype flag; `auto` follows the checkpoint (`torch_dtype` / `dtype`), defaulting to f32.
 pub fn parse_dtype(name: &str, checkpoint: Option<&str>) -> Result<DType, LoadError> {
@@ -170,6 +185,19 @@ pub struct LoadedModel {
     pub hf_config: HfConfig,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// What in-situ quantization did, when asked for.
+    pub isq: Option<IsqReport>,
+}
+
+/// How to load a model directory.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// `auto`, `float32`, `bfloat16` or `float16`.
+    pub dtype: String,
+    /// Rotary tables for this many positions (default: the model's).
+    pub max_positions: Option<usize>,
+    /// Quantize the decoder's projections while loading.
+    pub isq: Option<IsqFormat>,
 }
 
 /// Reads and validates `config.json` without touching the weights.
@@ -192,9 +220,24 @@ pub fn load_model(
     device: &Device,
     max_positions: Option<usize>,
 ) -> Result<LoadedModel, LoadError> {
+    let opts = LoadOptions {
+        dtype: dtype.to_string(),
+        max_positions,
+        isq: None,
+    };
+    load_model_with(dir, &opts, device)
+}
+
+/// [`load_model`] with every option.
+pub fn load_model_with(
+    dir: &Path,
+    opts: &LoadOptions,
+    device: &Device,
+) -> Result<LoadedModel, LoadError> {
+    let max_positions = opts.max_positions;
     let hf = read_config(dir)?;
     let dcfg = decoder_config(&hf)?;
-    let dtype = parse_dtype(dtype, hf.dtype_name())?;
+    let dtype = parse_dtype_for(&opts.dtype, hf.dtype_name(), device)?;
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
         .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     let generation = generation_defaults(dir, &hf, dcfg.vocab_size)?;
@@ -206,7 +249,8 @@ pub fn load_model(
         );
     }
     let files = weight_files(dir)?;
-    let weights = Weights::open(&files, dtype, device)?;
+    let isq = opts.isq.map(Isq::new);
+    let weights = Weights::open_with(&files, dtype, device, isq.clone())?;
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
@@ -231,5 +275,6 @@ pub fn load_model(
         hf_config: hf,
         bos_token,
         eos_token,
+        isq: isq.map(|q| q.report()),
     })
 }

@@ -5,6 +5,7 @@
 //! tensor (and file where known); nothing here panics on a bad checkpoint.
 
 use crate::load_error::LoadError;
+use crate::quant::isq::Isq;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;
@@ -15,6 +16,8 @@ struct Inner {
     dtype: DType,
     device: Device,
     files: Vec<PathBuf>,
+    /// Quantizes the decoder's projections as they load (`--isq`).
+    isq: Option<Arc<Isq>>,
 }
 
 /// A view of the checkpoint under a name prefix.
@@ -27,6 +30,16 @@ pub struct Weights {
 impl Weights {
     /// Memory-maps the given safetensors files (a lone file or every shard).
     pub fn open(files: &[PathBuf], dtype: DType, device: &Device) -> Result<Self, LoadError> {
+        Self::open_with(files, dtype, device, None)
+    }
+
+    /// [`Weights::open`], with the decoder's projections quantized by `isq` as they load.
+    pub fn open_with(
+        files: &[PathBuf],
+        dtype: DType,
+        device: &Device,
+        isq: Option<Arc<Isq>>,
+    ) -> Result<Self, LoadError> {
         for f in files {
             if !f.is_file() {
                 return Err(LoadError::MissingFile(f.clone()));
@@ -45,6 +58,7 @@ impl Weights {
                 dtype,
                 device: device.clone(),
                 files: files.to_vec(),
+                isq,
             }),
             prefix: String::new(),
         })
@@ -69,6 +83,16 @@ impl Weights {
         } else {
             format!("{}.{name}", self.prefix)
         }
+    }
+
+    /// The in-situ quantizer of the decoder's projections, when asked for.
+    pub fn isq(&self) -> Option<&Arc<Isq>> {
+        self.inner.isq.as_ref()
+    }
+
+    /// The full name of tensor `name` under this prefix.
+    pub fn name_of(&self, name: &str) -> String {
+        self.full(name)
     }
 
     pub fn dtype(&self) -> DType {

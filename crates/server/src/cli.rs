@@ -2,6 +2,10 @@
 
 use clap::{Args, Parser, Subcommand};
 
+fn parse_isq(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
+    s.parse()
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "rserve", version, about = "A fast, small LLM serving engine")]
 pub struct Cli {
@@ -65,6 +69,11 @@ pub struct EngineArgs {
     /// issued while the current one runs).
     #[arg(long)]
     pub no_async_scheduling: bool,
+    /// Quantize the decoder's projections while loading: q8_0, q4_0, q4k or q6k (GGML blocks;
+    /// rows that do not fit a format's blocks fall back per tensor, as llama.cpp does). The
+    /// embeddings and lm_head stay in --dtype.
+    #[arg(long, value_parser = parse_isq)]
+    pub isq: Option<rserve_core::quant::IsqFormat>,
 }
 
 #[derive(Debug, Args)]

@@ -51,6 +51,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
+    cfg.isq = args.isq;
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }

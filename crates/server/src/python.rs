@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +83,7 @@ impl PyEngine {
         chat_template: Option<String>,
         enforce_eager: bool,
         async_scheduling: bool,
+        isq: Option<String>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -96,6 +97,13 @@ impl PyEngine {
         cfg.chat_template = chat_template;
         cfg.enforce_eager = enforce_eager;
         cfg.async_scheduling = async_scheduling;
+        cfg.isq = match isq {
+            Some(s) => Some(
+                s.parse::<rserve_core::quant::IsqFormat>()
+                    .map_err(PyValueError::new_err)?,
+            ),
+            None => None,
+        };
         if let Some(b) = kv_cache_memory {
             cfg.kv_cache = KvBudget::Bytes(b);
         }

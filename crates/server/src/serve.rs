@@ -136,6 +136,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         info.dtype,
         info.max_model_len
     );
+    if let Some(r) = &info.isq {
+        eprintln!("rserve: {}", r.summary());
+    }
     let kv_tokens = info.num_blocks * info.block_size;
     eprintln!(
         "rserve: serving `{name}` on http://{addr} ({}, {:?}, loaded in {:.1}s; KV cache {kv_tokens} tokens, {:.1} sequences of {} tokens at once)",

@@ -23,7 +23,7 @@ use crate::engine_types::Command;
 pub use crate::engine_types::EngineHandle;
 pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget};
 use crate::kv_cache::KvCache;
-use crate::loader::{load_model, LoadedModel};
+use crate::loader::{load_model_with, LoadOptions, LoadedModel};
 use crate::model_runner::graphs::GraphPlan;
 use crate::model_runner::ModelRunner;
 use crate::output::OutputProcessor;
@@ -79,12 +79,15 @@ impl Engine {
             Some(m) => m,
             None => dcfg.max_position_embeddings,
         };
-        let loaded = load_model(
-            &cfg.model,
-            &cfg.dtype,
-            &device,
-            Some(max_model_len.max(dcfg.max_position_embeddings)),
-        )?;
+        let opts = LoadOptions {
+            dtype: cfg.dtype.clone(),
+            max_positions: Some(max_model_len.max(dcfg.max_position_embeddings)),
+            isq: cfg.isq,
+        };
+        let loaded = load_model_with(&cfg.model, &opts, &device)?;
+        if let Some(r) = &loaded.isq {
+            tracing::info!("{}", r.summary());
+        }
         Self::from_loaded(cfg, loaded, device, max_model_len)
     }
 
@@ -157,6 +160,7 @@ impl Engine {
                 None => loaded.chat_template.map(Arc::new),
             },
             generation: loaded.generation,
+            isq: loaded.isq.clone(),
             max_model_len,
             num_blocks,
             block_size: cfg.block_size,

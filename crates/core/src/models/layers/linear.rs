@@ -87,7 +87,20 @@ impl Linear {
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
         let (weight, bias) = Self::load_parts(w, in_dim, out_dim, bias)?;
-        Ok(Self::new(weight, bias))
+        Self::build(w, &w.name_of("weight"), weight, bias)
+    }
+
+    /// A loaded projection: quantized when the checkpoint is loaded with ISQ, else dense.
+    fn build(
+        w: &Weights,
+        name: &str,
+        weight: Tensor,
+        bias: Option<Tensor>,
+    ) -> std::result::Result<Self, LoadError> {
+        match w.isq() {
+            Some(isq) => Ok(Self::with_method(isq.linear(name, weight)?, bias)),
+            None => Ok(Self::new(weight, bias)),
+        }
     }
 
     fn load_parts(
@@ -133,7 +146,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self::new(weight, bias))
+        let (first, _) = parts.first().ok_or_else(|| LoadError::Tensor {
+            name: "fused projection".into(),
+            reason: "no parts".into(),
+        })?;
+        Self::build(first, &first.name_of("weight (fused)"), weight, bias)
     }
 
     pub fn method(&self) -> &Arc<dyn LinearMethod> {

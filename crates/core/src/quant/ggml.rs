@@ -1,0 +1,123 @@
+//! A linear weight in a GGML block format (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`), `[out, in]`
+//! row-major with each row cut into blocks. The product runs candle's quantized matmul: on the CPU
+//! it quantizes the activations to 8 bits per block, as ggml does, and takes integer dot products
+//! with the packed weights; on CUDA its matrix-vector and tiled kernels read the packed weights.
+//! The reference is the dequantized weight in f32 (tests).
+
+use crate::batch::LayerCtx;
+use crate::models::layers::linear::LinearMethod;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Module, Result, Tensor};
+use std::sync::Arc;
+
+/// A weight stored in GGML blocks.
+#[derive(Debug, Clone)]
+pub struct GgmlLinear {
+    weight: Arc<QTensor>,
+    matmul: QMatMul,
+    /// `(out, in)`.
+    shape: (usize, usize),
+}
+
+impl GgmlLinear {
+    /// Quantizes `weight` `[out, in]` to `dtype` on its device (`in` must be a multiple of the
+    /// block size).
+    pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
+        let (out, inp) = weight.dims2()?;
+        let q = Arc::new(QTensor::quantize(weight, dtype)?);
+        Ok(Self {
+            matmul: QMatMul::QTensor(q.clone()),
+            weight: q,
+            shape: (out, inp),
+        })
+    }
+
+    /// The GGML type of the blocks.
+    pub fn dtype(&self) -> GgmlDType {
+        self.weight.dtype()
+    }
+
+    /// Bytes of the packed weight.
+    pub fn size_in_bytes(&self) -> usize {
+        self.weight.storage_size_in_bytes()
+    }
+
+    /// The weight dequantized to f32, `[out, in]` (the reference the products are tested against).
+    pub fn dequantize(&self) -> Result<Tensor> {
+        self.weight.dequantize(&self.weight.device())
+    }
+}
+
+impl LinearMethod for GgmlLinear {
+    fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let y = if dtype == DType::F32 {
+            self.matmul.forward(x)?
+        } else {
+            self.matmul.forward(&x.to_dtype(DType::F32)?)?
+        };
+        y.to_dtype(dtype)
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        self.shape
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn random(rows: usize, cols: usize, seed: u64) -> Tensor {
+        let mut s = seed;
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).expect("tensor")
+    }
+
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
+            .and_then(|a| a.flatten_all())
+            .and_then(|a| a.max(0))
+            .and_then(|m| m.to_scalar::<f32>())
+            .expect("max")
+    }
+
+    /// Round trips stay within each format's step; products match the dequantized reference.
+    #[test]
+    fn formats_round_trip_and_multiply_like_their_dequantized_weight() {
+        let w = random(64, 512, 7);
+        let x = random(5, 512, 11);
+        let ctx = LayerCtx::default();
+        // values in [-1, 1]: the quantization step of each format bounds the error
+        for (t, bound) in [
+            (GgmlDType::Q8_0, 1.0 / 127.0),
+            (GgmlDType::Q6K, 2.0 / 31.0),
+            (GgmlDType::Q5_0, 1.0 / 15.0),
+            (GgmlDType::Q4K, 2.0 / 15.0),
+            (GgmlDType::Q4_0, 1.0 / 7.0),
+        ] {
+            let q = GgmlLinear::quantize(&w, t).expect("quantize");
+            assert_eq!(q.shape(), (64, 512));
+            let d = q.dequantize().expect("dequantize");
+            let err = max_abs(&(&d - &w).expect("diff"));
+            assert!(err <= bound, "{t:?}: round-trip error {err} > {bound}");
+            let got = q.matmul(&x, &ctx).expect("matmul");
+            let want = x.matmul(&d.t().expect("t")).expect("reference");
+            let rel = max_abs(&(&got - &want).expect("diff")) / max_abs(&want);
+            // activations are quantized to 8 bits per block on the CPU
+            assert!(
+                rel < 0.02,
+                "{t:?}: product error {rel} relative to the largest output"
+            );
+            assert!(q.size_in_bytes() < 64 * 512 * 4 / 3, "{t:?} is not smaller");
+        }
+    }
+}

@@ -1,0 +1,46 @@
+"""`rserve serve --isq FORMAT`: the server quantizes the decoder's projections while loading, says
+so on its startup line (format, sizes, time, tensors that fell back), and serves; an unknown format
+stops it with the list of known ones."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from support.rserve_process import RserveProcess, binary_path, free_port, startup_timeout
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "tests" / "fixtures" / "models" / "qwen2"
+
+
+def test_isq_serves_and_reports_on_its_startup_line(tmp_path: Path) -> None:
+    srv = RserveProcess(
+        "isq",
+        [str(binary_path())],
+        MODEL,
+        tmp_path,
+        served_model_name="tiny",
+        max_model_len=256,
+        extra_args=["--isq", "q4k"],
+    )
+    srv.start(startup_timeout())
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        srv.stop()
+    log = srv.log_tail()
+    # the fixture's rows of 64 and 128 values do not fit q4k's 256-value blocks: q5_0 instead
+    assert "ISQ q4k" in log and "kept as q5_0" in log, log
+
+
+def test_unknown_isq_format_is_refused() -> None:
+    args = [str(binary_path()), "serve", str(MODEL), "--port", str(free_port()), "--isq", "int3"]
+    done = subprocess.run(args, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    out = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode != 0, out
+    assert "int3" in out and "q4k" in out, out
