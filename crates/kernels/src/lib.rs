@@ -1,5 +1,5 @@
-//! Tensor kernels of rserve: the paged-attention family, the cache writes that feed it, and the
-//! fused element-wise ops of the decoder layer.
+//! Tensor kernels of rserve: the paged-attention family, the cache writes that feed it, the
+//! fused element-wise ops of the decoder layer, and quantized products on the CPU.
 //!
 //! This crate knows tensors and nothing of requests. Every op here has a CPU implementation that is
 //! also the reference the CUDA kernels are tested against; callers pass candle tensors and get candle
@@ -15,6 +15,7 @@
 //! - `slot_mapping`: `[num_tokens]` i64, flat cache slot (`block * block_size + offset`) per token, -1 to skip
 
 pub mod cache;
+pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod elem;

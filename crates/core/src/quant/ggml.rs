@@ -1,13 +1,15 @@
 //! A linear weight in a GGML block format (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`), `[out, in]`
-//! row-major with each row cut into blocks. The product runs candle's quantized matmul: on the CPU
-//! it quantizes the activations to 8 bits per block, as ggml does, and takes integer dot products
-//! with the packed weights; on CUDA its matrix-vector and tiled kernels read the packed weights.
+//! row-major with each row cut into blocks. On the CPU, `q8_0`, `q4_0` and `q5_0` run rserve's own
+//! kernel (`rserve_kernels::cpu_quant`: AVX2 chosen at run time); the K-quants and every CUDA
+//! product run candle's quantized matmul. Both quantize the activations to 8 bits per block, as
+//! ggml does, and take integer dot products with the packed weights.
 //! The reference is the dequantized weight in f32 (tests).
 
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
+use rserve_kernels::cpu_quant::{self, QFormat};
 use std::sync::Arc;
 
 /// A weight stored in GGML blocks.
@@ -48,9 +50,36 @@ impl GgmlLinear {
     }
 }
 
+/// The CPU products of rserve's own kernels, for the formats they take.
+fn cpu_format(t: GgmlDType) -> Option<QFormat> {
+    match t {
+        GgmlDType::Q8_0 => Some(QFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(QFormat::Q4_0),
+        GgmlDType::Q5_0 => Some(QFormat::Q5_0),
+        _ => None,
+    }
+}
+
+impl GgmlLinear {
+    /// `x W^T` with rserve's CPU kernel (runtime-chosen AVX2), `x` `[m, in]` f32.
+    fn cpu_matmul(&self, format: QFormat, x: &Tensor) -> Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        let (n, _) = self.shape;
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let w = self.weight.data()?;
+        let y = cpu_quant::matmul(format, &w, n, k, &xs, m).map_err(candle_core::Error::msg)?;
+        Tensor::from_vec(y, (m, n), x.device())
+    }
+}
+
 impl LinearMethod for GgmlLinear {
     fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
         let dtype = x.dtype();
+        if let (true, Some(f)) = (x.device().is_cpu(), cpu_format(self.dtype())) {
+            return self
+                .cpu_matmul(f, &x.to_dtype(DType::F32)?)?
+                .to_dtype(dtype);
+        }
         let y = if dtype == DType::F32 {
             self.matmul.forward(x)?
         } else {
