@@ -241,14 +241,23 @@ pub fn matmul_with(
     Ok(y)
 }
 
-/// The weight dequantized to f32, `[n, k]` (the reference).
+/// The weight dequantized to f32, `[n, k]`: the reference, and the operand of products over many
+/// rows (prefill), where an f32 matrix product beats integer block products.
 pub fn dequantize(format: QFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(n * k);
-    let mut q = [0i8; QK];
-    for b in w.chunks_exact(format.block_bytes()).take(n * k / QK) {
-        let d = unpack(format, b, &mut q);
-        out.extend(q.iter().map(|&v| d * f32::from(v)));
-    }
+    let mut out = vec![0f32; n * k];
+    let bb = format.block_bytes();
+    let blocks = w.chunks_exact(bb).take(n * k / QK).collect::<Vec<_>>();
+    out.par_chunks_mut(QK * 256)
+        .zip(blocks.par_chunks(256))
+        .for_each(|(o, bs)| {
+            let mut q = [0i8; QK];
+            for (ob, b) in o.chunks_exact_mut(QK).zip(bs) {
+                let d = unpack(format, b, &mut q);
+                for (x, &v) in ob.iter_mut().zip(&q) {
+                    *x = d * f32::from(v);
+                }
+            }
+        });
     out
 }
 

@@ -60,13 +60,21 @@ fn cpu_format(t: GgmlDType) -> Option<QFormat> {
     }
 }
 
+/// From this many rows on (prefill), the CPU dequantizes the weight and runs an f32 matrix
+/// product, which outruns integer block products once the weight is reused across rows.
+const DEQUANTIZE_FROM_ROWS: usize = 32;
+
 impl GgmlLinear {
     /// `x W^T` with rserve's CPU kernel (runtime-chosen AVX2), `x` `[m, in]` f32.
     fn cpu_matmul(&self, format: QFormat, x: &Tensor) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         let (n, _) = self.shape;
-        let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let w = self.weight.data()?;
+        if m >= DEQUANTIZE_FROM_ROWS {
+            let wf = Tensor::from_vec(cpu_quant::dequantize(format, &w, n, k), (n, k), x.device())?;
+            return rserve_kernels::linear_rows(x, &wf);
+        }
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let y = cpu_quant::matmul(format, &w, n, k, &xs, m).map_err(candle_core::Error::msg)?;
         Tensor::from_vec(y, (m, n), x.device())
     }
@@ -79,6 +87,10 @@ impl LinearMethod for GgmlLinear {
             return self
                 .cpu_matmul(f, &x.to_dtype(DType::F32)?)?
                 .to_dtype(dtype);
+        }
+        if x.device().is_cpu() && x.dim(0)? >= DEQUANTIZE_FROM_ROWS {
+            let wf = self.dequantize()?;
+            return rserve_kernels::linear_rows(&x.to_dtype(DType::F32)?, &wf)?.to_dtype(dtype);
         }
         let y = if dtype == DType::F32 {
             self.matmul.forward(x)?
@@ -124,6 +136,7 @@ mod tests {
     fn formats_round_trip_and_multiply_like_their_dequantized_weight() {
         let w = random(64, 512, 7);
         let x = random(5, 512, 11);
+        let x_long = random(40, 512, 13);
         let ctx = LayerCtx::default();
         // values in [-1, 1]: the quantization step of each format bounds the error
         for (t, bound) in [
@@ -146,6 +159,11 @@ mod tests {
                 rel < 0.02,
                 "{t:?}: product error {rel} relative to the largest output"
             );
+            // many rows (prefill) multiply the dequantized weight in f32
+            let got = q.matmul(&x_long, &ctx).expect("matmul");
+            let want = x_long.matmul(&d.t().expect("t")).expect("reference");
+            let rel = max_abs(&(&got - &want).expect("diff")) / max_abs(&want);
+            assert!(rel < 1e-5, "{t:?}: {rel} over {DEQUANTIZE_FROM_ROWS} rows");
             assert!(q.size_in_bytes() < 64 * 512 * 4 / 3, "{t:?} is not smaller");
         }
     }
