@@ -16,9 +16,22 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 pub struct GgmlLinear {
     weight: Arc<QTensor>,
-    matmul: QMatMul,
     /// `(out, in)`.
     shape: (usize, usize),
+}
+
+/// From this many rows on (prefill), the CPU dequantizes the weight and runs an f32 matrix
+/// product, which outruns integer block products once the weight is reused across rows.
+const DEQUANTIZE_FROM_ROWS: usize = 32;
+
+/// The CPU products of rserve's own kernels, for the formats they take.
+fn cpu_format(t: GgmlDType) -> Option<QFormat> {
+    match t {
+        GgmlDType::Q8_0 => Some(QFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(QFormat::Q4_0),
+        GgmlDType::Q5_0 => Some(QFormat::Q5_0),
+        _ => None,
+    }
 }
 
 impl GgmlLinear {
@@ -26,10 +39,8 @@ impl GgmlLinear {
     /// block size).
     pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
         let (out, inp) = weight.dims2()?;
-        let q = Arc::new(QTensor::quantize(weight, dtype)?);
         Ok(Self {
-            matmul: QMatMul::QTensor(q.clone()),
-            weight: q,
+            weight: Arc::new(QTensor::quantize(weight, dtype)?),
             shape: (out, inp),
         })
     }
@@ -44,38 +55,34 @@ impl GgmlLinear {
         self.weight.storage_size_in_bytes()
     }
 
-    /// The weight dequantized to f32, `[out, in]` (the reference the products are tested against).
+    /// The weight dequantized to f32 by candle, `[out, in]` (the reference the products are
+    /// tested against).
     pub fn dequantize(&self) -> Result<Tensor> {
         self.weight.dequantize(&self.weight.device())
     }
-}
 
-/// The CPU products of rserve's own kernels, for the formats they take.
-fn cpu_format(t: GgmlDType) -> Option<QFormat> {
-    match t {
-        GgmlDType::Q8_0 => Some(QFormat::Q8_0),
-        GgmlDType::Q4_0 => Some(QFormat::Q4_0),
-        GgmlDType::Q5_0 => Some(QFormat::Q5_0),
-        _ => None,
-    }
-}
-
-/// From this many rows on (prefill), the CPU dequantizes the weight and runs an f32 matrix
-/// product, which outruns integer block products once the weight is reused across rows.
-const DEQUANTIZE_FROM_ROWS: usize = 32;
-
-impl GgmlLinear {
-    /// `x W^T` with rserve's CPU kernel (runtime-chosen AVX2), `x` `[m, in]` f32.
-    fn cpu_matmul(&self, format: QFormat, x: &Tensor) -> Result<Tensor> {
+    /// `x W^T` on the CPU, `x` `[m, in]` f32: an f32 product with the dequantized weight over
+    /// many rows, else integer block products (rserve's kernel where it takes the format).
+    fn cpu_matmul(&self, x: &Tensor) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         let (n, _) = self.shape;
-        let w = self.weight.data()?;
+        let format = cpu_format(self.dtype());
         if m >= DEQUANTIZE_FROM_ROWS {
-            let wf = Tensor::from_vec(cpu_quant::dequantize(format, &w, n, k), (n, k), x.device())?;
+            let wf = match format {
+                Some(f) => {
+                    let w = cpu_quant::dequantize(f, &self.weight.data()?, n, k);
+                    Tensor::from_vec(w, (n, k), x.device())?
+                }
+                None => self.dequantize()?,
+            };
             return rserve_kernels::linear_rows(x, &wf);
         }
+        let Some(f) = format else {
+            return QMatMul::QTensor(self.weight.clone()).forward(x);
+        };
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let y = cpu_quant::matmul(format, &w, n, k, &xs, m).map_err(candle_core::Error::msg)?;
+        let y = cpu_quant::matmul(f, &self.weight.data()?, n, k, &xs, m)
+            .map_err(candle_core::Error::msg)?;
         Tensor::from_vec(y, (m, n), x.device())
     }
 }
@@ -83,19 +90,11 @@ impl GgmlLinear {
 impl LinearMethod for GgmlLinear {
     fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
         let dtype = x.dtype();
-        if let (true, Some(f)) = (x.device().is_cpu(), cpu_format(self.dtype())) {
-            return self
-                .cpu_matmul(f, &x.to_dtype(DType::F32)?)?
-                .to_dtype(dtype);
-        }
-        if x.device().is_cpu() && x.dim(0)? >= DEQUANTIZE_FROM_ROWS {
-            let wf = self.dequantize()?;
-            return rserve_kernels::linear_rows(&x.to_dtype(DType::F32)?, &wf)?.to_dtype(dtype);
-        }
-        let y = if dtype == DType::F32 {
-            self.matmul.forward(x)?
+        let xf = x.to_dtype(DType::F32)?;
+        let y = if x.device().is_cpu() {
+            self.cpu_matmul(&xf)?
         } else {
-            self.matmul.forward(&x.to_dtype(DType::F32)?)?
+            QMatMul::QTensor(self.weight.clone()).forward(&xf)?
         };
         y.to_dtype(dtype)
     }

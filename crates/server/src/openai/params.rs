@@ -297,7 +297,7 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
 pub fn check_text_fits(text_len: TextLen, info: &EngineInfo, field: &str) -> Result<(), ApiError> {
     let per_token = info.tokenizer.max_token_chars();
     let limit = info.max_model_len.saturating_mul(per_token);
-    if text_len.bytes <= limit {
+    if text_len.bytes() <= limit {
         return Ok(());
     }
     let chars = text_len.chars();
@@ -313,45 +313,36 @@ pub fn check_text_fits(text_len: TextLen, info: &EngineInfo, field: &str) -> Res
     .with_param(field))
 }
 
-/// The length of some text: its bytes, and its characters counted only when needed.
+/// Some text whose length is checked: its bytes first, its characters only when needed.
 #[derive(Debug, Clone, Copy)]
-pub struct TextLen<'a> {
-    bytes: usize,
-    parts: &'a [ChatMessage],
-    text: Option<&'a str>,
+pub enum TextLen<'a> {
+    Text(&'a str),
+    /// The text content of chat messages (strings and text parts).
+    Messages(&'a [ChatMessage]),
 }
 
 impl<'a> TextLen<'a> {
     pub fn of_text(s: &'a str) -> Self {
-        Self {
-            bytes: s.len(),
-            parts: &[],
-            text: Some(s),
+        Self::Text(s)
+    }
+
+    pub fn of_messages(m: &'a [ChatMessage]) -> Self {
+        Self::Messages(m)
+    }
+
+    fn total(&self, len: impl Fn(&str) -> usize) -> usize {
+        match self {
+            Self::Text(t) => len(t),
+            Self::Messages(m) => m.iter().flat_map(content_texts).map(&len).sum(),
         }
     }
 
-    /// The text content of chat messages (strings and text parts).
-    pub fn of_messages(m: &'a [ChatMessage]) -> Self {
-        let bytes = m
-            .iter()
-            .map(|m| content_texts(m).map(str::len).sum::<usize>())
-            .sum();
-        Self {
-            bytes,
-            parts: m,
-            text: None,
-        }
+    fn bytes(&self) -> usize {
+        self.total(str::len)
     }
 
     fn chars(&self) -> usize {
-        match self.text {
-            Some(t) => t.chars().count(),
-            None => self
-                .parts
-                .iter()
-                .map(|m| content_texts(m).map(|t| t.chars().count()).sum::<usize>())
-                .sum(),
-        }
+        self.total(|t| t.chars().count())
     }
 }
 
