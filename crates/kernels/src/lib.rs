@@ -25,6 +25,7 @@ pub mod gemv;
 pub mod graph;
 pub mod metadata;
 pub mod paged_attention;
+pub mod quantize;
 pub mod sampling;
 
 pub use cache::{copy_blocks, reshape_and_cache};

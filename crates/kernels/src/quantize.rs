@@ -1,0 +1,562 @@
+//! Quantizers for GGML's block formats, bit for bit those of llama.cpp's reference quantizers
+//! (`quantize_row_*_ref` in ggml), so that a model quantized by rserve holds the same bytes as the
+//! same weights quantized by llama.cpp without an importance matrix, and llama.cpp's quality
+//! tables apply to it.
+//!
+//! Every step is one IEEE f32 operation in ggml's order (no fused multiply-adds), rounding is
+//! ggml's (`round` half away from zero where ggml calls `roundf`, the magic-number
+//! round-half-to-even where it calls `nearest_int`), and scales go through f16 with
+//! round-to-nearest-even, as `GGML_FP32_TO_FP16` does. Rows are quantized in parallel; rows are
+//! independent, so the result does not depend on the number of threads.
+//!
+//! Reference: the llama.cpp goldens in `tests/fixtures/quant/` (made by llama.cpp itself from
+//! the same values; see `crates/core/tests/quant_bits.rs`).
+
+use half::f16;
+use rayon::prelude::*;
+
+/// The GGML block formats rserve writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockType {
+    Q8_0,
+    Q4_0,
+    Q5_0,
+    Q4K,
+    Q6K,
+}
+
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+
+impl BlockType {
+    /// Values per block.
+    pub fn block_values(self) -> usize {
+        match self {
+            BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => 32,
+            BlockType::Q4K | BlockType::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block, in ggml's layout.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            BlockType::Q8_0 => 34,
+            BlockType::Q4_0 => 18,
+            BlockType::Q5_0 => 22,
+            BlockType::Q4K => 144,
+            BlockType::Q6K => 210,
+        }
+    }
+
+    /// Bytes of a row of `cols` values (`cols` a multiple of the block).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        cols / self.block_values() * self.block_bytes()
+    }
+}
+
+/// Quantizes `x`, `rows` rows of `cols` values, to `t`; `cols` must be a multiple of the block.
+pub fn quantize(t: BlockType, x: &[f32], cols: usize) -> Result<Vec<u8>, String> {
+    let bv = t.block_values();
+    if cols == 0 || !cols.is_multiple_of(bv) || !x.len().is_multiple_of(cols) {
+        return Err(format!(
+            "{t:?} needs rows that are a multiple of {bv} values; got {} values in rows of {cols}",
+            x.len()
+        ));
+    }
+    let rb = t.row_bytes(cols);
+    let mut out = vec![0u8; x.len() / cols * rb];
+    out.par_chunks_mut(rb)
+        .zip(x.par_chunks(cols))
+        .for_each(|(o, r)| {
+            for (ob, xb) in o.chunks_exact_mut(t.block_bytes()).zip(r.chunks_exact(bv)) {
+                match t {
+                    BlockType::Q8_0 => q8_0_block(xb, ob),
+                    BlockType::Q4_0 => q4_0_block(xb, ob),
+                    BlockType::Q5_0 => q5_0_block(xb, ob),
+                    BlockType::Q4K => q4k_block(xb, ob),
+                    BlockType::Q6K => q6k_block(xb, ob),
+                }
+            }
+        });
+    Ok(out)
+}
+
+fn put_f16(out: &mut [u8], v: f32) {
+    out.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+}
+
+fn f16_at(b: &[u8]) -> f32 {
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+/// ggml's `nearest_int`: round half to even through the float adder (|v| < 2^22).
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    let bits = (v + 12582912.0f32).to_bits() as i32;
+    (bits & 0x007f_ffff) - 0x0040_0000
+}
+
+fn q8_0_block(x: &[f32], out: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    put_f16(&mut out[..2], d);
+    for (o, &v) in out[2..].iter_mut().zip(x) {
+        *o = (v * id).round() as i8 as u8;
+    }
+}
+
+/// The value of largest magnitude (the first such, as ggml scans).
+fn signed_max(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+fn q4_0_block(x: &[f32], out: &mut [u8]) {
+    let d = signed_max(x) / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    put_f16(&mut out[..2], d);
+    for j in 0..16 {
+        // truncation toward zero of a positive value, as ggml's `(int8_t)` cast
+        let q0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
+        let q1 = ((x[16 + j] * id + 8.5) as i8).min(15) as u8;
+        out[2 + j] = q0 | (q1 << 4);
+    }
+}
+
+fn q5_0_block(x: &[f32], out: &mut [u8]) {
+    let d = signed_max(x) / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    put_f16(&mut out[..2], d);
+    let mut qh = 0u32;
+    for j in 0..16 {
+        let q0 = ((x[j] * id + 16.5) as i8).min(31) as u8;
+        let q1 = ((x[16 + j] * id + 16.5) as i8).min(31) as u8;
+        out[6 + j] = (q0 & 0x0F) | ((q1 & 0x0F) << 4);
+        qh |= u32::from((q0 & 0x10) >> 4) << j;
+        qh |= u32::from((q1 & 0x10) >> 4) << (j + 16);
+    }
+    out[2..6].copy_from_slice(&qh.to_le_bytes());
+}
+
+/// ggml's `make_qkx2_quants`: an asymmetric scale and minimum for `x` with levels `0..=nmax`
+/// under `weights`, searching `nstep + 1` scales around the range's. Writes the levels to `l`
+/// and returns `(scale, -min)`.
+fn make_qkx2_quants(
+    nmax: i32,
+    x: &[f32],
+    weights: &[f32],
+    l: &mut [u8],
+    (rmin, rdelta, nstep): (f32, f32, i32),
+) -> (f32, f32) {
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = weights[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        if x[i] < min {
+            min = x[i];
+        }
+        if x[i] > max {
+            max = x[i];
+        }
+        let w = weights[i];
+        sum_w += w;
+        sum_x += w * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        l.iter_mut().for_each(|v| *v = 0);
+        return (0.0, -min);
+    }
+    let nmaxf = nmax as f32;
+    let mut iscale = nmaxf / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best_error = 0f32;
+    for i in 0..n {
+        let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+        l[i] = q as u8;
+        let diff = scale * q as f32 + min - x[i];
+        best_error += weights[i] * (diff * diff);
+    }
+    let mut aux = [0u8; 32];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + nmaxf) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let q = nearest_int(iscale * (x[i] - min)).clamp(0, nmax);
+            aux[i] = q as u8;
+            let w = weights[i];
+            let lf = q as f32;
+            sum_l += w * lf;
+            sum_l2 += w * lf * lf;
+            sum_xl += w * lf * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur_error = 0f32;
+            for i in 0..n {
+                let diff = this_scale * aux[i] as f32 + this_min - x[i];
+                cur_error += weights[i] * (diff * diff);
+            }
+            if cur_error < best_error {
+                l[..n].copy_from_slice(&aux[..n]);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// The 6-bit scale and minimum of sub-block `j` of a `q4k` block.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// `q4k`: `d`, `dmin` (f16), 12 bytes of packed 6-bit scales and minimums for 8 sub-blocks of
+/// 32, then 128 bytes of 4-bit levels.
+fn q4k_block(x: &[f32], out: &mut [u8]) {
+    let mut levels = [0u8; QK_K];
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    let (mut max_scale, mut max_min) = (0f32, 0f32);
+    let mut weights = [0f32; 32];
+    for j in 0..8 {
+        let xs = &x[32 * j..32 * j + 32];
+        let mut sum_x2 = 0f32;
+        for &v in xs {
+            sum_x2 += v * v;
+        }
+        let av_x = (sum_x2 / 32.0).sqrt();
+        for (w, &v) in weights.iter_mut().zip(xs) {
+            *w = av_x + v.abs();
+        }
+        let (s, m) = make_qkx2_quants(
+            15,
+            xs,
+            &weights,
+            &mut levels[32 * j..32 * j + 32],
+            (-1.0, 0.1, 20),
+        );
+        scales[j] = s;
+        mins[j] = m;
+        if s > max_scale {
+            max_scale = s;
+        }
+        if m > max_min {
+            max_min = m;
+        }
+    }
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
+    let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let sc = &mut out[4..16];
+    sc.iter_mut().for_each(|b| *b = 0);
+    for j in 0..8 {
+        // ggml stores the rounded value in a byte before clamping it
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            sc[j] = ls;
+            sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (ls & 0xF) | ((lm & 0xF) << 4);
+            sc[j - 4] |= (ls >> 4) << 6;
+            sc[j] |= (lm >> 4) << 6;
+        }
+    }
+    put_f16(&mut out[0..2], max_scale / 63.0);
+    put_f16(&mut out[2..4], max_min / 63.0);
+    let (d_all, dmin_all) = (f16_at(&out[0..2]), f16_at(&out[2..4]));
+    for j in 0..8 {
+        let (s, m) = scale_min_k4(j, &out[4..16]);
+        let d = d_all * f32::from(s);
+        if d == 0.0 {
+            continue;
+        }
+        let dm = dmin_all * f32::from(m);
+        for ii in 0..32 {
+            let q = nearest_int((x[32 * j + ii] + dm) / d).clamp(0, 15);
+            levels[32 * j + ii] = q as u8;
+        }
+    }
+    let qs = &mut out[16..144];
+    for (c, chunk) in levels.chunks_exact(64).enumerate() {
+        for l in 0..32 {
+            qs[32 * c + l] = chunk[l] | (chunk[l + 32] << 4);
+        }
+    }
+}
+
+/// ggml's `make_qx_quants` with `rmse_type` 1 (weights `x²`) and no importance: a symmetric scale
+/// for levels `-nmax..nmax-1`, searched over 18 scales around the range's. Writes the levels
+/// plus `nmax` to `l` and returns the scale.
+fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [u8]) -> f32 {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax < 1e-15 {
+        l.iter_mut().for_each(|v| *v = 0);
+        return 0.0;
+    }
+    let level = |iscale: f32, v: f32| nearest_int(iscale * v).clamp(-nmax, nmax - 1);
+    let sums = |iscale: f32| {
+        let (mut sumlx, mut suml2) = (0f32, 0f32);
+        for &v in x {
+            let q = level(iscale, v) as f32;
+            let w = v * v;
+            sumlx += w * v * q;
+            suml2 += w * q * q;
+        }
+        (sumlx, suml2)
+    };
+    let iscale = -(nmax as f32) / max;
+    for (o, &v) in l.iter_mut().zip(x) {
+        *o = (level(iscale, v) + nmax) as u8;
+    }
+    let (sumlx, suml2) = sums(iscale);
+    let mut scale = if suml2 != 0.0 { sumlx / suml2 } else { 0.0 };
+    let mut best = scale * sumlx;
+    for is in (-9..=9).filter(|&i| i != 0) {
+        let iscale = -(nmax as f32 + 0.1 * is as f32) / max;
+        let (sumlx, suml2) = sums(iscale);
+        if suml2 > 0.0 && sumlx * sumlx > best * suml2 {
+            for (o, &v) in l.iter_mut().zip(x) {
+                *o = (level(iscale, v) + nmax) as u8;
+            }
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    scale
+}
+
+/// `q6k`: 128 bytes of the low 4 bits, 64 bytes of the high 2 bits, 16 signed 8-bit scales of
+/// sub-blocks of 16, then `d` (f16).
+fn q6k_block(x: &[f32], out: &mut [u8]) {
+    let mut levels = [0u8; QK_K];
+    let mut scales = [0f32; 16];
+    let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
+    for ib in 0..16 {
+        let s = make_qx_quants(
+            32,
+            &x[16 * ib..16 * ib + 16],
+            &mut levels[16 * ib..16 * ib + 16],
+        );
+        scales[ib] = s;
+        if s.abs() > max_abs_scale {
+            max_abs_scale = s.abs();
+            max_scale = s;
+        }
+    }
+    if max_abs_scale < 1e-15 {
+        out.iter_mut().for_each(|b| *b = 0);
+        return;
+    }
+    let iscale = -128.0 / max_scale;
+    put_f16(&mut out[208..210], 1.0 / iscale);
+    let d_all = f16_at(&out[208..210]);
+    let mut sc = [0i8; 16];
+    for (s, &v) in sc.iter_mut().zip(&scales) {
+        *s = nearest_int(iscale * v).min(127) as i8;
+    }
+    for j in 0..16 {
+        let d = d_all * f32::from(sc[j]);
+        if d == 0.0 {
+            continue;
+        }
+        for ii in 0..16 {
+            let q = nearest_int(x[16 * j + ii] / d).clamp(-32, 31);
+            levels[16 * j + ii] = (q + 32) as u8;
+        }
+    }
+    for (o, s) in out[192..208].iter_mut().zip(&sc) {
+        *o = *s as u8;
+    }
+    let (ql, rest) = out.split_at_mut(128);
+    let qh = &mut rest[..64];
+    for half in 0..2 {
+        let lv = &levels[128 * half..128 * half + 128];
+        let ql = &mut ql[64 * half..64 * half + 64];
+        let qh = &mut qh[32 * half..32 * half + 32];
+        for l in 0..32 {
+            let (a, b, c, d) = (lv[l], lv[l + 32], lv[l + 64], lv[l + 96]);
+            ql[l] = (a & 0xF) | ((c & 0xF) << 4);
+            ql[l + 32] = (b & 0xF) | ((d & 0xF) << 4);
+            qh[l] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((d >> 4) << 6);
+        }
+    }
+}
+
+/// Dequantizes `data` (whole blocks of `t`) to f32, following ggml's
+/// `dequantize_row_*`: the reference the quantizers' round trips are checked with.
+pub fn dequantize(t: BlockType, data: &[u8]) -> Vec<f32> {
+    let bv = t.block_values();
+    let n = data.len() / t.block_bytes() * bv;
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(bv)
+        .zip(data.par_chunks(t.block_bytes()))
+        .for_each(|(o, b)| dequantize_block(t, b, o));
+    out
+}
+
+fn dequantize_block(t: BlockType, b: &[u8], o: &mut [f32]) {
+    match t {
+        BlockType::Q8_0 => {
+            let d = f16_at(b);
+            for (v, &q) in o.iter_mut().zip(&b[2..34]) {
+                *v = d * f32::from(q as i8);
+            }
+        }
+        BlockType::Q4_0 => {
+            let d = f16_at(b);
+            for j in 0..16 {
+                o[j] = d * f32::from((b[2 + j] & 0xF) as i8 - 8);
+                o[j + 16] = d * f32::from((b[2 + j] >> 4) as i8 - 8);
+            }
+        }
+        BlockType::Q5_0 => {
+            let d = f16_at(b);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..16 {
+                let h0 = (((qh >> j) << 4) & 0x10) as u8;
+                let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+                o[j] = d * f32::from(((b[6 + j] & 0xF) | h0) as i8 - 16);
+                o[j + 16] = d * f32::from(((b[6 + j] >> 4) | h1) as i8 - 16);
+            }
+        }
+        BlockType::Q4K => {
+            let (d, dmin) = (f16_at(&b[0..2]), f16_at(&b[2..4]));
+            let qs = &b[16..144];
+            for c in 0..4 {
+                let (s0, m0) = scale_min_k4(2 * c, &b[4..16]);
+                let (s1, m1) = scale_min_k4(2 * c + 1, &b[4..16]);
+                let (d0, dm0) = (d * f32::from(s0), dmin * f32::from(m0));
+                let (d1, dm1) = (d * f32::from(s1), dmin * f32::from(m1));
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    o[64 * c + l] = d0 * f32::from(q & 0xF) - dm0;
+                    o[64 * c + 32 + l] = d1 * f32::from(q >> 4) - dm1;
+                }
+            }
+        }
+        BlockType::Q6K => {
+            let d = f16_at(&b[208..210]);
+            for half in 0..2 {
+                let ql = &b[64 * half..64 * half + 64];
+                let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+                let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+                let o = &mut o[128 * half..128 * half + 128];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                    let s = |k: usize| d * f32::from(sc[is + k] as i8);
+                    o[l] = s(0) * f32::from(q1);
+                    o[l + 32] = s(2) * f32::from(q2);
+                    o[l + 64] = s(4) * f32::from(q3);
+                    o[l + 96] = s(6) * f32::from(q4);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    const ALL: [BlockType; 5] = [
+        BlockType::Q8_0,
+        BlockType::Q4_0,
+        BlockType::Q5_0,
+        BlockType::Q4K,
+        BlockType::Q6K,
+    ];
+
+    #[test]
+    fn nearest_int_rounds_half_to_even() {
+        assert_eq!(nearest_int(0.5), 0);
+        assert_eq!(nearest_int(1.5), 2);
+        assert_eq!(nearest_int(-2.5), -2);
+        assert_eq!(nearest_int(2.49), 2);
+        assert_eq!(nearest_int(-7.6), -8);
+    }
+
+    /// Round trips stay within each format's step for values in [-1, 1].
+    #[test]
+    fn round_trips_stay_within_the_format_step() {
+        let x = values(4 * 512, 3);
+        for (t, bound) in [
+            (BlockType::Q8_0, 1.0 / 127.0),
+            (BlockType::Q6K, 2.0 / 31.0),
+            (BlockType::Q5_0, 1.0 / 15.0),
+            (BlockType::Q4K, 2.0 / 15.0),
+            (BlockType::Q4_0, 1.0 / 7.0),
+        ] {
+            let q = quantize(t, &x, 512).expect("quantize");
+            assert_eq!(q.len(), 4 * t.row_bytes(512));
+            let d = dequantize(t, &q);
+            let err = x
+                .iter()
+                .zip(&d)
+                .fold(0f32, |a, (u, v)| a.max((u - v).abs()));
+            assert!(err <= bound, "{t:?}: round-trip error {err} > {bound}");
+        }
+    }
+
+    #[test]
+    fn zero_blocks_and_bad_shapes() {
+        for t in ALL {
+            let q = quantize(t, &[0.0; 512], 512).expect("zeros");
+            assert!(dequantize(t, &q).iter().all(|v| *v == 0.0), "{t:?}");
+        }
+        assert!(quantize(BlockType::Q4K, &[0.0; 128], 128).is_err());
+        assert!(quantize(BlockType::Q8_0, &[0.0; 48], 48).is_err());
+        assert!(quantize(BlockType::Q8_0, &[0.0; 40], 32).is_err());
+    }
+}
