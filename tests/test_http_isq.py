@@ -1,6 +1,8 @@
-"""`rserve serve --isq FORMAT`: the server quantizes the decoder's projections while loading, says
-so on its startup line (format, sizes, time, tensors that fell back), and serves; an unknown format
-stops it with the list of known ones."""
+"""`rserve serve --isq FORMAT` and GGUF files. With --isq the server quantizes the decoder's
+projections while loading, says so on its startup line (format, sizes, time, tensors that fell
+back), and serves; an unknown format stops it with the list of known ones. A GGUF file serves with
+the template from its metadata and says how its tensors are stored; a truncated one stops the
+server naming the file and the tensor."""
 
 from __future__ import annotations
 
@@ -44,3 +46,45 @@ def test_unknown_isq_format_is_refused() -> None:
     out = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode != 0, out
     assert "int3" in out and "q4k" in out, out
+
+
+GGUF = REPO / "tests" / "fixtures" / "gguf"
+
+
+def test_a_gguf_file_serves_chat_with_its_metadata_template(tmp_path: Path) -> None:
+    srv = RserveProcess(
+        "gguf",
+        [str(binary_path())],
+        GGUF / "llama-q4_k_m.gguf",
+        tmp_path,
+        served_model_name="tiny-gguf",
+        max_model_len=256,
+        extra_args=["--isq-lm-head", "--isq", "q8_0"],
+    )
+    srv.start(startup_timeout())
+    try:
+        body = {
+            "model": "tiny-gguf",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        # the Llama 3 template from the metadata wraps the message in header tokens
+        assert r.json()["usage"]["prompt_tokens"] > 8
+    finally:
+        srv.stop()
+    log = srv.log_tail()
+    assert "GGUF tensors stored as" in log and "q4k" in log and "q6k" in log, log
+
+
+def test_a_broken_gguf_stops_the_server_with_the_reason(tmp_path: Path) -> None:
+    data = (GGUF / "qwen2-q8_0.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])
+    args = [str(binary_path()), "serve", str(cut), "--port", str(free_port())]
+    done = subprocess.run(args, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    out = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode != 0, out
+    assert "cut.gguf" in out and "ends inside tensor" in out, out

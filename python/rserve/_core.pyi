@@ -33,6 +33,8 @@ class Engine:
         enforce_eager: bool = False,
         async_scheduling: bool = True,
         isq: str | None = None,
+        isq_lm_head: bool = False,
+        tokenizer: str | None = None,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

@@ -27,6 +27,7 @@ _BOOL_FLAGS = frozenset(
         "--enforce-eager",
         "--no-async-scheduling",
         "--enable-tokenizer-info-endpoint",
+        "--isq-lm-head",
         "--enable-lora",
         "--enable-prefix-caching",
     }

@@ -47,6 +47,8 @@ _ENGINE_KWARGS = frozenset(
         "enforce_eager",
         "async_scheduling",
         "isq",
+        "isq_lm_head",
+        "tokenizer",
     }
 )
 
@@ -70,18 +72,20 @@ def resolve_model(
     download_dir: str | None = None,
     token: str | None = None,
 ) -> str:
-    """A local model directory as is, or a hub id (`org/name[@revision]`) resolved to its snapshot
-    directory in the Hugging Face cache, downloading what is missing (with progress bars).
+    """A local model directory or GGUF file as is, or a hub id (`org/name[@revision]`) resolved to
+    its snapshot directory in the Hugging Face cache, downloading what is missing (with progress
+    bars).
 
     Honours `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `HF_TOKEN`.
     """
     spec = os.fspath(model)
     path = os.path.expanduser(spec)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or (os.path.isfile(path) and path.lower().endswith(".gguf")):
         return os.path.abspath(path)
     if not is_hub_id(spec):
         raise FileNotFoundError(
-            f"model `{spec}` is neither a local directory nor a Hugging Face hub id (org/name)"
+            f"model `{spec}` is neither a local directory, a GGUF file nor a Hugging Face hub id "
+            "(org/name)"
         )
     repo_id, _, rev = spec.partition("@")
     try:
@@ -255,12 +259,15 @@ def _poll(stream: RequestStream) -> list[Any]:
 class LLM:
     """An engine loaded in this process (vLLM's offline API).
 
-    `model` is a local directory in Hugging Face layout or a hub id (`org/name`), downloaded into
-    the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
+    `model` is a local directory in Hugging Face layout, a GGUF file (config, tokenizer and chat
+    template from its metadata; its quantized tensors served as stored) or a hub id
+    (`org/name`), downloaded into the Hugging Face cache when missing. Extra keyword arguments: `max_num_batched_tokens`,
     `block_size`, `chat_template` (a file or inline Jinja replacing the model's template),
     `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps),
     `async_scheduling` (default on: on a GPU the next step is issued while the current one runs),
-    `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`).
+    `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`),
+    `isq_lm_head` (with `isq`, the output head too), `tokenizer` (a directory whose
+    `tokenizer.json` replaces the model's).
     """
 
     def __init__(

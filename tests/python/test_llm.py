@@ -242,6 +242,29 @@ def test_isq_quantizes_while_loading() -> None:
         LLM(str(QWEN2), isq="int3")
 
 
+def test_isq_lm_head_needs_isq_and_quantizes_the_head() -> None:
+    with pytest.raises(ValueError, match="isq"):
+        LLM(str(QWEN2), isq_lm_head=True)
+    q = LLM(str(QWEN2), max_model_len=128, isq="q8_0", isq_lm_head=True)
+    try:
+        assert len(ids_of(q.generate("Hello there", greedy())[0])) > 0
+    finally:
+        q.shutdown()
+
+
+def test_a_gguf_file_loads_with_its_own_tokenizer_and_template(llm: LLM) -> None:
+    gguf = REPO_ROOT / "tests" / "fixtures" / "gguf" / "qwen2-q8_0.gguf"
+    q = LLM(str(gguf), max_model_len=128)
+    try:
+        assert q.vocab_size == 1000
+        # the same tokenizer as the directory fixtures', rebuilt from the GGUF metadata
+        assert q.encode("Hello there, 12345!") == llm.encode("Hello there, 12345!")
+        out = q.chat([{"role": "user", "content": "hi"}], greedy())[0]
+        assert len(ids_of(out)) > 0
+    finally:
+        q.shutdown()
+
+
 def test_missing_model_dir_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a local directory"):
         LLM(str(tmp_path / "no" / "such" / "model"))

@@ -48,6 +48,10 @@ pub struct EngineConfig {
     pub chat_template: Option<String>,
     /// Quantize the decoder's projections to this format while loading (`--isq`).
     pub isq: Option<crate::quant::IsqFormat>,
+    /// With `isq`, quantize the output head too (`--isq-lm-head`).
+    pub isq_lm_head: bool,
+    /// A directory whose `tokenizer.json` replaces the checkpoint's tokenizer (`--tokenizer`).
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Run every step eagerly: no CUDA graphs of decode steps.
     pub enforce_eager: bool,
     /// Plan and issue step N+1 while the device runs step N, its sampled tokens fed to it on the
@@ -74,6 +78,8 @@ impl EngineConfig {
             gpu_memory_utilization: 0.9,
             seed: 0,
             isq: None,
+            isq_lm_head: false,
+            tokenizer: None,
             chat_template: None,
             enforce_eager: false,
             async_scheduling: true,
@@ -92,6 +98,8 @@ pub struct EngineInfo {
     pub generation: GenerationDefaults,
     /// What in-situ quantization did, when the config asked for it.
     pub isq: Option<crate::quant::isq::IsqReport>,
+    /// For a GGUF file: the GGML types its tensors are stored in.
+    pub stored: Option<String>,
     pub max_model_len: usize,
     pub num_blocks: usize,
     pub block_size: usize,

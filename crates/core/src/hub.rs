@@ -110,7 +110,7 @@ pub fn resolve_model(spec: &str) -> Result<PathBuf, HubError> {
 /// [`resolve_model`] with explicit settings.
 pub fn resolve_model_with(spec: &str, hub: &HubSettings) -> Result<PathBuf, HubError> {
     let p = Path::new(spec);
-    if p.is_dir() {
+    if p.is_dir() || crate::gguf::is_gguf(p) {
         return Ok(p.to_path_buf());
     }
     let (repo, rev) = parse_repo_id(spec).ok_or_else(|| HubError::NotAModel(spec.to_string()))?;

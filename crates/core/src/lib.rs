@@ -9,6 +9,7 @@ pub mod device;
 pub mod engine;
 mod engine_error;
 mod engine_types;
+pub mod gguf;
 pub mod hub;
 pub mod kv_cache;
 pub mod load_error;

@@ -35,6 +35,8 @@ pub enum LoadError {
     },
     #[error("tensor `{name}`: {reason}")]
     Tensor { name: String, reason: String },
+    #[error("{file}: {reason}")]
+    Gguf { file: PathBuf, reason: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]

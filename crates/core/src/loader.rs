@@ -6,6 +6,7 @@
 //! checkpoint.
 
 use crate::chat_template::{load_chat_template, ChatTemplate};
+use crate::gguf::{self, GgufFile};
 use crate::models::{decoder_config, HfConfig, Model};
 use crate::quant::isq::{Isq, IsqReport};
 use crate::quant::IsqFormat;
@@ -187,6 +188,8 @@ pub struct LoadedModel {
     pub eos_token: Option<String>,
     /// What in-situ quantization did, when asked for.
     pub isq: Option<IsqReport>,
+    /// For a GGUF file: the GGML types its tensors are stored in, with their sizes.
+    pub stored: Option<String>,
 }
 
 /// How to load a model directory.
@@ -198,10 +201,31 @@ pub struct LoadOptions {
     pub max_positions: Option<usize>,
     /// Quantize the decoder's projections while loading.
     pub isq: Option<IsqFormat>,
+    /// Quantize the output head too (with `isq`).
+    pub isq_lm_head: bool,
+    /// A directory with `tokenizer.json` (and `tokenizer_config.json`) to use instead of the
+    /// checkpoint's own (a GGUF file's metadata tokenizer).
+    pub tokenizer: Option<PathBuf>,
 }
 
-/// Reads and validates `config.json` without touching the weights.
+impl LoadOptions {
+    /// `dtype`, and nothing else changed from the checkpoint.
+    pub fn new(dtype: &str) -> Self {
+        Self {
+            dtype: dtype.to_string(),
+            max_positions: None,
+            isq: None,
+            isq_lm_head: false,
+            tokenizer: None,
+        }
+    }
+}
+
+/// Reads and validates `config.json` (or a GGUF file's metadata) without touching the weights.
 pub fn read_config(dir: &Path) -> Result<HfConfig, LoadError> {
+    if gguf::is_gguf(dir) {
+        return gguf::hf_config(&open_gguf(dir)?);
+    }
     if !dir.is_dir() {
         return Err(LoadError::NoDirectory(dir.to_path_buf()));
     }
@@ -221,9 +245,8 @@ pub fn load_model(
     max_positions: Option<usize>,
 ) -> Result<LoadedModel, LoadError> {
     let opts = LoadOptions {
-        dtype: dtype.to_string(),
         max_positions,
-        isq: None,
+        ..LoadOptions::new(dtype)
     };
     load_model_with(dir, &opts, device)
 }
@@ -234,6 +257,9 @@ pub fn load_model_with(
     opts: &LoadOptions,
     device: &Device,
 ) -> Result<LoadedModel, LoadError> {
+    if gguf::is_gguf(dir) {
+        return load_gguf(dir, opts, device);
+    }
     let max_positions = opts.max_positions;
     let hf = read_config(dir)?;
     let dcfg = decoder_config(&hf)?;
@@ -249,7 +275,7 @@ pub fn load_model_with(
         );
     }
     let files = weight_files(dir)?;
-    let isq = opts.isq.map(Isq::new);
+    let isq = opts.isq.map(|f| Isq::new(f, opts.isq_lm_head));
     let weights = Weights::open_with(&files, dtype, device, isq.clone())?;
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
@@ -258,13 +284,7 @@ pub fn load_model_with(
         Some(s) => (s.template, s.bos_token, s.eos_token),
         None => (None, None, None),
     };
-    let chat_template = match &template {
-        Some(t) => Some(
-            ChatTemplate::new(t, bos_token.clone(), eos_token.clone())
-                .map_err(|e| LoadError::ChatTemplate(e.to_string()))?,
-        ),
-        None => None,
-    };
+    let chat_template = compile_template(&template, &bos_token, &eos_token)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
         model,
@@ -276,5 +296,100 @@ pub fn load_model_with(
         bos_token,
         eos_token,
         isq: isq.map(|q| q.report()),
+        stored: None,
     })
+}
+
+fn compile_template(
+    template: &Option<String>,
+    bos: &Option<String>,
+    eos: &Option<String>,
+) -> Result<Option<ChatTemplate>, LoadError> {
+    template
+        .as_ref()
+        .map(|t| {
+            ChatTemplate::new(t, bos.clone(), eos.clone())
+                .map_err(|e| LoadError::ChatTemplate(e.to_string()))
+        })
+        .transpose()
+}
+
+fn open_gguf(path: &Path) -> Result<GgufFile, LoadError> {
+    GgufFile::open(path).map_err(|e| LoadError::Gguf {
+        file: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// Loads a GGUF file: config, tokenizer (unless `opts.tokenizer`), chat template and generation
+/// defaults from its metadata; tensors stored quantized stay quantized.
+fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedModel, LoadError> {
+    let file = open_gguf(path)?;
+    let hf = gguf::hf_config(&file)?;
+    let dcfg = decoder_config(&hf)?;
+    let dtype = parse_dtype_for(&opts.dtype, hf.dtype_name(), device)?;
+    let (tokenizer, template, bos_token, eos_token) = match &opts.tokenizer {
+        Some(dir) => {
+            let t = Tokenizer::from_file(dir.join("tokenizer.json"))
+                .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+            let src =
+                load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
+            let (from_file, b, e) = gguf::chat_template(&file);
+            match src {
+                Some(s) => (
+                    t,
+                    s.template.or(from_file),
+                    s.bos_token.or(b),
+                    s.eos_token.or(e),
+                ),
+                None => (t, from_file, b, e),
+            }
+        }
+        None => {
+            let t = gguf::tokenizer::load(&file).map_err(|e| LoadError::Gguf {
+                file: path.to_path_buf(),
+                reason: format!("tokenizer: {e}"),
+            })?;
+            let (template, b, e) = gguf::chat_template(&file);
+            (t, template, b, e)
+        }
+    };
+    let generation = gguf::generation_defaults(&file, dcfg.vocab_size);
+    let chat_template = compile_template(&template, &bos_token, &eos_token)?;
+    let stored = stored_types(&file);
+    let isq = opts.isq.map(|f| Isq::new(f, opts.isq_lm_head));
+    let weights = Weights::from_gguf(file, dtype, device, isq.clone());
+    let positions = opts
+        .max_positions
+        .unwrap_or(dcfg.max_position_embeddings)
+        .max(1);
+    let model = crate::models::build(&hf, &weights, positions)?;
+    Ok(LoadedModel {
+        dir: path.to_path_buf(),
+        model,
+        tokenizer,
+        chat_template,
+        generation,
+        dtype,
+        hf_config: hf,
+        bos_token,
+        eos_token,
+        isq: isq.map(|q| q.report()),
+        stored: Some(stored),
+    })
+}
+
+/// The GGML types of a GGUF file's tensors with their sizes, for the startup log.
+fn stored_types(file: &GgufFile) -> String {
+    let mut by_type: std::collections::BTreeMap<&str, (usize, usize)> = Default::default();
+    for t in file.header.tensors.values() {
+        let e = by_type.entry(crate::quant::ggml_name(t.dtype)).or_default();
+        e.0 += 1;
+        e.1 += t.len;
+    }
+    let parts: Vec<String> = by_type
+        .iter()
+        .map(|(k, (n, b))| format!("{n} {k} ({:.1} MiB)", *b as f64 / (1 << 20) as f64))
+        .collect();
+    format!("GGUF tensors stored as {}", parts.join(", "))
 }

@@ -1,18 +1,27 @@
 //! Named access to a checkpoint's tensors with Hugging Face names (`pp("self_attn").pp("q_proj")`),
 //! shape-checked, converted to the engine's dtype and device.
 //!
-//! Owns the memory-mapped safetensors files. Every failure is a typed [`LoadError`] that names the
-//! tensor (and file where known); nothing here panics on a bad checkpoint.
+//! Owns the memory-mapped safetensors files or GGUF file. Every failure is a typed [`LoadError`]
+//! that names the tensor (and file where known); nothing here panics on a bad checkpoint.
 
+use crate::gguf::{self, GgufFile};
 use crate::load_error::LoadError;
+use crate::quant::ggml::GgmlLinear;
 use crate::quant::isq::Isq;
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+enum Source {
+    Safetensors(MmapedSafetensors),
+    Gguf(GgufFile),
+}
+
 struct Inner {
-    st: MmapedSafetensors,
+    source: Source,
     dtype: DType,
     device: Device,
     files: Vec<PathBuf>,
@@ -54,7 +63,7 @@ impl Weights {
             })?;
         Ok(Self {
             inner: Arc::new(Inner {
-                st,
+                source: Source::Safetensors(st),
                 dtype,
                 device: device.clone(),
                 files: files.to_vec(),
@@ -62,6 +71,20 @@ impl Weights {
             }),
             prefix: String::new(),
         })
+    }
+
+    /// A GGUF checkpoint: tensors stored in a GGML block format stay in it.
+    pub fn from_gguf(file: GgufFile, dtype: DType, device: &Device, isq: Option<Arc<Isq>>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                files: vec![file.path.clone()],
+                source: Source::Gguf(file),
+                dtype,
+                device: device.clone(),
+                isq,
+            }),
+            prefix: String::new(),
+        }
     }
 
     /// The same checkpoint under `prefix.name`.
@@ -104,20 +127,124 @@ impl Weights {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.inner.st.get(&self.full(name)).is_ok()
+        let full = self.full(name);
+        match &self.inner.source {
+            Source::Safetensors(st) => st.get(&full).is_ok(),
+            Source::Gguf(g) => gguf::tensor_name(&full).is_some_and(|n| g.tensor(&n).is_some()),
+        }
+    }
+
+    fn missing(&self, full: String) -> LoadError {
+        LoadError::MissingTensor {
+            name: full,
+            files: self.inner.files.clone(),
+        }
+    }
+
+    /// A GGUF tensor by its Hugging Face name: its entry and bytes, shape-checked, with the file
+    /// rows of Hugging Face row order when the file permutes them (`None` when not).
+    #[allow(clippy::type_complexity)]
+    fn gguf_tensor<'a>(
+        &self,
+        g: &'a GgufFile,
+        shape: &[usize],
+        full: &str,
+    ) -> Result<(&'a gguf::TensorInfo, &'a [u8], Option<Vec<usize>>), LoadError> {
+        let gname = gguf::tensor_name(full).ok_or_else(|| self.missing(full.to_string()))?;
+        let (info, bytes) = g
+            .tensor(&gname)
+            .ok_or_else(|| self.missing(format!("{full} ({gname})")))?;
+        if info.shape() != shape {
+            return Err(LoadError::TensorShape {
+                name: format!("{full} ({gname})"),
+                expected: shape.to_vec(),
+                found: info.shape(),
+            });
+        }
+        let rows = gguf::permuted_heads(g, &gname)
+            .and_then(|heads| gguf::unpermuted_rows(shape[0], heads));
+        Ok((info, bytes, rows))
+    }
+
+    /// A GGUF tensor as a dense tensor (dequantized when stored in blocks).
+    fn gguf_dense(&self, g: &GgufFile, shape: &[usize], full: &str) -> Result<Tensor, LoadError> {
+        let (info, bytes, rows) = self.gguf_tensor(g, shape, full)?;
+        let err = |e: candle_core::Error| LoadError::Tensor {
+            name: full.to_string(),
+            reason: e.to_string(),
+        };
+        let cpu = Device::Cpu;
+        let t = match info.dtype {
+            GgmlDType::F32 => Tensor::from_raw_buffer(bytes, DType::F32, shape, &cpu),
+            GgmlDType::F16 => Tensor::from_raw_buffer(bytes, DType::F16, shape, &cpu),
+            GgmlDType::BF16 => Tensor::from_raw_buffer(bytes, DType::BF16, shape, &cpu),
+            t => qtensor_from_ggml(t, &aligned(bytes), shape.to_vec(), &cpu)
+                .and_then(|q| q.dequantize(&cpu)),
+        }
+        .map_err(err)?;
+        let t = match rows {
+            Some(order) => {
+                let idx = Tensor::from_vec(
+                    order.into_iter().map(|r| r as u32).collect::<Vec<_>>(),
+                    shape[0],
+                    &cpu,
+                )
+                .map_err(err)?;
+                t.index_select(&idx, 0).map_err(err)?
+            }
+            None => t,
+        };
+        t.to_device(&self.inner.device)
+            .and_then(|t| t.to_dtype(self.inner.dtype))
+            .map_err(err)
+    }
+
+    /// The linear weight `name` `[out, in]` as stored in a GGML block format, when the
+    /// checkpoint stores it so (GGUF); `None` for a dense weight.
+    pub fn quantized(&self, shape: &[usize], name: &str) -> Result<Option<GgmlLinear>, LoadError> {
+        let Source::Gguf(g) = &self.inner.source else {
+            return Ok(None);
+        };
+        let full = self.full(name);
+        let (info, bytes, rows) = self.gguf_tensor(g, shape, &full)?;
+        if matches!(
+            info.dtype,
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+        ) || shape.len() != 2
+        {
+            return Ok(None);
+        }
+        let bytes = match rows {
+            Some(order) => {
+                let rb = bytes.len() / shape[0];
+                order
+                    .iter()
+                    .flat_map(|&r| &bytes[r * rb..(r + 1) * rb])
+                    .copied()
+                    .collect::<Vec<u8>>()
+                    .into()
+            }
+            None => aligned(bytes),
+        };
+        GgmlLinear::from_bytes(info.dtype, &bytes, (shape[0], shape[1]), &self.inner.device)
+            .map(Some)
+            .map_err(|e| LoadError::Tensor {
+                name: full,
+                reason: e.to_string(),
+            })
     }
 
     /// The tensor `name`, which must have `shape`, in the engine's dtype on its device.
     pub fn get(&self, shape: &[usize], name: &str) -> Result<Tensor, LoadError> {
         let full = self.full(name);
-        let view = self
-            .inner
-            .st
-            .get(&full)
-            .map_err(|_| LoadError::MissingTensor {
-                name: full.clone(),
-                files: self.inner.files.clone(),
-            })?;
+        let st = match &self.inner.source {
+            Source::Safetensors(st) => st,
+            Source::Gguf(g) => return self.gguf_dense(g, shape, &full),
+        };
+        let view = st.get(&full).map_err(|_| LoadError::MissingTensor {
+            name: full.clone(),
+            files: self.inner.files.clone(),
+        })?;
         if view.shape() != shape {
             return Err(LoadError::TensorShape {
                 name: full,
@@ -125,9 +252,7 @@ impl Weights {
                 found: view.shape().to_vec(),
             });
         }
-        let t = self
-            .inner
-            .st
+        let t = st
             .load(&full, &self.inner.device)
             .and_then(|t| t.to_dtype(self.inner.dtype))
             .map_err(|e| LoadError::Tensor {
@@ -144,5 +269,15 @@ impl Weights {
         } else {
             Ok(None)
         }
+    }
+}
+
+/// `bytes` where they lie when aligned for any GGML block (candle reads the blocks in place),
+/// else a copy (a file with a small `general.alignment`).
+fn aligned(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if (bytes.as_ptr() as usize).is_multiple_of(8) {
+        std::borrow::Cow::Borrowed(bytes)
+    } else {
+        std::borrow::Cow::Owned(bytes.to_vec())
     }
 }

@@ -29,7 +29,8 @@ pub enum Command {
 /// How to load and run the engine.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// A model directory in Hugging Face layout; the embedded tiny model when omitted.
+    /// A model directory in Hugging Face layout, a hub id, or a GGUF file; the embedded tiny
+    /// model when omitted.
     pub model: Option<String>,
     /// auto (follow the checkpoint), float32, bfloat16 or float16.
     #[arg(long, default_value = "auto")]
@@ -74,6 +75,14 @@ pub struct EngineArgs {
     /// embeddings and lm_head stay in --dtype.
     #[arg(long, value_parser = parse_isq)]
     pub isq: Option<rserve_core::quant::IsqFormat>,
+    /// With --isq, quantize the output head (lm_head) too: faster decoding of small models,
+    /// whose head is a large part of their weights, at some cost in accuracy.
+    #[arg(long)]
+    pub isq_lm_head: bool,
+    /// A directory with tokenizer.json (and tokenizer_config.json) used instead of the model's
+    /// tokenizer, e.g. for a GGUF file whose vocabulary rserve does not rebuild.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -52,6 +52,11 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
     cfg.isq = args.isq;
+    cfg.isq_lm_head = args.isq_lm_head;
+    if args.isq_lm_head && args.isq.is_none() {
+        anyhow::bail!("--isq-lm-head needs --isq FORMAT");
+    }
+    cfg.tokenizer = args.tokenizer.as_ref().map(PathBuf::from);
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }

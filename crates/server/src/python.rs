@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -84,6 +84,8 @@ impl PyEngine {
         enforce_eager: bool,
         async_scheduling: bool,
         isq: Option<String>,
+        isq_lm_head: bool,
+        tokenizer: Option<String>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -104,6 +106,11 @@ impl PyEngine {
             ),
             None => None,
         };
+        if isq_lm_head && cfg.isq.is_none() {
+            return Err(PyValueError::new_err("isq_lm_head needs isq"));
+        }
+        cfg.isq_lm_head = isq_lm_head;
+        cfg.tokenizer = tokenizer.map(std::path::PathBuf::from);
         if let Some(b) = kv_cache_memory {
             cfg.kv_cache = KvBudget::Bytes(b);
         }

@@ -139,6 +139,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(r) = &info.isq {
         eprintln!("rserve: {}", r.summary());
     }
+    if let Some(s) = &info.stored {
+        eprintln!("rserve: {s}");
+    }
     let kv_tokens = info.num_blocks * info.block_size;
     eprintln!(
         "rserve: serving `{name}` on http://{addr} ({}, {:?}, loaded in {:.1}s; KV cache {kv_tokens} tokens, {:.1} sequences of {} tokens at once)",

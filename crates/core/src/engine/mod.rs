@@ -80,9 +80,11 @@ impl Engine {
             None => dcfg.max_position_embeddings,
         };
         let opts = LoadOptions {
-            dtype: cfg.dtype.clone(),
             max_positions: Some(max_model_len.max(dcfg.max_position_embeddings)),
             isq: cfg.isq,
+            isq_lm_head: cfg.isq_lm_head,
+            tokenizer: cfg.tokenizer.clone(),
+            ..LoadOptions::new(&cfg.dtype)
         };
         let loaded = load_model_with(&cfg.model, &opts, &device)?;
         if let Some(r) = &loaded.isq {
@@ -161,6 +163,7 @@ impl Engine {
             },
             generation: loaded.generation,
             isq: loaded.isq.clone(),
+            stored: loaded.stored.clone(),
             max_model_len,
             num_blocks,
             block_size: cfg.block_size,

@@ -37,6 +37,10 @@ pub struct HfConfig {
     pub dtype: Option<String>,
     pub bos_token_id: Option<Value>,
     pub eos_token_id: Option<Value>,
+    /// Per-frequency divisors of the rotary frequencies, as a GGUF file stores Llama 3.1's
+    /// scaling (`rope_freqs.weight`); never in `config.json`.
+    #[serde(skip)]
+    pub rope_freq_factors: Option<Vec<f32>>,
 }
 
 fn bad(field: &str, reason: impl Into<String>) -> LoadError {
@@ -89,6 +93,9 @@ impl HfConfig {
                 .ok_or_else(|| bad(&format!("rope_scaling.{k}"), "missing"))
         };
         let scaling = match kind {
+            _ if self.rope_freq_factors.is_some() => {
+                RopeScaling::Factors(self.rope_freq_factors.clone().unwrap_or_default())
+            }
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
                 factor: get("factor")?,

@@ -7,9 +7,12 @@
 
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use rserve_kernels::cpu_quant::{self, QFormat};
+use rserve_kernels::quantize::{self, BlockType};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// A weight stored in GGML blocks.
@@ -20,9 +23,31 @@ pub struct GgmlLinear {
     shape: (usize, usize),
 }
 
+/// Every product on the CPU multiplies the dequantized weight in f32 when set: the reference
+/// the fast kernels (which quantize the activations) are compared with in tests and quality
+/// reports.
+static REFERENCE_PRODUCTS: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`REFERENCE_PRODUCTS`] for the whole process.
+pub fn set_reference_products(on: bool) {
+    REFERENCE_PRODUCTS.store(on, Ordering::Relaxed);
+}
+
 /// From this many rows on (prefill), the CPU dequantizes the weight and runs an f32 matrix
 /// product, which outruns integer block products once the weight is reused across rows.
 const DEQUANTIZE_FROM_ROWS: usize = 32;
+
+/// The block types rserve's quantizers write.
+pub fn block_type(t: GgmlDType) -> Option<BlockType> {
+    Some(match t {
+        GgmlDType::Q8_0 => BlockType::Q8_0,
+        GgmlDType::Q4_0 => BlockType::Q4_0,
+        GgmlDType::Q5_0 => BlockType::Q5_0,
+        GgmlDType::Q4K => BlockType::Q4K,
+        GgmlDType::Q6K => BlockType::Q6K,
+        _ => return None,
+    })
+}
 
 /// The CPU products of rserve's own kernels, for the formats they take.
 fn cpu_format(t: GgmlDType) -> Option<QFormat> {
@@ -35,14 +60,61 @@ fn cpu_format(t: GgmlDType) -> Option<QFormat> {
 }
 
 impl GgmlLinear {
-    /// Quantizes `weight` `[out, in]` to `dtype` on its device (`in` must be a multiple of the
-    /// block size).
+    /// Quantizes `weight` `[out, in]` to `dtype` with llama.cpp's reference quantizers (the same
+    /// bytes llama.cpp writes) and places it on the weight's device (`in` must be a multiple of
+    /// the block size).
     pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
         let (out, inp) = weight.dims2()?;
+        let Some(t) = block_type(dtype) else {
+            candle_core::bail!("rserve does not quantize to {dtype:?}");
+        };
+        let x = weight
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_device(&candle_core::Device::Cpu)?
+            .to_vec1::<f32>()?;
+        let bytes = quantize::quantize(t, &x, inp).map_err(candle_core::Error::msg)?;
+        Self::from_bytes(dtype, &bytes, (out, inp), weight.device())
+    }
+
+    /// A weight from its packed GGML bytes (as stored in a GGUF file), `[out, in]`.
+    pub fn from_bytes(
+        dtype: GgmlDType,
+        bytes: &[u8],
+        (out, inp): (usize, usize),
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let q = qtensor_from_ggml(dtype, bytes, vec![out, inp], device)?;
         Ok(Self {
-            weight: Arc::new(QTensor::quantize(weight, dtype)?),
+            weight: Arc::new(q),
             shape: (out, inp),
         })
+    }
+
+    /// Weights of the same type and input width as one, their rows stacked in order (`None`
+    /// when the types or widths differ).
+    pub fn stack(parts: &[GgmlLinear]) -> Result<Option<Self>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        if parts
+            .iter()
+            .any(|p| p.dtype() != first.dtype() || p.shape.1 != first.shape.1)
+        {
+            return Ok(None);
+        }
+        let mut bytes = Vec::new();
+        for p in parts {
+            bytes.extend_from_slice(&p.weight.data()?);
+        }
+        let rows = parts.iter().map(|p| p.shape.0).sum();
+        Self::from_bytes(
+            first.dtype(),
+            &bytes,
+            (rows, first.shape.1),
+            &first.weight.device(),
+        )
+        .map(Some)
     }
 
     /// The GGML type of the blocks.
@@ -67,7 +139,7 @@ impl GgmlLinear {
         let (m, k) = x.dims2()?;
         let (n, _) = self.shape;
         let format = cpu_format(self.dtype());
-        if m >= DEQUANTIZE_FROM_ROWS {
+        if m >= DEQUANTIZE_FROM_ROWS || REFERENCE_PRODUCTS.load(Ordering::Relaxed) {
             let wf = match format {
                 Some(f) => {
                     let w = cpu_quant::dequantize(f, &self.weight.data()?, n, k);
@@ -128,6 +200,32 @@ mod tests {
             .and_then(|a| a.max(0))
             .and_then(|m| m.to_scalar::<f32>())
             .expect("max")
+    }
+
+    /// The block products of every row count a decode or short prefill uses, on the shapes of
+    /// the tiny GGUF fixtures (vocabulary rows, narrow k/v projections).
+    #[test]
+    fn products_for_every_row_count_and_shape() {
+        let ctx = LayerCtx::default();
+        for (n, k) in [(128, 256), (1000, 256), (256, 512)] {
+            let w = random(n, k, 7);
+            for t in [
+                GgmlDType::Q4K,
+                GgmlDType::Q6K,
+                GgmlDType::Q8_0,
+                GgmlDType::Q4_0,
+            ] {
+                let q = GgmlLinear::quantize(&w, t).expect("quantize");
+                let d = q.dequantize().expect("dequantize");
+                for m in [1, 2, 5, 8, 13, 31] {
+                    let x = random(m, k, 100 + m as u64);
+                    let got = q.matmul(&x, &ctx).expect("matmul");
+                    let want = x.matmul(&d.t().expect("t")).expect("reference");
+                    let rel = max_abs(&(&got - &want).expect("diff")) / max_abs(&want);
+                    assert!(rel < 0.02, "{t:?} {n}x{k}, {m} rows: {rel}");
+                }
+            }
+        }
     }
 
     /// Round trips stay within each format's step; products match the dequantized reference.

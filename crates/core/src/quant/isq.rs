@@ -57,13 +57,16 @@ impl IsqReport {
 #[derive(Debug)]
 pub struct Isq {
     format: IsqFormat,
+    lm_head: bool,
     report: Mutex<IsqReport>,
 }
 
 impl Isq {
-    pub fn new(format: IsqFormat) -> Arc<Self> {
+    /// Quantizes the decoder's projections, and the output head too when `lm_head`.
+    pub fn new(format: IsqFormat, lm_head: bool) -> Arc<Self> {
         Arc::new(Self {
             format,
+            lm_head,
             report: Mutex::new(IsqReport {
                 format: Some(format),
                 ..IsqReport::default()
@@ -104,6 +107,11 @@ impl Isq {
             None => r.fallbacks.push((name.to_string(), "dense".to_string())),
         }
         Ok(method)
+    }
+
+    /// Whether the output head is quantized too (`--isq-lm-head`).
+    pub fn lm_head(&self) -> bool {
+        self.lm_head
     }
 
     /// What was done so far.

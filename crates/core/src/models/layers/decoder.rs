@@ -99,14 +99,7 @@ impl Decoder {
             });
         }
         let norm = RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
-        let lm_head = Linear::new(
-            if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
-                embed_tokens.clone()
-            } else {
-                w.get(&[cfg.vocab_size, cfg.hidden_size], "lm_head.weight")?
-            },
-            None,
-        );
+        let lm_head = Linear::load_head(w, &embed_tokens, cfg.tie_word_embeddings)?;
         let rotary = RotaryEmbedding::new(
             cfg.head_dim,
             max_positions,

@@ -7,6 +7,7 @@
 
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
+use crate::quant::ggml::GgmlLinear;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 use std::fmt;
@@ -62,6 +63,27 @@ impl LinearMethod for Dense {
     }
 }
 
+/// Several weights applied to the same input, their outputs side by side (a fused projection
+/// whose parts are stored in different formats).
+#[derive(Debug)]
+pub struct Stacked(pub Vec<Arc<dyn LinearMethod>>);
+
+impl LinearMethod for Stacked {
+    fn matmul(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let outs = self
+            .0
+            .iter()
+            .map(|m| m.matmul(x, ctx))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outs, 1)
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        let inp = self.0.first().map_or(0, |m| m.shape().1);
+        (self.0.iter().map(|m| m.shape().0).sum(), inp)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Linear {
     method: Arc<dyn LinearMethod>,
@@ -86,8 +108,43 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
+        if let Some(q) = w.quantized(&[out_dim, in_dim], "weight")? {
+            let bias = Self::load_bias(w, out_dim, bias)?;
+            return Ok(Self::with_method(Arc::new(q), bias));
+        }
         let (weight, bias) = Self::load_parts(w, in_dim, out_dim, bias)?;
         Self::build(w, &w.name_of("weight"), weight, bias)
+    }
+
+    /// The output head `[vocab, hidden]`: `lm_head.weight`, or the input embeddings when tied
+    /// (`embed` is their dense copy). A head stored quantized (GGUF) stays so; a dense one is
+    /// quantized only when ISQ is asked to take the head too (`--isq-lm-head`).
+    pub fn load_head(
+        w: &Weights,
+        embed: &Tensor,
+        tied: bool,
+    ) -> std::result::Result<Self, LoadError> {
+        let (vocab, hidden) = embed.dims2().map_err(|e| LoadError::Tensor {
+            name: "embeddings".into(),
+            reason: e.to_string(),
+        })?;
+        let name = if tied && !w.contains("lm_head.weight") {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        if let Some(q) = w.quantized(&[vocab, hidden], name)? {
+            return Ok(Self::with_method(Arc::new(q), None));
+        }
+        let weight = if name == "lm_head.weight" {
+            w.get(&[vocab, hidden], name)?
+        } else {
+            embed.clone()
+        };
+        match w.isq().filter(|q| q.lm_head()) {
+            Some(isq) => Ok(Self::with_method(isq.linear(name, weight)?, None)),
+            None => Ok(Self::new(weight, None)),
+        }
     }
 
     /// A loaded projection: quantized when the checkpoint is loaded with ISQ, else dense.
@@ -110,12 +167,19 @@ impl Linear {
         bias: bool,
     ) -> std::result::Result<(Tensor, Option<Tensor>), LoadError> {
         let weight = w.get(&[out_dim, in_dim], "weight")?;
-        let bias = if bias {
-            Some(w.get(&[out_dim], "bias")?)
+        Ok((weight, Self::load_bias(w, out_dim, bias)?))
+    }
+
+    fn load_bias(
+        w: &Weights,
+        out_dim: usize,
+        bias: bool,
+    ) -> std::result::Result<Option<Tensor>, LoadError> {
+        if bias {
+            w.get(&[out_dim], "bias").map(Some)
         } else {
-            None
-        };
-        Ok((weight, bias))
+            Ok(None)
+        }
     }
 
     /// Several projections of the same input as one: the weights (and biases) of `parts` (each a
@@ -125,6 +189,13 @@ impl Linear {
         in_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
+        let quantized = parts
+            .iter()
+            .map(|(w, out)| w.quantized(&[*out, in_dim], "weight"))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        if quantized.iter().any(Option::is_some) {
+            return Self::fuse_stored(parts, quantized, in_dim, bias);
+        }
         let loaded = parts
             .iter()
             .map(|(w, out)| Self::load_parts(w, in_dim, *out, bias))
@@ -151,6 +222,47 @@ impl Linear {
             reason: "no parts".into(),
         })?;
         Self::build(first, &first.name_of("weight (fused)"), weight, bias)
+    }
+
+    /// [`Linear::load_fused`] of weights a checkpoint stores quantized: one packed weight when
+    /// every part has the same GGML type, else the parts side by side.
+    fn fuse_stored(
+        parts: &[(&Weights, usize)],
+        quantized: Vec<Option<GgmlLinear>>,
+        in_dim: usize,
+        bias: bool,
+    ) -> std::result::Result<Self, LoadError> {
+        let mut methods: Vec<Arc<dyn LinearMethod>> = Vec::with_capacity(parts.len());
+        let mut biases = Vec::new();
+        let mut packed = Vec::new();
+        for ((w, out), q) in parts.iter().zip(quantized) {
+            match q {
+                Some(q) => {
+                    packed.push(q.clone());
+                    methods.push(Arc::new(q));
+                }
+                None => {
+                    let weight = w.get(&[*out, in_dim], "weight")?;
+                    methods.push(Self::build(w, &w.name_of("weight"), weight, None)?.method);
+                }
+            }
+            biases.extend(Self::load_bias(w, *out, bias)?);
+        }
+        let err = |e: candle_core::Error| LoadError::Tensor {
+            name: "fused projection".into(),
+            reason: e.to_string(),
+        };
+        let bias = if biases.is_empty() {
+            None
+        } else {
+            Some(Tensor::cat(&biases, 0).map_err(err)?)
+        };
+        if packed.len() == parts.len() {
+            if let Some(one) = GgmlLinear::stack(&packed).map_err(err)? {
+                return Ok(Self::with_method(Arc::new(one), bias));
+            }
+        }
+        Ok(Self::with_method(Arc::new(Stacked(methods)), bias))
     }
 
     pub fn method(&self) -> &Arc<dyn LinearMethod> {

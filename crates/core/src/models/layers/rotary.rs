@@ -19,6 +19,8 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: f32,
     },
+    /// Each frequency divided by its own factor (llama.cpp's `rope_freqs`).
+    Factors(Vec<f32>),
 }
 
 /// Rotary settings of a model.
@@ -35,6 +37,11 @@ pub fn inv_freq(head_dim: usize, cfg: &RopeConfig) -> Vec<f32> {
         .collect();
     match cfg.scaling {
         RopeScaling::None => base,
+        RopeScaling::Factors(ref factors) => base
+            .into_iter()
+            .zip(factors.iter().chain(std::iter::repeat(&1.0)))
+            .map(|(f, d)| f / d)
+            .collect(),
         RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
         RopeScaling::Llama3 {
             factor,
@@ -134,6 +141,18 @@ mod tests {
         let scaled = inv_freq(16, &cfg);
         assert_eq!(scaled[0], plain[0]); // wavelength 2*pi < 8
         assert!((scaled[7] - plain[7] / 8.0).abs() < 1e-12); // longest wavelength
+                                                             // a GGUF file stores the same scaling as one divisor per frequency (`rope_freqs`)
+        let factors: Vec<f32> = plain.iter().zip(&scaled).map(|(p, s)| p / s).collect();
+        let from_file = inv_freq(
+            16,
+            &RopeConfig {
+                theta: 500000.0,
+                scaling: RopeScaling::Factors(factors),
+            },
+        );
+        for (a, b) in from_file.iter().zip(&scaled) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -1,0 +1,294 @@
+#![allow(clippy::unwrap_used)]
+//! GGUF checkpoints and GGML quantizers against llama.cpp and transformers (fixtures and goldens
+//! from `tests/fixtures/make_gguf.py`):
+//! - rserve's quantizers write the bytes llama.cpp's reference quantizers write;
+//! - tiny GGUF files made by llama.cpp's converter and quantizer (`q4_k_m` mixing q4_K and
+//!   q6_K, `q8_0`, `q4_0`) decode as transformers decodes them: within 1e-3 with f32 products of
+//!   the dequantized weights, and with the fast kernels (8-bit activations, as ggml's) the same
+//!   tokens up to the first near-tie and log-probs within 0.15;
+//! - the tokenizer rebuilt from the metadata tokenizes as the model's `tokenizer.json`;
+//! - truncated, hostile and unsupported files are typed errors, never panics.
+
+mod common;
+
+use common::*;
+use rserve_core::gguf::file::{parse, GgufError};
+use rserve_core::loader::{load_model_with, LoadError, LoadOptions};
+use rserve_core::quant::ggml::set_reference_products;
+use rserve_core::{Engine, EngineConfig, EngineHandle, EngineRequest, KvBudget, SamplingParams};
+use rserve_kernels::quantize::{quantize, BlockType};
+use std::path::PathBuf;
+
+const MODELS: &[&str] = &["llama-q4_k_m", "qwen2-q8_0", "qwen3-q4_0"];
+
+fn gguf_path(name: &str) -> PathBuf {
+    repo()
+        .join("tests/fixtures/gguf")
+        .join(format!("{name}.gguf"))
+}
+
+#[test]
+fn quantizers_write_llama_cpps_bytes() {
+    let p = repo().join("tests/fixtures/quant/ggml_ref.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let cols = v["cols"].as_u64().unwrap() as usize;
+    let x: Vec<f32> = v["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_f64().unwrap() as f32)
+        .collect();
+    for (name, t) in [
+        ("q8_0", BlockType::Q8_0),
+        ("q4_0", BlockType::Q4_0),
+        ("q5_0", BlockType::Q5_0),
+        ("q4k", BlockType::Q4K),
+        ("q6k", BlockType::Q6K),
+    ] {
+        let hex = v[name].as_str().unwrap();
+        let want: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let got = quantize(t, &x, cols).unwrap();
+        assert_eq!(got.len(), want.len(), "{name}: size");
+        let bb = t.block_bytes();
+        let bad: Vec<usize> = (0..got.len() / bb)
+            .filter(|b| got[b * bb..(b + 1) * bb] != want[b * bb..(b + 1) * bb])
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "{name}: {} of {} blocks differ from llama.cpp, first block {} (row {})",
+            bad.len(),
+            got.len() / bb,
+            bad[0],
+            bad[0] * t.block_values() / cols
+        );
+    }
+}
+
+fn gguf_engine(name: &str) -> EngineHandle {
+    let mut cfg = EngineConfig::new(gguf_path(name));
+    cfg.dtype = "float32".into();
+    cfg.kv_cache = KvBudget::Blocks(128);
+    Engine::start(cfg).unwrap()
+}
+
+/// Runs every golden case greedily; checks tokens and log-probs: all of them within `tol`
+/// (`exact`), or up to the first step whose top-2 margin is under 0.1.
+fn check(name: &str, tol: f32, exact: bool) -> f32 {
+    let g = golden(&format!("gguf-{name}"));
+    assert_eq!(g.model, format!("gguf/{name}.gguf"));
+    let h = gguf_engine(name);
+    let mut worst = 0f32;
+    for c in &g.cases {
+        let mut p = SamplingParams::greedy(c.tokens.len());
+        p.ignore_eos = true;
+        p.logprobs = Some(1);
+        let out = h
+            .submit(EngineRequest {
+                prompt_token_ids: c.prompt.clone(),
+                params: p,
+            })
+            .unwrap()
+            .wait()
+            .unwrap();
+        let o = &out.outputs[0];
+        let lps = o.logprobs.as_ref().unwrap();
+        for (i, lp) in lps.iter().enumerate().take(c.tokens.len()) {
+            if !exact && c.margins[i] < 0.1 {
+                break;
+            }
+            assert_eq!(
+                o.token_ids[i],
+                c.tokens[i],
+                "{name}: prompt of {} tokens, step {i}",
+                c.prompt.len()
+            );
+            let err = (lp.logprob - c.logprobs[i]).abs();
+            worst = worst.max(err);
+            assert!(
+                err < tol,
+                "{name}: prompt of {} tokens, step {i}: logprob {} vs {}",
+                c.prompt.len(),
+                lp.logprob,
+                c.logprobs[i]
+            );
+        }
+    }
+    assert_sound(&h);
+    h.shutdown();
+    worst
+}
+
+/// One test, two phases: the reference switch is process-wide.
+#[test]
+fn gguf_models_decode_as_transformers_does() {
+    set_reference_products(true);
+    for name in MODELS {
+        let e = check(name, 1e-3, true);
+        println!("{name}: dequantized f32 products, worst logprob error {e:.2e}");
+    }
+    set_reference_products(false);
+    for name in MODELS {
+        let e = check(name, 0.15, false);
+        println!("{name}: fast kernels, worst logprob error {e:.3}");
+    }
+}
+
+#[test]
+fn the_metadata_tokenizer_and_template_are_the_models() {
+    let want = rserve_core::tokenizer::Tokenizer::from_file(
+        repo().join("crates/core/assets/tokenizer.json"),
+    )
+    .unwrap();
+    let texts = [
+        "",
+        "The old man reads the quiet letter in the garden.",
+        "Le café est très bon. 中文的文字 and emoji 🙂🚀! Größe, Καλημέρα.",
+        "def add(a, b):\n    return a + b\n\n  x = 12345 + 67\n",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "  leading spaces, trailing spaces   \n\n\n tabs\there",
+    ];
+    for name in MODELS {
+        let m = load_model_with(
+            &gguf_path(name),
+            &LoadOptions::new("float32"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        for t in texts {
+            for special in [true, false] {
+                assert_eq!(
+                    m.tokenizer.encode(t, special).unwrap(),
+                    want.encode(t, special).unwrap(),
+                    "{name}: {t:?} (add special {special})"
+                );
+            }
+        }
+        assert!(m.chat_template.is_some(), "{name}: chat template");
+        assert!(!m.generation.eos_token_ids.is_empty(), "{name}: eos");
+        assert_eq!(m.bos_token.as_deref(), Some("<|begin_of_text|>"));
+    }
+}
+
+fn fixture_bytes() -> Vec<u8> {
+    std::fs::read(gguf_path("qwen2-q8_0")).unwrap()
+}
+
+/// Where the header ends (the first tensor's data), found by parsing.
+fn header_len(bytes: &[u8]) -> usize {
+    parse(bytes)
+        .unwrap()
+        .tensors
+        .values()
+        .map(|t| t.start)
+        .min()
+        .unwrap()
+}
+
+#[test]
+fn truncated_and_mangled_files_are_errors_not_panics() {
+    let bytes = fixture_bytes();
+    let hl = header_len(&bytes);
+    // every cut inside the header, and a few in the data
+    for cut in (0..hl)
+        .step_by(7)
+        .chain([hl + 1, bytes.len() / 2, bytes.len() - 1])
+    {
+        assert!(parse(&bytes[..cut]).is_err(), "cut at {cut} parsed");
+    }
+    // a seeded fuzz of the header: flipped bytes, overwritten lengths
+    let mut s = 0x9e3779b97f4a7c15u64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    for _ in 0..3000 {
+        let mut b = bytes[..hl.min(bytes.len())].to_vec();
+        for _ in 0..1 + next() % 4 {
+            let at = (next() as usize) % b.len();
+            match next() % 3 {
+                0 => b[at] ^= 1 << (next() % 8),
+                1 => b[at] = 0xff,
+                _ => {
+                    let end = (at + 8).min(b.len());
+                    b[at..end].fill(0xff)
+                }
+            }
+        }
+        let _ = parse(&b);
+    }
+    assert!(matches!(parse(b"GGML\x03\0\0\0"), Err(GgufError::Magic(_))));
+    assert!(matches!(
+        parse(b"GGUF\x01\0\0\0"),
+        Err(GgufError::Version(1))
+    ));
+}
+
+/// A minimal GGUF: the given metadata strings and one f32 tensor of 32 values (type `ty`).
+fn tiny_gguf(meta: &[(&str, &str)], tensor: &str, ty: u32) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(b"GGUF");
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&1u64.to_le_bytes());
+    b.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+    let s = |b: &mut Vec<u8>, t: &str| {
+        b.extend_from_slice(&(t.len() as u64).to_le_bytes());
+        b.extend_from_slice(t.as_bytes());
+    };
+    for (k, v) in meta {
+        s(&mut b, k);
+        b.extend_from_slice(&8u32.to_le_bytes());
+        s(&mut b, v);
+    }
+    s(&mut b, tensor);
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&256u64.to_le_bytes());
+    b.extend_from_slice(&ty.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes());
+    while !b.len().is_multiple_of(32) {
+        b.push(0);
+    }
+    b.extend_from_slice(&[0u8; 1024]);
+    b
+}
+
+fn load_error(bytes: &[u8], tag: &str) -> String {
+    let p = std::env::temp_dir().join(format!("rserve-gguf-{tag}-{}.gguf", std::process::id()));
+    std::fs::write(&p, bytes).unwrap();
+    let r = load_model_with(&p, &LoadOptions::new("float32"), &candle_core::Device::Cpu);
+    std::fs::remove_file(&p).ok();
+    match r {
+        Ok(_) => panic!("{tag}: loaded"),
+        Err(e) => {
+            assert!(matches!(e, LoadError::Gguf { .. }), "{tag}: {e:?}");
+            e.to_string()
+        }
+    }
+}
+
+#[test]
+fn unsupported_architectures_types_and_truncated_tensors_are_named() {
+    let e = load_error(
+        &tiny_gguf(&[("general.architecture", "gpt2")], "token_embd.weight", 0),
+        "arch",
+    );
+    assert!(e.contains("`gpt2`") && e.contains("qwen2"), "{e}");
+    let e = load_error(
+        &tiny_gguf(
+            &[("general.architecture", "llama")],
+            "blk.0.attn_q.weight",
+            16,
+        ),
+        "type",
+    );
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("iq"), "{e}");
+    let bytes = fixture_bytes();
+    let e = load_error(&bytes[..bytes.len() - 100], "trunc");
+    assert!(e.contains("truncated") || e.contains("ends inside"), "{e}");
+    let e = load_error(&[0u8; 64], "zeros");
+    assert!(e.contains("GGUF"), "{e}");
+}
