@@ -1,16 +1,16 @@
-//! A linear weight in a GGML block format (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`), `[out, in]`
-//! row-major with each row cut into blocks. On the CPU, `q8_0`, `q4_0` and `q5_0` run rserve's own
-//! kernel (`rserve_kernels::cpu_quant`: AVX2 chosen at run time); the K-quants and every CUDA
-//! product run candle's quantized matmul. Both quantize the activations to 8 bits per block, as
-//! ggml does, and take integer dot products with the packed weights.
-//! The reference is the dequantized weight in f32 (tests).
+//! A linear weight in a GGML block format (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`, and the other
+//! types a GGUF file may hold), `[out, in]` row-major with each row cut into blocks. On the CPU,
+//! the five formats rserve writes run its own kernels (`rserve_kernels::cpu_quant`: hand-written
+//! AVX2 chosen at run time); other GGUF types and every CUDA product run candle's quantized
+//! matmul. Both quantize the activations to 8 bits per block, as ggml does, and take integer dot
+//! products with the packed weights. The reference is the dequantized weight in f32 (tests).
 
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
-use rserve_kernels::cpu_quant::{self, QFormat};
+use rserve_kernels::cpu_quant;
 use rserve_kernels::quantize::{self, BlockType};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -47,16 +47,6 @@ pub fn block_type(t: GgmlDType) -> Option<BlockType> {
         GgmlDType::Q6K => BlockType::Q6K,
         _ => return None,
     })
-}
-
-/// The CPU products of rserve's own kernels, for the formats they take.
-fn cpu_format(t: GgmlDType) -> Option<QFormat> {
-    match t {
-        GgmlDType::Q8_0 => Some(QFormat::Q8_0),
-        GgmlDType::Q4_0 => Some(QFormat::Q4_0),
-        GgmlDType::Q5_0 => Some(QFormat::Q5_0),
-        _ => None,
-    }
 }
 
 impl GgmlLinear {
@@ -138,7 +128,7 @@ impl GgmlLinear {
     fn cpu_matmul(&self, x: &Tensor) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         let (n, _) = self.shape;
-        let format = cpu_format(self.dtype());
+        let format = block_type(self.dtype());
         if m >= DEQUANTIZE_FROM_ROWS || REFERENCE_PRODUCTS.load(Ordering::Relaxed) {
             let wf = match format {
                 Some(f) => {
