@@ -264,7 +264,8 @@ pub fn load_model_with(
     let hf = read_config(dir)?;
     let dcfg = decoder_config(&hf)?;
     let dtype = parse_dtype_for(&opts.dtype, hf.dtype_name(), device)?;
-    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+    let tokenizer_dir = opts.tokenizer.as_deref().unwrap_or(dir);
+    let tokenizer = Tokenizer::from_file(tokenizer_dir.join("tokenizer.json"))
         .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     let generation = generation_defaults(dir, &hf, dcfg.vocab_size)?;
     if dcfg.vocab_size > tokenizer.vocab_size() {

@@ -172,6 +172,21 @@ fn the_metadata_tokenizer_and_template_are_the_models() {
     }
 }
 
+/// `--tokenizer DIR`: the directory's tokenizer and chat template replace the metadata's.
+#[test]
+fn a_tokenizer_directory_replaces_the_metadata_tokenizer() {
+    let mut opts = LoadOptions::new("float32");
+    opts.tokenizer = Some(fixture_model("mistral"));
+    let m = load_model_with(&gguf_path("qwen2-q8_0"), &opts, &candle_core::Device::Cpu).unwrap();
+    let template = m.chat_template.expect("the directory's template");
+    assert!(
+        template.source().contains("[INST]"),
+        "{}",
+        template.source()
+    );
+    assert_eq!(m.tokenizer.vocab_size(), 1000);
+}
+
 fn fixture_bytes() -> Vec<u8> {
     std::fs::read(gguf_path("qwen2-q8_0")).unwrap()
 }
