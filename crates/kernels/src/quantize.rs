@@ -29,6 +29,15 @@ pub enum BlockType {
 pub const QK_K: usize = 256;
 
 impl BlockType {
+    /// Every format, in the order the tests go through them.
+    pub const ALL: [BlockType; 5] = [
+        BlockType::Q8_0,
+        BlockType::Q4_0,
+        BlockType::Q5_0,
+        BlockType::Q4K,
+        BlockType::Q6K,
+    ];
+
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
@@ -516,13 +525,7 @@ mod tests {
         test_values(n, seed)
     }
 
-    const ALL: [BlockType; 5] = [
-        BlockType::Q8_0,
-        BlockType::Q4_0,
-        BlockType::Q5_0,
-        BlockType::Q4K,
-        BlockType::Q6K,
-    ];
+    const ALL: [BlockType; 5] = BlockType::ALL;
 
     #[test]
     fn nearest_int_rounds_half_to_even() {

@@ -332,13 +332,7 @@ mod tests {
         y
     }
 
-    const ALL: [QFormat; 5] = [
-        BlockType::Q8_0,
-        BlockType::Q4_0,
-        BlockType::Q5_0,
-        BlockType::Q4K,
-        BlockType::Q6K,
-    ];
+    const ALL: [QFormat; 5] = BlockType::ALL;
 
     #[test]
     fn products_match_the_dequantized_weight_on_both_code_paths() {
