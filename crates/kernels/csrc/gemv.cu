@@ -3,35 +3,68 @@
 // reads R contiguous 4 KB runs per step) before using any, multiplies them with every row of x
 // (read through L1, shared by the CTA's rows), and the CTA reduces through warp shuffles and
 // shared memory. Compared with a warp per row this keeps more bytes in flight per thread and
-// reads x once per R rows. x: [m, k], W: [n, k], y: [m, n], all contiguous; k a multiple of 8,
-// m <= M. Launch: ceil(n / R) CTAs of NT threads (the host's table in gemv.rs).
+// reads x once per R rows. x: [m, k], W: [n, k], y: [m, n], all contiguous; k a multiple of the
+// values in 16 bytes of W (8 for 16-bit W, 16 for FP8), m <= M. Launch: ceil(n / R) CTAs of NT
+// threads (the host's table in gemv.rs).
+//
+// W is stored as the activations' 16-bit type (`DenseW`) or as FP8 E4M3 with one f32 scale per
+// row (`Fp8W`: each row's sum is multiplied by its scale before it is rounded).
 //
 // GLU: W is a fused gate-up projection ([2I, k], gate rows then up rows) and y = silu(x G^T) *
 // (x U^T), [m, I]: a CTA owns R/2 gate rows and the R/2 up rows of the same outputs, so the
 // SiLU-and-multiply runs in its epilogue (on the products rounded to T, as the separate ops do).
 // Launch: ceil(I / (R/2)) CTAs.
 #include "common.cuh"
+#include <cuda_fp8.h>
 
 namespace {
+
+// Weights in the activations' type: 8 values per 16 bytes, no row scales.
+template <typename T> struct DenseW {
+  static constexpr int kVals = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) { Vec16<T>::unpack(v, f); }
+};
+
+// 16 FP8 E4M3 values per 16 bytes (converted in pairs through f16, which holds every E4M3 value).
+struct Fp8W {
+  static constexpr int kVals = 16;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * h)), __NV_E4M3);
+        const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&r));
+        f[4 * i + 2 * h] = t.x;
+        f[4 * i + 2 * h + 1] = t.y;
+      }
+    }
+  }
+};
 
 constexpr int kGemvRows = 4;  // R
 constexpr int kGemvSteps = 2;  // U
 
-template <typename T, int M, int R, int U, int NT, bool GLU = false>
-__device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,
-                          int m, int n, int k) {
+template <typename T, typename W, int M, int R, int U, int NT, bool GLU = false>
+__device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
+                          const float* __restrict__ row_scale, int m, int n, int k) {
+  constexpr int XV = W::kVals / 8;  // 16-byte loads of x per chunk of W
   constexpr int RO = GLU ? R / 2 : R;  // output rows per CTA
   const int tid = threadIdx.x;
   const int outs = GLU ? n / 2 : n;    // width of y
   const int row0 = blockIdx.x * RO;
   const int rows = min(RO, outs - row0);
-  const int chunks = k / 8;  // 16-byte chunks per row
+  const int chunks = k / W::kVals;  // 16-byte chunks per row of W
+  const int xchunks = k / 8;        // 16-byte chunks per row of x
+  const size_t wrow_bytes = (size_t)chunks * 16;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int wrow = row0 + min(r % RO, rows - 1) + (GLU && r >= RO ? outs : 0);
-    wr[r] = reinterpret_cast<const uint4*>(w + (size_t)wrow * k);
+    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(w) + wrow * wrow_bytes);
   }
   float acc[R][M];
 #pragma unroll
@@ -58,20 +91,24 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
     for (int u = 0; u < U; ++u) {
       const int c = c0 + NT * u;
       if (c >= chunks) break;
-      float xf[M][8];
+      float xf[M][W::kVals];
 #pragma unroll
       for (int i = 0; i < M; ++i) {
-        if (i < m) Vec16<T>::unpack(__ldg(xv + (size_t)i * chunks + c), xf[i]);
+        if (i < m) {
+#pragma unroll
+          for (int h = 0; h < XV; ++h)
+            Vec16<T>::unpack(__ldg(xv + (size_t)i * xchunks + (size_t)c * XV + h), xf[i] + 8 * h);
+        }
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        float a[8];
-        Vec16<T>::unpack(wv[u][r], a);
+        float a[W::kVals];
+        W::unpack(wv[u][r], a);
 #pragma unroll
         for (int i = 0; i < M; ++i) {
           if (i < m) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(a[e], xf[i][e], acc[r][i]);
+            for (int e = 0; e < W::kVals; ++e) acc[r][i] = fmaf(a[e], xf[i][e], acc[r][i]);
           }
         }
       }
@@ -95,10 +132,13 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
     float s = 0.f;
 #pragma unroll
     for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
+    const int orow = row0 + min(r, rows - 1);
+    if (row_scale != nullptr) s *= row_scale[orow];
     if (GLU) {
       float u = 0.f;
 #pragma unroll
       for (int wp = 0; wp < NT / 32; ++wp) u += red[wp][RO * M + tid];
+      if (row_scale != nullptr) u *= row_scale[outs + orow];
       const float g = to_f32(from_f32<T>(s));
       s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(u));
     }
@@ -108,20 +148,24 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const T* _
 
 }  // namespace
 
-// gemv_m<M>_<dtype>: NT = 256 threads for M <= 2, 128 for M = 4 (what measured fastest on H100).
-#define GEMV_M(T, NAME, M, NT)                                                                      \
-  extern "C" __global__ void __launch_bounds__(NT) gemv_m##M##_##NAME(                              \
-      T* y, const T* x, const T* w, int m, int n, int k) {                                          \
-    gemv_impl<T, M, kGemvRows, kGemvSteps, NT>(y, x, w, m, n, k);                                   \
+// gemv[_fp8]_m<M>_<dtype>: NT = 256 threads for M <= 2, 128 for M = 4 (what measured fastest on
+// H100). The 16-bit form takes no scales (row_scale null).
+#define GEMV_M(T, NAME, WT, WNAME, M, NT)                                                           \
+  extern "C" __global__ void __launch_bounds__(NT) gemv##WNAME##_m##M##_##NAME(                     \
+      T* y, const T* x, const void* w, const float* row_scale, int m, int n, int k) {              \
+    gemv_impl<T, WT, M, kGemvRows, kGemvSteps, NT>(y, x, w, row_scale, m, n, k);                    \
   }
-// gemv_glu_m<M>_<dtype>: the GLU form, 4 gate + 4 up rows per CTA, one step in flight (the same
-// loads in flight per thread as the plain form).
-#define GEMV_GLU_M(T, NAME, M, NT)                                                                  \
-  extern "C" __global__ void __launch_bounds__(NT) gemv_glu_m##M##_##NAME(                          \
-      T* y, const T* x, const T* w, int m, int n, int k) {                                          \
-    gemv_impl<T, M, 2 * kGemvRows, 1, NT, true>(y, x, w, m, n, k);                                  \
+// gemv_glu[_fp8]_m<M>_<dtype>: the GLU form, 4 gate + 4 up rows per CTA, one step in flight (the
+// same loads in flight per thread as the plain form).
+#define GEMV_GLU_M(T, NAME, WT, WNAME, M, NT)                                                       \
+  extern "C" __global__ void __launch_bounds__(NT) gemv_glu##WNAME##_m##M##_##NAME(                 \
+      T* y, const T* x, const void* w, const float* row_scale, int m, int n, int k) {              \
+    gemv_impl<T, WT, M, 2 * kGemvRows, 1, NT, true>(y, x, w, row_scale, m, n, k);                   \
   }
-#define GEMV(T, NAME) GEMV_M(T, NAME, 1, 256) GEMV_M(T, NAME, 2, 256) GEMV_M(T, NAME, 4, 128) \
-  GEMV_GLU_M(T, NAME, 1, 256) GEMV_GLU_M(T, NAME, 2, 256) GEMV_GLU_M(T, NAME, 4, 128)
+#define GEMV_W(T, NAME, WT, WNAME)                                                                  \
+  GEMV_M(T, NAME, WT, WNAME, 1, 256) GEMV_M(T, NAME, WT, WNAME, 2, 256)                             \
+  GEMV_M(T, NAME, WT, WNAME, 4, 128) GEMV_GLU_M(T, NAME, WT, WNAME, 1, 256)                         \
+  GEMV_GLU_M(T, NAME, WT, WNAME, 2, 256) GEMV_GLU_M(T, NAME, WT, WNAME, 4, 128)
+#define GEMV(T, NAME) GEMV_W(T, NAME, DenseW<T>, ) GEMV_W(T, NAME, Fp8W, _fp8)
 GEMV(__nv_bfloat16, bf16)
 GEMV(__half, f16)

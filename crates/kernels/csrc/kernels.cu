@@ -6,3 +6,4 @@
 #include "cache.cu"
 #include "fused.cu"
 #include "sampling.cu"
+#include "fp8.cu"

@@ -105,6 +105,29 @@ pub(crate) fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// `f` of the CUDA storage and layout behind `t` (an error naming `what` for other tensors).
+pub(crate) fn with_storage<R>(
+    t: &candle_core::Tensor,
+    what: &str,
+    f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cuda(c) => f(c, l),
+        _ => candle_core::bail!("{what}: not a CUDA tensor"),
+    }
+}
+
+/// A tensor of `shape` over a freshly written CUDA slice.
+pub(crate) fn tensor_from_slice<T: CudaDType + WithDType>(
+    slice: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<candle_core::Shape>,
+) -> candle_core::Tensor {
+    let storage = Storage::Cuda(T::wrap_cuda_slice(slice, dev.clone()));
+    candle_core::Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false)
+}
+
 /// A `[tokens, heads, dim]` tensor whose rows may be strided (a view into a fused qkv tensor): the
 /// view from its first element and the distance between tokens, in elements.
 pub(crate) fn token_rows<'a, T: CudaDType>(

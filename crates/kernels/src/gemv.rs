@@ -55,6 +55,14 @@ pub fn kernel_applies(x: &Tensor, w: &Tensor) -> bool {
         && w.layout().start_offset() == 0
 }
 
+/// The streaming kernel over an FP8 E4M3 weight `[n, k]` with row scales `[n]` (the third
+/// operand); with `glu`, the gate-up form. Called by [`crate::fp8`] for CUDA decode batches of
+/// 16-bit activations, `k` a multiple of 16.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Gemv {
+    pub glu: bool,
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cuda::{dtype_suffix, function, launch_dependent, view};
@@ -70,10 +78,14 @@ mod cuda {
         pub glu: bool,
     }
 
+    /// An FP8 weight and its row scales.
+    type Fp8Operands<'a> = ((&'a CudaStorage, &'a Layout), (&'a CudaStorage, &'a Layout));
+
     fn run<T: CudaDType + WithDType + DeviceRepr>(
         glu: bool,
         x: (&CudaStorage, &Layout),
         w: (&CudaStorage, &Layout),
+        fp8: Option<Fp8Operands<'_>>,
     ) -> Result<(CudaStorage, Shape)> {
         let (m, k) = (x.1.dims()[0], x.1.dims()[1]);
         let wn = w.1.dims()[0];
@@ -81,7 +93,6 @@ mod cuda {
         let n = if glu { wn / 2 } else { wn };
         let dev = x.0.device().clone();
         let xv = view::<T>(x.0, x.1, "x")?;
-        let wv = view::<T>(w.0, w.1, "weight")?;
         // SAFETY: every element of y is written by the kernel.
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
         if n > 0 {
@@ -92,29 +103,48 @@ mod cuda {
                 _ => (4, 128),
             };
             let form = if glu { "gemv_glu" } else { "gemv" };
-            let name = format!("{form}_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
+            let wform = if fp8.is_some() { "_fp8" } else { "" };
+            let name = format!("{form}{wform}_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
             let func = function(&dev, &name)?;
             let stream = dev.cuda_stream();
             let (mut mi, mut ni, mut ki) = (m as i32, wn as i32, k as i32);
             {
                 let (mut yp, _y) = y.device_ptr_mut(&stream);
                 let (mut xp, _x) = xv.device_ptr(&stream);
-                let (mut wp, _w) = wv.device_ptr(&stream);
+                // the weight as T, or as E4M3 bytes with its scales (null for T)
+                let (dense, bytes, scales);
+                let (mut wp, mut sp, _w, _s);
+                match fp8 {
+                    None => {
+                        dense = view::<T>(w.0, w.1, "weight")?;
+                        let (p, g) = dense.device_ptr(&stream);
+                        (wp, _w, sp, _s) = (p, Some(g), 0u64, None);
+                    }
+                    Some((q, s)) => {
+                        bytes = view::<u8>(q.0, q.1, "fp8 weight")?;
+                        scales = view::<f32>(s.0, s.1, "fp8 scales")?;
+                        let (p, g) = bytes.device_ptr(&stream);
+                        let (ps, gs) = scales.device_ptr(&stream);
+                        (wp, _w, sp, _s) = (p, Some(g), ps, Some(gs));
+                    }
+                }
                 let mut params = [
                     (&raw mut yp).cast::<c_void>(),
                     (&raw mut xp).cast::<c_void>(),
                     (&raw mut wp).cast::<c_void>(),
+                    (&raw mut sp).cast::<c_void>(),
                     (&raw mut mi).cast::<c_void>(),
                     (&raw mut ni).cast::<c_void>(),
                     (&raw mut ki).cast::<c_void>(),
                 ];
                 // four outputs per CTA (kGemvRows; in the GLU form 4 gate + 4 up rows of W)
                 let grid = n.div_ceil(4) as u32;
-                // SAFETY: the parameters are `gemv[_glu]_m<M>_<dtype>`'s (csrc/gemv.cu) in order:
-                // y, x, W as device pointers, then m, W's rows (even for GLU) and k as i32;
-                // m <= M, k % 8 == 0 and both operands contiguous (checked by `kernel_applies`
-                // and `view`); the kernel waits for the previous kernel before it reads x or
-                // writes y.
+                // SAFETY: the parameters are `gemv[_glu][_fp8]_m<M>_<dtype>`'s (csrc/gemv.cu) in
+                // order: y, x, W and the row scales (null for 16-bit W) as device pointers, then
+                // m, W's rows (even for GLU) and k as i32; m <= M, k a multiple of W's values
+                // per 16 bytes and every operand contiguous (checked by `kernel_applies`, the
+                // fp8 caller and `view`); the kernel waits for the previous kernel before it
+                // reads x or writes y.
                 unsafe { launch_dependent(&func, &stream, grid, threads, &mut params) }?;
             }
         }
@@ -147,9 +177,49 @@ mod cuda {
                 candle_core::bail!("gemv: dtypes differ");
             }
             match x.dtype() {
-                DType::BF16 => run::<bf16>(self.glu, (x, xl), (w, wl)),
-                DType::F16 => run::<f16>(self.glu, (x, xl), (w, wl)),
+                DType::BF16 => run::<bf16>(self.glu, (x, xl), (w, wl), None),
+                DType::F16 => run::<f16>(self.glu, (x, xl), (w, wl), None),
                 dt => candle_core::bail!("gemv: unsupported dtype {dt:?}"),
+            }
+        }
+    }
+
+    impl candle_core::CustomOp3 for super::Fp8Gemv {
+        fn name(&self) -> &'static str {
+            "gemv-fp8"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("gemv-fp8: the CPU path is rserve_kernels::fp8's reference")
+        }
+
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            q: &CudaStorage,
+            ql: &Layout,
+            s: &CudaStorage,
+            sl: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let (m, k) = (xl.dims()[0], xl.dims()[1]);
+            if ql.dims().len() != 2 || ql.dims()[1] != k || m > super::GEMV_MAX_ROWS || k % 16 != 0
+            {
+                candle_core::bail!("gemv-fp8: x {:?} against weight {:?}", xl.dims(), ql.dims());
+            }
+            let fp8 = Some(((q, ql), (s, sl)));
+            match x.dtype() {
+                DType::BF16 => run::<bf16>(self.glu, (x, xl), (q, ql), fp8),
+                DType::F16 => run::<f16>(self.glu, (x, xl), (q, ql), fp8),
+                dt => candle_core::bail!("gemv-fp8: unsupported dtype {dt:?}"),
             }
         }
     }

@@ -19,6 +19,9 @@ pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod elem;
+pub mod fp8;
+#[cfg(feature = "cuda")]
+pub mod fp8_gemm;
 pub mod fused;
 pub mod gemv;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,93 @@
+// FP8 E4M3 rows with one f32 scale per row: the weights of `--isq fp8` (quantized on the GPU as
+// they load) and the activations of the FP8 tensor-core products (quantized per token, dynamic).
+// The scale of a row is amax / 448 (448: E4M3's largest value), at least FLT_MIN, and 1 for a row
+// of zeros; each value is x / scale rounded to nearest-even and saturated, the same bits as the
+// CPU reference (src/fp8.rs).
+#include "common.cuh"
+#include <cuda_fp8.h>
+#include <float.h>
+
+namespace {
+
+constexpr int kFp8Threads = 256;
+
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float red[kFp8Threads / 32];
+  __shared__ float result;
+  v = warp_max(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float w = threadIdx.x < kFp8Threads / 32 ? red[threadIdx.x] : 0.f;
+    w = warp_max(w);
+    if (threadIdx.x == 0) result = w;
+  }
+  __syncthreads();
+  return result;
+}
+
+// One CTA per row of x [rows, k]: q [rows, k] E4M3 bytes, scale [rows].
+template <typename T>
+__device__ void fp8_quantize_rows_impl(uint8_t* __restrict__ q, float* __restrict__ scale,
+                                       const T* __restrict__ x, int k) {
+  const size_t row = blockIdx.x;
+  const T* xr = x + row * k;
+  uint8_t* qr = q + row * k;
+  pdl_wait();
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < k; i += kFp8Threads) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
+  amax = block_max(amax);
+  const float s = amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f;
+  if (threadIdx.x == 0) scale[row] = s;
+  for (int i = threadIdx.x; i < k; i += kFp8Threads) {
+    qr[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(xr[i]) / s, __NV_SATFINITE, __NV_E4M3));
+  }
+}
+
+// y [rows, k] = q * scale[row]: the weight in 16 bits, for products without FP8 tensor cores.
+template <typename T>
+__device__ void fp8_dequantize_rows_impl(T* __restrict__ y, const uint8_t* __restrict__ q,
+                                         const float* __restrict__ scale, int k) {
+  const size_t row = blockIdx.x;
+  const float s = scale[row];
+  pdl_wait();
+  for (int i = threadIdx.x; i < k; i += kFp8Threads) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(q[row * k + i]), __NV_E4M3);
+    y[row * k + i] = from_f32<T>(__half2float(*reinterpret_cast<const __half*>(&h)) * s);
+  }
+}
+
+// y [m, n] = d * sx[i] * sw[j]: the scales of a product taken with unit scales (d: its f32 or
+// T output, [m, n]; y may be d). Grid: m * ceil(n / 256) CTAs, row by row.
+template <typename T, typename D>
+__device__ void fp8_scale_outer_impl(T* y, const D* d, const float* __restrict__ sx,
+                                     const float* __restrict__ sw, int n) {
+  pdl_wait();
+  const int per_row = (n + kFp8Threads - 1) / kFp8Threads;
+  const int i = blockIdx.x / per_row;
+  const int j = (blockIdx.x % per_row) * kFp8Threads + threadIdx.x;
+  if (j >= n) return;
+  const size_t e = (size_t)i * n + j;
+  y[e] = from_f32<T>(to_f32(d[e]) * sx[i] * sw[j]);
+}
+
+}  // namespace
+
+#define FP8_OPS(T, NAME)                                                                           \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_quantize_rows_##NAME(              \
+      uint8_t* q, float* scale, const T* x, int k) {                                               \
+    fp8_quantize_rows_impl<T>(q, scale, x, k);                                                     \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_dequantize_rows_##NAME(            \
+      T* y, const uint8_t* q, const float* scale, int k) {                                         \
+    fp8_dequantize_rows_impl<T>(y, q, scale, k);                                                   \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_scale_outer_##NAME(                \
+      T* y, const T* d, const float* sx, const float* sw, int n) {                                 \
+    fp8_scale_outer_impl<T, T>(y, d, sx, sw, n);                                                   \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_scale_outer_f32_##NAME(            \
+      T* y, const float* d, const float* sx, const float* sw, int n) {                             \
+    fp8_scale_outer_impl<T, float>(y, d, sx, sw, n);                                               \
+  }
+RSERVE_FOR_DTYPES(FP8_OPS)

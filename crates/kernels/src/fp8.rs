@@ -1,0 +1,352 @@
+//! FP8 E4M3 rows with one f32 scale per row: the weights of `--isq fp8` (one scale per output
+//! channel) and, on GPUs with FP8 tensor cores, the activations of the products (one scale per
+//! token, computed at run time, as vLLM's dynamic `--quantization fp8` does).
+//!
+//! A row's scale is `amax / 448` (448 being E4M3's largest finite value), at least the smallest
+//! normal f32, and 1 for a row of zeros; each value is `x / scale` rounded to nearest-even and
+//! saturated to ±448. [`quantize_rows_ref`] is the reference, and the CUDA kernel
+//! (`csrc/fp8.cu`) writes the same bits.
+//!
+//! Products `x W^T` with such a weight ([`linear`], [`silu_glu`]):
+//! - CUDA, up to [`GEMV_MAX_ROWS`] rows: the streaming kernel of `csrc/gemv.cu` with the weight
+//!   converted in registers (weight-only: the activations stay in 16 bits);
+//! - CUDA with FP8 tensor cores (compute capability 8.9 and later), more rows: the activations
+//!   quantized per token, then cuBLASLt's FP8 product with the per-token and per-channel scales
+//!   applied to its f32 sums;
+//! - elsewhere (the CPU, older GPUs): the weight dequantized to the activations' dtype, then a
+//!   dense product. This is also the reference of the other two.
+
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// E4M3's largest finite value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// `x` in E4M3 (the `fn` variant: no infinities, NaN = `0x7f`/`0xff`), rounded to
+/// nearest-even and saturated to ±448.
+pub fn encode(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    if x.is_nan() {
+        return sign | 0x7f;
+    }
+    let a = x.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    let bits = a.to_bits();
+    let exp = (bits >> 23) as i32 - 127;
+    if exp < -6 {
+        // subnormal: m * 2^-9 (the scaling by 512 is exact; m = 8 is the smallest normal)
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let mant = bits & 0x7f_ffff;
+    let mut v = (((exp + 7) as u32) << 3) | (mant >> 20);
+    let rest = mant & 0xf_ffff;
+    if rest > 0x8_0000 || (rest == 0x8_0000 && v & 1 == 1) {
+        v += 1; // below 448 this never reaches 0x7f
+    }
+    sign | v as u8
+}
+
+/// The value of E4M3 byte `b` (exact in f32).
+pub fn decode(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = i32::from((b >> 3) & 0xf);
+    let m = f32::from(b & 7);
+    if e == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    sign * if e == 0 {
+        m * (-9f32).exp2()
+    } else {
+        (1.0 + m / 8.0) * ((e - 7) as f32).exp2()
+    }
+}
+
+/// The scale of a row whose largest magnitude is `amax`.
+pub fn row_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        (amax / E4M3_MAX).max(f32::MIN_POSITIVE)
+    } else {
+        1.0
+    }
+}
+
+/// The reference quantizer: rows of `cols` values to E4M3 bytes and one scale per row.
+pub fn quantize_rows_ref(x: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    if cols == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let mut q = vec![0u8; x.len()];
+    let mut scales = vec![0f32; x.len() / cols];
+    q.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .zip(scales.par_iter_mut())
+        .for_each(|((qr, xr), s)| {
+            let amax = xr.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *s = row_scale(amax);
+            for (o, v) in qr.iter_mut().zip(xr) {
+                *o = encode(v / *s);
+            }
+        });
+    (q, scales)
+}
+
+/// `x` `[rows, k]` as `(q, scale)`: `q` `[rows, k]` u8 E4M3, `scale` `[rows]` f32, on `x`'s
+/// device (quantized there).
+pub fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (rows, k) = x.dims2()?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = x.device() {
+        if matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32) {
+            return cuda::quantize_rows(dev, &x.contiguous()?);
+        }
+    }
+    let v = x
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    let (q, s) = quantize_rows_ref(&v, k);
+    Ok((
+        Tensor::from_vec(q, (rows, k), x.device())?,
+        Tensor::from_vec(s, rows, x.device())?,
+    ))
+}
+
+/// The rows `q * scale` `[rows, k]` in `dtype`.
+pub fn dequantize_rows(q: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (rows, k) = q.dims2()?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = q.device() {
+        if matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
+            return cuda::dequantize_rows(dev, &q.contiguous()?, &scale.contiguous()?, dtype);
+        }
+    }
+    let lut: Vec<f32> = (0..=255u8).map(decode).collect();
+    let qs = q.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
+    let ss = scale.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    let mut out = vec![0f32; rows * k];
+    if k > 0 {
+        out.par_chunks_mut(k)
+            .zip(qs.par_chunks(k))
+            .zip(ss.par_iter())
+            .for_each(|((o, qr), s)| {
+                for (v, b) in o.iter_mut().zip(qr) {
+                    *v = lut[usize::from(*b)] * s;
+                }
+            });
+    }
+    Tensor::from_vec(out, (rows, k), q.device())?.to_dtype(dtype)
+}
+
+/// `x` `[m, k]` times the E4M3 weight `q` `[n, k]` (row scales `scale` `[n]`) transposed:
+/// `[m, n]` in `x`'s dtype.
+pub fn linear(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    check(x, q, scale)?;
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::linear(x, q, scale, false)? {
+        return Ok(y);
+    }
+    reference_linear(x, q, scale)
+}
+
+/// `silu(x G^T) * (x U^T)` for a fused gate-up E4M3 weight `q` `[2 * inter, k]` (gate rows,
+/// then up rows): `[m, inter]`.
+pub fn silu_glu(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    check(x, q, scale)?;
+    #[cfg(feature = "cuda")]
+    if let Some(y) = cuda::linear(x, q, scale, true)? {
+        return Ok(y);
+    }
+    crate::silu_and_mul(&linear(x, q, scale)?)
+}
+
+/// The reference product: the weight dequantized to `x`'s dtype, then a dense product.
+pub fn reference_linear(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    let w = dequantize_rows(q, scale, x.dtype())?;
+    crate::linear_rows(x, &w)
+}
+
+fn check(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<()> {
+    let (_, k) = x.dims2()?;
+    let (n, qk) = q.dims2()?;
+    if k != qk || q.dtype() != DType::U8 || scale.dims1()? != n || scale.dtype() != DType::F32 {
+        candle_core::bail!(
+            "fp8 linear: x {:?} against weight {:?} {:?} with scales {:?} {:?}",
+            x.shape(),
+            q.shape(),
+            q.dtype(),
+            scale.shape(),
+            scale.dtype()
+        );
+    }
+    Ok(())
+}
+
+/// Whether `dev` multiplies FP8 on tensor cores (a CUDA GPU of compute capability 8.9 or later).
+pub fn tensor_cores(dev: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return cuda::compute_capability(d).is_ok_and(|cc| cc >= (8, 9));
+    }
+    let _ = dev;
+    false
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::{
+        dtype_suffix, function, launch_dependent, tensor_from_slice, view, with_storage,
+    };
+    use crate::fp8_gemm;
+    use crate::gemv::GEMV_MAX_ROWS;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::{CudaDevice, WrapErr};
+    use candle_core::{DType, Device, Result, Tensor};
+    use std::ffi::c_void;
+
+    const THREADS: u32 = 256;
+
+    pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
+        let ctx = dev.cuda_stream().context().clone();
+        let major = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .w()?;
+        let minor = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .w()?;
+        Ok((major, minor))
+    }
+
+    pub fn quantize_rows(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        match x.dtype() {
+            DType::BF16 => quantize_as::<half::bf16>(dev, x),
+            DType::F16 => quantize_as::<half::f16>(dev, x),
+            _ => quantize_as::<f32>(dev, x),
+        }
+    }
+
+    fn quantize_as<T>(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        let (rows, k) = x.dims2()?;
+        let stream = dev.cuda_stream();
+        // SAFETY: every byte and scale is written by the kernel (one CTA per row).
+        let mut q = unsafe { dev.alloc::<u8>(rows * k) }?;
+        let mut s = unsafe { dev.alloc::<f32>(rows) }?;
+        if rows > 0 && k > 0 {
+            let func = function(
+                dev,
+                &format!("fp8_quantize_rows_{}", dtype_suffix(T::DTYPE)?),
+            )?;
+            with_storage(x, "fp8 activations", |xs, xl| {
+                let xv = view::<T>(xs, xl, "x")?;
+                let (mut xp, _x) = xv.device_ptr(&stream);
+                let (mut qp, _q) = q.device_ptr_mut(&stream);
+                let (mut sp, _s) = s.device_ptr_mut(&stream);
+                let mut ki = k as i32;
+                let mut params = [
+                    (&raw mut qp).cast::<c_void>(),
+                    (&raw mut sp).cast::<c_void>(),
+                    (&raw mut xp).cast::<c_void>(),
+                    (&raw mut ki).cast::<c_void>(),
+                ];
+                // SAFETY: `fp8_quantize_rows_<dtype>(q, scale, x, k)` (csrc/fp8.cu): x is
+                // [rows, k] contiguous of that dtype, q holds rows * k bytes and scale rows
+                // f32; one CTA of 256 threads per row; the kernel waits before it reads.
+                unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }
+            })?;
+        }
+        Ok((
+            tensor_from_slice(q, dev, (rows, k)),
+            tensor_from_slice(s, dev, rows),
+        ))
+    }
+
+    pub fn dequantize_rows(
+        dev: &CudaDevice,
+        q: &Tensor,
+        scale: &Tensor,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        match dtype {
+            DType::BF16 => dequantize_as::<half::bf16>(dev, q, scale),
+            DType::F16 => dequantize_as::<half::f16>(dev, q, scale),
+            _ => dequantize_as::<f32>(dev, q, scale),
+        }
+    }
+
+    fn dequantize_as<T>(dev: &CudaDevice, q: &Tensor, scale: &Tensor) -> Result<Tensor>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        let (rows, k) = q.dims2()?;
+        let stream = dev.cuda_stream();
+        // SAFETY: every element is written by the kernel.
+        let mut y = unsafe { dev.alloc::<T>(rows * k) }?;
+        if rows > 0 && k > 0 {
+            let func = function(
+                dev,
+                &format!("fp8_dequantize_rows_{}", dtype_suffix(T::DTYPE)?),
+            )?;
+            with_storage(q, "fp8 weight", |qs, ql| {
+                with_storage(scale, "fp8 scales", |ss, sl| {
+                    let qv = view::<u8>(qs, ql, "fp8 weight")?;
+                    let sv = view::<f32>(ss, sl, "fp8 scales")?;
+                    let (mut qp, _q) = qv.device_ptr(&stream);
+                    let (mut sp, _s) = sv.device_ptr(&stream);
+                    let (mut yp, _y) = y.device_ptr_mut(&stream);
+                    let mut ki = k as i32;
+                    let mut params = [
+                        (&raw mut yp).cast::<c_void>(),
+                        (&raw mut qp).cast::<c_void>(),
+                        (&raw mut sp).cast::<c_void>(),
+                        (&raw mut ki).cast::<c_void>(),
+                    ];
+                    // SAFETY: `fp8_dequantize_rows_<dtype>(y, q, scale, k)` (csrc/fp8.cu): q
+                    // [rows, k] bytes, scale [rows] f32, y [rows, k]; one CTA per row.
+                    unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }
+                })
+            })?;
+        }
+        Ok(tensor_from_slice(y, dev, (rows, k)))
+    }
+
+    /// The CUDA product, or `None` where it is the reference's (CPU tensors, f32 activations).
+    pub fn linear(x: &Tensor, q: &Tensor, scale: &Tensor, glu: bool) -> Result<Option<Tensor>> {
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        if !matches!(x.dtype(), DType::BF16 | DType::F16) {
+            return Ok(None);
+        }
+        let (m, k) = x.dims2()?;
+        let (n, _) = q.dims2()?;
+        if glu && n % 2 != 0 {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        if (1..=GEMV_MAX_ROWS).contains(&m) && k % 16 == 0 {
+            return x
+                .apply_op3_no_bwd(q, scale, &crate::gemv::Fp8Gemv { glu })
+                .map(Some);
+        }
+        if m > 0 && k % 16 == 0 && n % 16 == 0 && super::tensor_cores(x.device()) {
+            let (xq, sx) = quantize_rows(dev, &x)?;
+            let y = fp8_gemm::scaled_mm(dev, &xq, &sx, q, scale, x.dtype())?;
+            return if glu {
+                crate::silu_and_mul(&y).map(Some)
+            } else {
+                Ok(Some(y))
+            };
+        }
+        Ok(None)
+    }
+}

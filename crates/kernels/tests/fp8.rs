@@ -1,0 +1,228 @@
+//! FP8 E4M3 weights: the quantizer against torch's `float8_e4m3fn` conversion (the bits, on
+//! `tests/fixtures/quant/fp8_ref.json`, made by `tests/fixtures/make_fp8_ref.py`), the round trip
+//! within E4M3's bound, and the products against the dequantized reference: on the CPU here, and
+//! on the GPU (the same bits from the GPU quantizer, the decode kernel and the tensor-core product)
+//! when built with `cuda`.
+#![allow(clippy::unwrap_used)]
+
+use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::fp8::{self, decode, encode, quantize_rows_ref};
+use serde_json::Value;
+
+fn golden() -> Value {
+    let p = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/quant/fp8_ref.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn f32s(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|b| f32::from_bits(b.as_i64().unwrap() as i32 as u32))
+        .collect()
+}
+
+fn bytes(v: &Value) -> Vec<u8> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect()
+}
+
+#[test]
+fn encode_writes_torchs_bits() {
+    let g = golden();
+    let (vals, want) = (f32s(&g["values"]), bytes(&g["bytes"]));
+    assert_eq!(vals.len(), want.len());
+    let mut wrong = Vec::new();
+    for (v, w) in vals.iter().zip(&want) {
+        if encode(v.clamp(-448.0, 448.0)) != *w {
+            wrong.push((*v, encode(*v), *w));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} differ, e.g. {:?}",
+        wrong.len(),
+        vals.len(),
+        &wrong[..wrong.len().min(8)]
+    );
+}
+
+#[test]
+fn row_quantization_writes_torchs_bits_and_scales() {
+    for set in golden()["rows"].as_array().unwrap() {
+        let cols = set["cols"].as_u64().unwrap() as usize;
+        let (q, s) = quantize_rows_ref(&f32s(&set["values"]), cols);
+        assert_eq!(q, bytes(&set["bytes"]));
+        assert_eq!(s, f32s(&set["scales"]));
+    }
+}
+
+#[test]
+fn every_code_round_trips_and_values_stay_within_the_bound() {
+    for b in 0..=255u8 {
+        let v = decode(b);
+        if v.is_nan() {
+            assert_eq!(b & 0x7f, 0x7f);
+            continue;
+        }
+        assert_eq!(encode(v), b, "code {b:#04x} = {v}");
+    }
+    // three mantissa bits: at most half a step, 1/16 of the value, for normal values
+    let mut x = 2f32.powi(-6);
+    while x < 448.0 {
+        for v in [x, -x * 1.013] {
+            let err = (decode(encode(v)) - v).abs() / v.abs();
+            assert!(err <= 1.0 / 16.0 + 1e-7, "{v}: relative error {err}");
+        }
+        x *= 1.0371;
+    }
+    assert_eq!(encode(1e9), 0x7e);
+    assert_eq!(encode(-1e9), 0xfe);
+    assert_eq!(encode(f32::NAN) & 0x7f, 0x7f);
+    // rows of zeros get scale 1; tiny rows keep a normal scale
+    let (q, s) = quantize_rows_ref(&[0.0; 8], 4);
+    assert_eq!((q, s), (vec![0; 8], vec![1.0, 1.0]));
+    let (_, s) = quantize_rows_ref(&[1e-42, 0.0], 2);
+    assert!(s[0] >= f32::MIN_POSITIVE);
+}
+
+/// Random `x` `[m, k]` and a weight `[n, k]` quantized to E4M3 on `dev`.
+fn operands(
+    dev: &Device,
+    dtype: DType,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let cpu = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (m, k), &cpu)?
+        .to_dtype(dtype)?
+        .to_device(dev)?;
+    let w = (Tensor::randn(0f32, 1., (n, k), &cpu)? * 0.05)?
+        .to_dtype(dtype)?
+        .to_device(dev)?;
+    let (q, s) = fp8::quantize_rows(&w)?;
+    Ok((x, q, s))
+}
+
+/// Largest error of `got` against `want` relative to `want`'s largest magnitude.
+fn rel_err(got: &Tensor, want: &Tensor) -> Result<f32> {
+    let cpu = Device::Cpu;
+    let got = got.to_device(&cpu)?.to_dtype(DType::F32)?;
+    let want = want.to_device(&cpu)?.to_dtype(DType::F32)?;
+    let scale = want
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?
+        .max(1e-6);
+    let err = (got - want)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    Ok(err / scale)
+}
+
+#[test]
+fn cpu_products_are_the_dequantized_weights() -> Result<()> {
+    let cpu = Device::Cpu;
+    let (x, q, s) = operands(&cpu, DType::F32, 3, 24, 64)?;
+    let w = fp8::dequantize_rows(&q, &s, DType::F32)?;
+    let want = x.matmul(&w.t()?)?;
+    assert!(rel_err(&fp8::linear(&x, &q, &s)?, &want)? < 1e-6);
+    let glu = fp8::silu_glu(&x, &q, &s)?;
+    let (g, u) = (want.narrow(1, 0, 12)?, want.narrow(1, 12, 12)?);
+    assert!(rel_err(&glu, &(g.silu()? * u)?)? < 1e-6);
+    // the dequantized weight is within E4M3's bound of the original
+    let w0 = (Tensor::randn(0f32, 1., (5, 32), &cpu)? * 3.0)?;
+    let (q, s) = fp8::quantize_rows(&w0)?;
+    let back = fp8::dequantize_rows(&q, &s, DType::F32)?;
+    let amax = w0.abs()?.max(1)?;
+    let err = (back - &w0)?.abs()?.max(1)?;
+    for (e, a) in err.to_vec1::<f32>()?.iter().zip(amax.to_vec1::<f32>()?) {
+        assert!(*e <= a / 16.0, "{e} vs row amax {a}");
+    }
+    // a mismatched weight is an error, not a panic
+    assert!(fp8::linear(&x, &q, &s).is_err());
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    fn gpu() -> Device {
+        Device::new_cuda(0).expect("a CUDA device")
+    }
+
+    #[test]
+    fn gpu_quantizer_writes_the_references_bits() -> Result<()> {
+        let dev = gpu();
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let w = (Tensor::randn(0f32, 1., (37, 4096), &Device::Cpu)? * 0.3)?.to_dtype(dtype)?;
+            let (q, s) = fp8::quantize_rows(&w.to_device(&dev)?)?;
+            let (rq, rs) =
+                quantize_rows_ref(&w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?, 4096);
+            assert_eq!(q.flatten_all()?.to_vec1::<u8>()?, rq, "{dtype:?}");
+            assert_eq!(s.to_vec1::<f32>()?, rs, "{dtype:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn decode_kernel_matches_the_reference() -> Result<()> {
+        let dev = gpu();
+        for dtype in [DType::BF16, DType::F16] {
+            for m in 1..=4 {
+                for (n, k) in [(24, 64), (37, 4096), (1032, 1024)] {
+                    let (x, q, s) = operands(&dev, dtype, m, n, k)?;
+                    let want = fp8::reference_linear(&x.to_dtype(DType::F32)?, &q, &s)?;
+                    let e = rel_err(&fp8::linear(&x, &q, &s)?, &want)?;
+                    assert!(e < 1e-2, "{dtype:?} m {m} n {n} k {k}: {e}");
+                    if n % 2 == 0 {
+                        let h = n / 2;
+                        let (g, u) = (want.narrow(1, 0, h)?, want.narrow(1, h, h)?);
+                        let e = rel_err(&fp8::silu_glu(&x, &q, &s)?, &(g.silu()? * u)?)?;
+                        assert!(e < 2e-2, "glu {dtype:?} m {m} n {n} k {k}: {e}");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn tensor_core_products_match_the_reference() -> Result<()> {
+        let dev = gpu();
+        assert!(fp8::tensor_cores(&dev), "the test GPU has FP8 tensor cores");
+        for dtype in [DType::BF16, DType::F16] {
+            for m in [5, 17, 64, 300] {
+                for (n, k) in [(32, 64), (1024, 4096), (4096, 1024)] {
+                    let (x, q, s) = operands(&dev, dtype, m, n, k)?;
+                    let got = fp8::linear(&x, &q, &s)?;
+                    // the same product with the activations quantized per token, in f32
+                    let (xq, xs) = fp8::quantize_rows(&x)?;
+                    let xd = fp8::dequantize_rows(&xq, &xs, DType::F32)?;
+                    let want = fp8::reference_linear(&xd, &q, &s)?;
+                    let e = rel_err(&got, &want)?;
+                    assert!(e < 1e-2, "{dtype:?} m {m} n {n} k {k}: {e}");
+                    // and against the unquantized activations, within E4M3's error
+                    let exact = fp8::reference_linear(&x.to_dtype(DType::F32)?, &q, &s)?;
+                    let e = rel_err(&got, &exact)?;
+                    assert!(
+                        e < 0.08,
+                        "{dtype:?} m {m} n {n} k {k} vs 16-bit activations: {e}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
