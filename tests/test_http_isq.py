@@ -17,15 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "tests" / "fixtures" / "models" / "qwen2"
 
 
-def test_isq_serves_and_reports_on_its_startup_line(tmp_path: Path) -> None:
+def serve_one_completion(tmp_path: Path, name: str, *extra: str) -> str:
+    """Serves the fixture with `extra` flags, asks for one completion, returns the server's log."""
     srv = RserveProcess(
-        "isq",
+        name,
         [str(binary_path())],
         MODEL,
         tmp_path,
         served_model_name="tiny",
         max_model_len=256,
-        extra_args=["--isq", "q4k"],
+        extra_args=list(extra),
     )
     srv.start(startup_timeout())
     try:
@@ -35,17 +36,39 @@ def test_isq_serves_and_reports_on_its_startup_line(tmp_path: Path) -> None:
         assert r.json()["usage"]["completion_tokens"] >= 1
     finally:
         srv.stop()
-    log = srv.log_tail()
+    return srv.log_tail()
+
+
+def test_isq_serves_and_reports_on_its_startup_line(tmp_path: Path) -> None:
+    log = serve_one_completion(tmp_path, "isq", "--isq", "q4k")
     # the fixture's rows of 64 and 128 values do not fit q4k's 256-value blocks: q5_0 instead
     assert "ISQ q4k" in log and "kept as q5_0" in log, log
 
 
-def test_unknown_isq_format_is_refused() -> None:
-    args = [str(binary_path()), "serve", str(MODEL), "--port", str(free_port()), "--isq", "int3"]
+def test_vllms_quantization_fp8_flag_serves_fp8_weights(tmp_path: Path) -> None:
+    log = serve_one_completion(tmp_path, "fp8", "--quantization", "fp8")
+    # every projection fits (no blocks); on the CPU the startup line says how products run
+    assert "ISQ fp8: 8 projections" in log and "products: on the CPU" in log, log
+
+
+def refused(*extra: str) -> str:
+    args = [str(binary_path()), "serve", str(MODEL), "--port", str(free_port()), *extra]
     done = subprocess.run(args, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
     out = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode != 0, out
-    assert "int3" in out and "q4k" in out, out
+    return out
+
+
+def test_unknown_isq_format_is_refused() -> None:
+    out = refused("--isq", "int3")
+    assert "int3" in out and "q4k" in out and "fp8" in out, out
+
+
+def test_quantization_takes_fp8_only_and_must_agree_with_isq() -> None:
+    out = refused("--quantization", "awq")
+    assert "awq" in out and "fp8" in out, out
+    out = refused("--quantization", "fp8", "--isq", "q8_0")
+    assert "disagree" in out, out
 
 
 GGUF = REPO / "tests" / "fixtures" / "gguf"

@@ -35,6 +35,7 @@ class Engine:
         isq: str | None = None,
         isq_lm_head: bool = False,
         tokenizer: str | None = None,
+        quantization: str | None = None,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

@@ -49,6 +49,7 @@ _ENGINE_KWARGS = frozenset(
         "isq",
         "isq_lm_head",
         "tokenizer",
+        "quantization",
     }
 )
 
@@ -265,9 +266,9 @@ class LLM:
     `block_size`, `chat_template` (a file or inline Jinja replacing the model's template),
     `gpu_memory_utilization`, `enforce_eager` (no CUDA graphs of decode steps),
     `async_scheduling` (default on: on a GPU the next step is issued while the current one runs),
-    `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`),
-    `isq_lm_head` (with `isq`, the output head too), `tokenizer` (a directory whose
-    `tokenizer.json` replaces the model's).
+    `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`,
+    `fp8`), `quantization` (vLLM's spelling of `isq="fp8"`), `isq_lm_head` (with `isq`, the
+    output head too), `tokenizer` (a directory whose `tokenizer.json` replaces the model's).
     """
 
     def __init__(

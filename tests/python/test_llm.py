@@ -242,6 +242,18 @@ def test_isq_quantizes_while_loading() -> None:
         LLM(str(QWEN2), isq="int3")
 
 
+def test_quantization_fp8_is_isq_fp8() -> None:
+    q = LLM(str(QWEN2), max_model_len=128, quantization="fp8")
+    try:
+        assert len(ids_of(q.generate("Hello there", greedy())[0])) > 0
+    finally:
+        q.shutdown()
+    with pytest.raises(ValueError, match="fp8"):
+        LLM(str(QWEN2), quantization="awq")
+    with pytest.raises(ValueError, match="disagree"):
+        LLM(str(QWEN2), quantization="fp8", isq="q8_0")
+
+
 def test_isq_lm_head_needs_isq_and_quantizes_the_head() -> None:
     with pytest.raises(ValueError, match="isq"):
         LLM(str(QWEN2), isq_lm_head=True)

@@ -6,6 +6,16 @@ fn parse_isq(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
     s.parse()
 }
 
+/// vLLM's `--quantization`: rserve takes `fp8` (quantized at load time, as `--isq fp8`).
+fn parse_quantization(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "fp8" => Ok(rserve_core::quant::IsqFormat::Fp8),
+        _ => Err(format!(
+            "--quantization takes fp8 (quantized at load time, as --isq fp8); for GGML formats use --isq, got `{s}`"
+        )),
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "rserve", version, about = "A fast, small LLM serving engine")]
 pub struct Cli {
@@ -71,10 +81,14 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_async_scheduling: bool,
     /// Quantize the decoder's projections while loading: q8_0, q4_0, q4k or q6k (GGML blocks;
-    /// rows that do not fit a format's blocks fall back per tensor, as llama.cpp does). The
-    /// embeddings and lm_head stay in --dtype.
+    /// rows that do not fit a format's blocks fall back per tensor, as llama.cpp does) or fp8
+    /// (E4M3, a scale per output channel; FP8 tensor cores on Hopper). The embeddings and
+    /// lm_head stay in --dtype.
     #[arg(long, value_parser = parse_isq)]
     pub isq: Option<rserve_core::quant::IsqFormat>,
+    /// vLLM's spelling of `--isq fp8`.
+    #[arg(long, value_parser = parse_quantization)]
+    pub quantization: Option<rserve_core::quant::IsqFormat>,
     /// With --isq, quantize the output head (lm_head) too: faster decoding of small models,
     /// whose head is a large part of their weights, at some cost in accuracy.
     #[arg(long)]

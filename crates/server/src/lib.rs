@@ -51,9 +51,14 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
-    cfg.isq = args.isq;
+    cfg.isq = match (args.isq, args.quantization) {
+        (Some(a), Some(b)) if a != b => {
+            anyhow::bail!("--isq {a} and --quantization {b} disagree; give one")
+        }
+        (a, b) => a.or(b),
+    };
     cfg.isq_lm_head = args.isq_lm_head;
-    if args.isq_lm_head && args.isq.is_none() {
+    if args.isq_lm_head && cfg.isq.is_none() {
         anyhow::bail!("--isq-lm-head needs --isq FORMAT");
     }
     cfg.tokenizer = args.tokenizer.as_ref().map(PathBuf::from);

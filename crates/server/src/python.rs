@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -86,6 +86,7 @@ impl PyEngine {
         isq: Option<String>,
         isq_lm_head: bool,
         tokenizer: Option<String>,
+        quantization: Option<String>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -106,6 +107,20 @@ impl PyEngine {
             ),
             None => None,
         };
+        if let Some(qz) = quantization {
+            if !qz.trim().eq_ignore_ascii_case("fp8") {
+                return Err(PyValueError::new_err(format!(
+                    "quantization takes \"fp8\" (quantized at load time, as isq=\"fp8\"); for GGML formats use isq, got {qz:?}"
+                )));
+            }
+            let fp8 = rserve_core::quant::IsqFormat::Fp8;
+            if cfg.isq.is_some_and(|f| f != fp8) {
+                return Err(PyValueError::new_err(
+                    "isq and quantization disagree; give one",
+                ));
+            }
+            cfg.isq = Some(fp8);
+        }
         if isq_lm_head && cfg.isq.is_none() {
             return Err(PyValueError::new_err("isq_lm_head needs isq"));
         }

@@ -2,6 +2,7 @@
 //! memory map, and its 16- or 32-bit copy dropped at once, so no more than one layer's
 //! projections exist unquantized at any time. Records what it did for the startup line.
 
+use super::fp8::Fp8Linear;
 use super::ggml::GgmlLinear;
 use super::{ggml_name, storage_type, IsqFormat};
 use crate::load_error::LoadError;
@@ -22,6 +23,8 @@ pub struct IsqReport {
     /// `(tensor, type stored in)` for each projection that could not take the format.
     pub fallbacks: Vec<(String, String)>,
     pub time: Duration,
+    /// How the products run, where the device decides it (`fp8`).
+    pub products: Option<String>,
 }
 
 impl IsqReport {
@@ -38,6 +41,9 @@ impl IsqReport {
             mib(self.bytes_after),
             self.time.as_secs_f64()
         );
+        if let Some(p) = &self.products {
+            s.push_str(&format!("; products: {p}"));
+        }
         if !self.fallbacks.is_empty() {
             let mut kinds: Vec<&str> = self.fallbacks.iter().map(|(_, t)| t.as_str()).collect();
             kinds.sort_unstable();
@@ -84,6 +90,20 @@ impl Isq {
         };
         let (_, cols) = weight.dims2().map_err(err)?;
         let before = weight.elem_count() * weight.dtype().size_in_bytes();
+        if self.format == IsqFormat::Fp8 {
+            let q = Fp8Linear::quantize(&weight).map_err(err)?;
+            // the kernel's time, not its launch's
+            weight.device().synchronize().map_err(err)?;
+            let after = q.size_in_bytes();
+            let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
+            r.bytes_before += before;
+            r.bytes_after += after;
+            r.quantized += 1;
+            r.products
+                .get_or_insert_with(|| Fp8Linear::products(weight.device()).to_string());
+            r.time += start.elapsed();
+            return Ok(Arc::new(q));
+        }
         let chosen = storage_type(self.format, cols);
         let (method, after): (Arc<dyn LinearMethod>, usize) = match chosen {
             Some(t) => {
@@ -98,7 +118,7 @@ impl Isq {
         r.bytes_after += after;
         r.time += start.elapsed();
         match chosen {
-            Some(t) if t == self.format.ggml() => r.quantized += 1,
+            Some(t) if Some(t) == self.format.ggml() => r.quantized += 1,
             Some(t) => {
                 r.quantized += 1;
                 r.fallbacks

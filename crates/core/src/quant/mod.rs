@@ -7,11 +7,15 @@
 //!   time, with a report of what was done.
 //! - [`ggml`]: the GGML block formats (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`) applied to
 //!   activations.
+//! - [`fp8`]: FP8 E4M3 weights with one scale per output channel, quantized on the weight's
+//!   device (the GPU when serving on one); on GPUs with FP8 tensor cores the products quantize
+//!   the activations per token, as vLLM's `--quantization fp8` does.
 //!
 //! Which tensors: every linear projection of the decoder (`q/k/v/o`, `gate/up/down`). The
 //! embeddings and `lm_head` stay in the model's dtype, as llama.cpp and mistral.rs keep their most
 //! sensitive tensors at higher precision.
 
+pub mod fp8;
 pub mod ggml;
 pub mod isq;
 
@@ -26,10 +30,11 @@ pub enum IsqFormat {
     Q4_0,
     Q4K,
     Q6K,
+    Fp8,
 }
 
 impl IsqFormat {
-    pub const ALL: [IsqFormat; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
+    pub const ALL: [IsqFormat; 5] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K, Self::Fp8];
 
     /// The flag's spelling.
     pub fn name(self) -> &'static str {
@@ -38,17 +43,19 @@ impl IsqFormat {
             Self::Q4_0 => "q4_0",
             Self::Q4K => "q4k",
             Self::Q6K => "q6k",
+            Self::Fp8 => "fp8",
         }
     }
 
-    /// The GGML block type.
-    pub fn ggml(self) -> GgmlDType {
-        match self {
+    /// The GGML block type (`None` for `fp8`).
+    pub fn ggml(self) -> Option<GgmlDType> {
+        Some(match self {
             Self::Q8_0 => GgmlDType::Q8_0,
             Self::Q4_0 => GgmlDType::Q4_0,
             Self::Q4K => GgmlDType::Q4K,
             Self::Q6K => GgmlDType::Q6K,
-        }
+            Self::Fp8 => return None,
+        })
     }
 }
 
@@ -68,6 +75,7 @@ impl FromStr for IsqFormat {
             "q4_0" | "q4" => Self::Q4_0,
             "q4k" | "q4_k" | "q4_k_m" => Self::Q4K,
             "q6k" | "q6_k" => Self::Q6K,
+            "fp8" | "fp8_e4m3" | "e4m3" => Self::Fp8,
             _ => {
                 let names: Vec<&str> = Self::ALL.iter().map(|f| f.name()).collect();
                 return Err(format!(
@@ -105,14 +113,14 @@ pub fn ggml_name(t: GgmlDType) -> &'static str {
 /// else `None` (the weight stays in the model's dtype).
 pub fn storage_type(format: IsqFormat, cols: usize) -> Option<GgmlDType> {
     let fits = |t: GgmlDType| cols > 0 && cols.is_multiple_of(t.block_size());
-    let first = format.ggml();
+    let first = format.ggml()?;
     if fits(first) {
         return Some(first);
     }
     let fallback = match format {
         IsqFormat::Q4K => GgmlDType::Q5_0,
         IsqFormat::Q6K => GgmlDType::Q8_0,
-        IsqFormat::Q8_0 | IsqFormat::Q4_0 => return None,
+        IsqFormat::Q8_0 | IsqFormat::Q4_0 | IsqFormat::Fp8 => return None,
     };
     fits(fallback).then_some(fallback)
 }
@@ -127,6 +135,7 @@ mod tests {
             assert_eq!(f.name().parse::<IsqFormat>(), Ok(f));
         }
         assert_eq!("Q4_K_M".parse::<IsqFormat>(), Ok(IsqFormat::Q4K));
+        assert_eq!("FP8".parse::<IsqFormat>(), Ok(IsqFormat::Fp8));
         let e = "q3".parse::<IsqFormat>().unwrap_err();
         assert!(e.contains("q4k") && e.contains("`q3`"), "{e}");
     }
