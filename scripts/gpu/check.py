@@ -12,6 +12,10 @@ Parts (choose with --parts, comma-separated):
            of 1,000 positions vs transformers bf16; load time; decode throughput at batch 1 and 64
            next to transformers eager generate in the same run
   coldstart  launch -> /health -> first token with an empty and a warm driver JIT cache
+  quant    the first --big shape served bf16 and with each --isq format in RSERVE_QUANT (default
+           bf16,fp8,q8_0,q4k): load time to /health (weights in the page cache), peak host RSS, the
+           startup ISQ line, teacher-forced log-prob error against the bf16 model, batch-1 decode,
+           and 256 concurrent requests for the formats in RSERVE_QUANT_C256 (default bf16,fp8)
 
 RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
 RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios.
@@ -541,6 +545,94 @@ def part_speed(a, out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def peak_rss_gb(pid: int) -> float | None:
+    try:
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if ln.startswith("VmHWM:"):
+                return int(ln.split()[1]) / 1e6
+    except OSError:
+        pass
+    return None
+
+
+def part_quant(a, out: Path) -> None:
+    """ISQ formats on the 8B shape against bf16, one machine, one checkpoint."""
+    import torch
+
+    kind = a.big.split(",")[0]
+    model, path = fresh_checkpoint(kind, Path(a.scratch), keep_model=True)
+    g = torch.Generator().manual_seed(1)
+    ids = [1] + torch.randint(20, 30000, (1000,), generator=g).tolist()
+    formats = os.environ.get("RSERVE_QUANT", "bf16,fp8,q8_0,q4k").split(",")
+    # transformers' bf16 model, then the same with every decoder projection's weight and input
+    # rounded as `--isq fp8` does (E4M3, a scale per output channel / per token): what the format
+    # itself costs, and the reference rserve's fp8 products are held to
+    hf_bf16 = teacher_forced_hf(model, ids)
+    sim = None
+    if "fp8" in formats:
+        def fake_fp8(x):
+            xf = x.float()
+            amax = xf.abs().amax(-1, keepdim=True)
+            sc = torch.where(amax > 0, (amax / 448.0).clamp(min=torch.finfo(torch.float32).tiny),
+                             torch.ones_like(amax))
+            return ((xf / sc).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sc).to(x.dtype)
+
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for mod in layer.modules():
+                    if isinstance(mod, torch.nn.Linear):
+                        mod.weight.copy_(fake_fp8(mod.weight))
+                        mod.register_forward_pre_hook(lambda _m, args: (fake_fp8(args[0]),))
+        sim = teacher_forced_hf(model, ids)
+        emit(out, {"part": "quant-reference", "model": kind,
+                   "transformers_fp8_sim_vs_bf16": compare(kind, hf_bf16, (sim[0], sim[1]))})
+    del model
+    torch.cuda.empty_cache()
+    subprocess.run(["sync"])
+    c256 = os.environ.get("RSERVE_QUANT_C256", "bf16,fp8").split(",")
+    base = None
+    for f in formats:
+        extra = [] if f == "bf16" else ["--isq", f]
+        extra += shlex.split(os.environ.get(f"RSERVE_QUANT_ARGS_{f.upper()}", ""))
+        rec: dict = {"part": "quant", "model": kind, "format": f, "args": extra}
+        try:
+            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra, tag=f"-{f}",
+                         env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"})
+        except Exception as e:
+            rec["error"] = repr(e)[-2000:]
+            emit(out, rec)
+            continue
+        rec["ready_s"] = srv.ready_s
+        rec["peak_rss_gb"] = peak_rss_gb(srv.proc.pid)
+        try:
+            lines = srv.log_path.read_text().splitlines()
+            rec["startup"] = [ln.strip()[-400:] for ln in lines if "ISQ" in ln or "rserve: serving" in ln][-3:]
+            lp, arg = teacher_forced_rserve(srv, ids)
+            rec["vs_transformers_bf16"] = compare(kind, hf_bf16, (lp, arg))
+            if f == "fp8" and sim is not None:
+                rec["vs_transformers_fp8_sim"] = compare(kind, sim, (lp, arg))
+            if f == "bf16":
+                base = (lp, arg)
+            elif base is not None:
+                errs = [abs(x - y) for x, y in zip(lp, base[0])]
+                rec["tf_mean_abs_logprob_err_vs_bf16"] = sum(errs) / len(errs)
+                rec["tf_max_abs_logprob_err_vs_bf16"] = max(errs)
+                rec["argmax_agree_vs_bf16"] = sum(1 for x, y in zip(arg, base[1]) if x == y) / len(arg)
+            b1 = bench(a, srv, out, 1, 4, 512, 256)
+            rec["b1_decode_tok_s"] = 1000.0 / b1["tpot_ms"]["median"]
+            rec["b1_ttft_ms"] = b1["ttft_ms"]["median"]
+            if f in c256:
+                c = bench(a, srv, out, 256, 256, 512, 256)
+                rec.update(c256_output_tok_s=c["output_throughput"], c256_ttft_ms=c["ttft_ms"]["median"],
+                           c256_itl_ms=c["itl_ms"]["median"])
+        except Exception as e:  # keep what was measured
+            rec["error"] = repr(e)[-2000:]
+        finally:
+            srv.stop()
+        emit(out, rec)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def part_coldstart(a, out: Path) -> None:
     d = FIXTURES / "models" / "llama3"
     cache = Path(os.environ.get("CUDA_CACHE_PATH", "/tmp/rserve-cuda-cache"))
@@ -569,7 +661,7 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
-             "profile": part_profile, "speed": part_speed}
+             "profile": part_profile, "speed": part_speed, "quant": part_quant}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()
