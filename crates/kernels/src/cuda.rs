@@ -105,15 +105,10 @@ pub(crate) fn view<'a, T: CudaDType>(
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-/// `f` of the CUDA storage and layout behind `t` (an error naming `what` for other tensors).
-pub(crate) fn with_storage<R>(
-    t: &candle_core::Tensor,
-    what: &str,
-    f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
-) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cuda(c) => f(c, l),
+/// The CUDA storage behind a tensor's storage guard (an error naming `what` for other tensors).
+pub(crate) fn cuda_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
         _ => candle_core::bail!("{what}: not a CUDA tensor"),
     }
 }

@@ -197,7 +197,7 @@ pub fn tensor_cores(dev: &Device) -> bool {
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cuda::{
-        dtype_suffix, function, launch_dependent, tensor_from_slice, view, with_storage,
+        cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
     };
     use crate::fp8_gemm;
     use crate::gemv::GEMV_MAX_ROWS;
@@ -244,23 +244,22 @@ mod cuda {
                 dev,
                 &format!("fp8_quantize_rows_{}", dtype_suffix(T::DTYPE)?),
             )?;
-            with_storage(x, "fp8 activations", |xs, xl| {
-                let xv = view::<T>(xs, xl, "x")?;
-                let (mut xp, _x) = xv.device_ptr(&stream);
-                let (mut qp, _q) = q.device_ptr_mut(&stream);
-                let (mut sp, _s) = s.device_ptr_mut(&stream);
-                let mut ki = k as i32;
-                let mut params = [
-                    (&raw mut qp).cast::<c_void>(),
-                    (&raw mut sp).cast::<c_void>(),
-                    (&raw mut xp).cast::<c_void>(),
-                    (&raw mut ki).cast::<c_void>(),
-                ];
-                // SAFETY: `fp8_quantize_rows_<dtype>(q, scale, x, k)` (csrc/fp8.cu): x is
-                // [rows, k] contiguous of that dtype, q holds rows * k bytes and scale rows
-                // f32; one CTA of 256 threads per row; the kernel waits before it reads.
-                unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }
-            })?;
+            let (xg, xl) = x.storage_and_layout();
+            let xv = view::<T>(cuda_storage(&xg, "fp8 activations")?, xl, "x")?;
+            let (mut xp, _x) = xv.device_ptr(&stream);
+            let (mut qp, _q) = q.device_ptr_mut(&stream);
+            let (mut sp, _s) = s.device_ptr_mut(&stream);
+            let mut ki = k as i32;
+            let mut params = [
+                (&raw mut qp).cast::<c_void>(),
+                (&raw mut sp).cast::<c_void>(),
+                (&raw mut xp).cast::<c_void>(),
+                (&raw mut ki).cast::<c_void>(),
+            ];
+            // SAFETY: `fp8_quantize_rows_<dtype>(q, scale, x, k)` (csrc/fp8.cu): x is
+            // [rows, k] contiguous of that dtype, q holds rows * k bytes and scale rows f32;
+            // one CTA of 256 threads per row; the kernel waits before it reads.
+            unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }?;
         }
         Ok((
             tensor_from_slice(q, dev, (rows, k)),
@@ -296,25 +295,23 @@ mod cuda {
                 dev,
                 &format!("fp8_dequantize_rows_{}", dtype_suffix(T::DTYPE)?),
             )?;
-            with_storage(q, "fp8 weight", |qs, ql| {
-                with_storage(scale, "fp8 scales", |ss, sl| {
-                    let qv = view::<u8>(qs, ql, "fp8 weight")?;
-                    let sv = view::<f32>(ss, sl, "fp8 scales")?;
-                    let (mut qp, _q) = qv.device_ptr(&stream);
-                    let (mut sp, _s) = sv.device_ptr(&stream);
-                    let (mut yp, _y) = y.device_ptr_mut(&stream);
-                    let mut ki = k as i32;
-                    let mut params = [
-                        (&raw mut yp).cast::<c_void>(),
-                        (&raw mut qp).cast::<c_void>(),
-                        (&raw mut sp).cast::<c_void>(),
-                        (&raw mut ki).cast::<c_void>(),
-                    ];
-                    // SAFETY: `fp8_dequantize_rows_<dtype>(y, q, scale, k)` (csrc/fp8.cu): q
-                    // [rows, k] bytes, scale [rows] f32, y [rows, k]; one CTA per row.
-                    unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }
-                })
-            })?;
+            let (qg, ql) = q.storage_and_layout();
+            let (sg, sl) = scale.storage_and_layout();
+            let qv = view::<u8>(cuda_storage(&qg, "fp8 weight")?, ql, "fp8 weight")?;
+            let sv = view::<f32>(cuda_storage(&sg, "fp8 scales")?, sl, "fp8 scales")?;
+            let (mut qp, _q) = qv.device_ptr(&stream);
+            let (mut sp, _s) = sv.device_ptr(&stream);
+            let (mut yp, _y) = y.device_ptr_mut(&stream);
+            let mut ki = k as i32;
+            let mut params = [
+                (&raw mut yp).cast::<c_void>(),
+                (&raw mut qp).cast::<c_void>(),
+                (&raw mut sp).cast::<c_void>(),
+                (&raw mut ki).cast::<c_void>(),
+            ];
+            // SAFETY: `fp8_dequantize_rows_<dtype>(y, q, scale, k)` (csrc/fp8.cu): q [rows, k]
+            // bytes, scale [rows] f32, y [rows, k]; one CTA per row.
+            unsafe { launch_dependent(&func, &stream, rows as u32, THREADS, &mut params) }?;
         }
         Ok(tensor_from_slice(y, dev, (rows, k)))
     }

@@ -11,7 +11,7 @@
 //! once, so the product is captured in CUDA graphs like any kernel.
 
 use crate::cuda::{
-    dtype_suffix, function, launch_dependent, tensor_from_slice, view, with_storage,
+    cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
 };
 use candle_core::cuda_backend::cudarc::cublas::sys as cublas_sys;
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
@@ -219,62 +219,62 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
     let Some(p) = st.plans.get(&key) else {
         candle_core::bail!("fp8 product: plan missing");
     };
-    with_storage(xq, "activations", |xs, xl| {
-        with_storage(wq, "weight", |ws, wl| {
-            with_storage(sx, "activation scales", |sxs, sxl| {
-                with_storage(sw, "weight scales", |sws, swl| {
-                    let xv = view::<u8>(xs, xl, "activations")?;
-                    let wv = view::<u8>(ws, wl, "weight")?;
-                    let sxv = view::<f32>(sxs, sxl, "activation scales")?;
-                    let swv = view::<f32>(sws, swl, "weight scales")?;
-                    let (xp, _x) = xv.device_ptr(&stream);
-                    let (wp, _w) = wv.device_ptr(&stream);
-                    let (sxp, _sx) = sxv.device_ptr(&stream);
-                    let (swp, _sw) = swv.device_ptr(&stream);
-                    {
-                        let (dp, _d, _y) = match sums.as_mut() {
-                            Some(s) => {
-                                let (p, g) = s.device_ptr_mut(&stream);
-                                (p, Some(g), None)
-                            }
-                            None => {
-                                let (p, g) = y.device_ptr_mut(&stream);
-                                (p, None, Some(g))
-                            }
-                        };
-                        let (wsp, _ws) = st.workspace.device_ptr_mut(&stream);
-                        let (alpha, beta) = (1f32, 0f32);
-                        // SAFETY: the plan's layouts describe these buffers (weight [n, k] and
-                        // activations [m, k] E4M3, the sums [m, n] of the plan's output type,
-                        // all contiguous, checked above), the workspace is the size the plan
-                        // was chosen for, and everything is on `stream`.
-                        unsafe {
-                            lt::matmul(
-                                st.handle,
-                                p.desc,
-                                (&raw const alpha).cast(),
-                                (&raw const beta).cast(),
-                                wp as *const c_void,
-                                p.a,
-                                xp as *const c_void,
-                                p.b,
-                                dp as *const c_void,
-                                p.d,
-                                dp as *mut c_void,
-                                p.d,
-                                &raw const p.algo,
-                                wsp as *mut c_void,
-                                WORKSPACE_BYTES,
-                                stream.cu_stream() as sys::cudaStream_t,
-                            )
-                        }
-                        .map_err(|e| cuda_err("matmul", e))?;
-                    }
-                    scale_outer::<T>(dev, &mut y, sums.as_ref(), sxp, swp, (m, n))
-                })
-            })
-        })
-    })?;
+    let (xg, xl) = xq.storage_and_layout();
+    let (wg, wl) = wq.storage_and_layout();
+    let (sxg, sxl) = sx.storage_and_layout();
+    let (swg, swl) = sw.storage_and_layout();
+    let xv = view::<u8>(cuda_storage(&xg, "activations")?, xl, "activations")?;
+    let wv = view::<u8>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+    let sxv = view::<f32>(
+        cuda_storage(&sxg, "activation scales")?,
+        sxl,
+        "activation scales",
+    )?;
+    let swv = view::<f32>(cuda_storage(&swg, "weight scales")?, swl, "weight scales")?;
+    let (xp, _x) = xv.device_ptr(&stream);
+    let (wp, _w) = wv.device_ptr(&stream);
+    let (sxp, _sx) = sxv.device_ptr(&stream);
+    let (swp, _sw) = swv.device_ptr(&stream);
+    {
+        let (dp, _d, _y) = match sums.as_mut() {
+            Some(s) => {
+                let (p, g) = s.device_ptr_mut(&stream);
+                (p, Some(g), None)
+            }
+            None => {
+                let (p, g) = y.device_ptr_mut(&stream);
+                (p, None, Some(g))
+            }
+        };
+        let (wsp, _ws) = st.workspace.device_ptr_mut(&stream);
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: the plan's layouts describe these buffers (weight [n, k] and activations
+        // [m, k] E4M3, the sums [m, n] of the plan's output type, all contiguous, checked
+        // above), the workspace is the size the plan was chosen for, and everything is on
+        // `stream`.
+        unsafe {
+            lt::matmul(
+                st.handle,
+                p.desc,
+                (&raw const alpha).cast(),
+                (&raw const beta).cast(),
+                wp as *const c_void,
+                p.a,
+                xp as *const c_void,
+                p.b,
+                dp as *const c_void,
+                p.d,
+                dp as *mut c_void,
+                p.d,
+                &raw const p.algo,
+                wsp as *mut c_void,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| cuda_err("matmul", e))?;
+    }
+    scale_outer::<T>(dev, &mut y, sums.as_ref(), sxp, swp, (m, n))?;
     Ok(tensor_from_slice(y, dev, (m, n)))
 }
 

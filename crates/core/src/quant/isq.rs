@@ -90,41 +90,37 @@ impl Isq {
         };
         let (_, cols) = weight.dims2().map_err(err)?;
         let before = weight.elem_count() * weight.dtype().size_in_bytes();
-        if self.format == IsqFormat::Fp8 {
-            let q = Fp8Linear::quantize(&weight).map_err(err)?;
-            // the kernel's time, not its launch's
-            weight.device().synchronize().map_err(err)?;
-            let after = q.size_in_bytes();
-            let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
-            r.bytes_before += before;
-            r.bytes_after += after;
-            r.quantized += 1;
-            r.products
-                .get_or_insert_with(|| Fp8Linear::products(weight.device()).to_string());
-            r.time += start.elapsed();
-            return Ok(Arc::new(q));
-        }
-        let chosen = storage_type(self.format, cols);
-        let (method, after): (Arc<dyn LinearMethod>, usize) = match chosen {
-            Some(t) => {
-                let q = GgmlLinear::quantize(&weight, t).map_err(err)?;
+        // the method, its bytes, and the type it is kept in when not the format's own
+        let (method, after, fallback): (Arc<dyn LinearMethod>, usize, Option<&str>) =
+            if self.format == IsqFormat::Fp8 {
+                let q = Fp8Linear::quantize(&weight).map_err(err)?;
+                // the kernel's time, not its launch's
+                weight.device().synchronize().map_err(err)?;
                 let bytes = q.size_in_bytes();
-                (Arc::new(q), bytes)
-            }
-            None => (Arc::new(Dense::new(weight)), before),
-        };
+                (Arc::new(q), bytes, None)
+            } else {
+                match storage_type(self.format, cols) {
+                    Some(t) => {
+                        let q = GgmlLinear::quantize(&weight, t).map_err(err)?;
+                        let bytes = q.size_in_bytes();
+                        let fallback = (Some(t) != self.format.ggml()).then(|| ggml_name(t));
+                        (Arc::new(q), bytes, fallback)
+                    }
+                    None => (Arc::new(Dense::new(weight.clone())), before, Some("dense")),
+                }
+            };
         let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
         r.bytes_before += before;
         r.bytes_after += after;
         r.time += start.elapsed();
-        match chosen {
-            Some(t) if Some(t) == self.format.ggml() => r.quantized += 1,
-            Some(t) => {
-                r.quantized += 1;
-                r.fallbacks
-                    .push((name.to_string(), ggml_name(t).to_string()));
-            }
-            None => r.fallbacks.push((name.to_string(), "dense".to_string())),
+        if fallback != Some("dense") {
+            r.quantized += 1;
+        }
+        if let Some(t) = fallback {
+            r.fallbacks.push((name.to_string(), t.to_string()));
+        }
+        if self.format == IsqFormat::Fp8 && r.products.is_none() {
+            r.products = Some(Fp8Linear::products(weight.device()).to_string());
         }
         Ok(method)
     }
