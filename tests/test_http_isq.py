@@ -1,6 +1,7 @@
-"""`rserve serve --isq FORMAT` and GGUF files. With --isq the server quantizes the decoder's
-projections while loading, says so on its startup line (format, sizes, time, tensors that fell
-back), and serves; an unknown format stops it with the list of known ones. A GGUF file serves with
+"""`rserve serve --isq FORMAT`, `--kv-cache-dtype fp8` and GGUF files. With --isq the server
+quantizes the decoder's projections while loading, says so on its startup line (format, sizes,
+time, tensors that fell back), and serves; an unknown format stops it with the list of known ones.
+With --kv-cache-dtype fp8 its startup line gives the cache's tokens in fp8_e4m3. A GGUF file serves with
 the template from its metadata and says how its tensors are stored; a truncated one stops the
 server naming the file and the tensor."""
 
@@ -69,6 +70,18 @@ def test_quantization_takes_fp8_only_and_must_agree_with_isq() -> None:
     assert "awq" in out and "fp8" in out, out
     out = refused("--quantization", "fp8", "--isq", "q8_0")
     assert "disagree" in out, out
+
+
+def test_kv_cache_dtype_fp8_serves_from_an_fp8_cache(tmp_path: Path) -> None:
+    log = serve_one_completion(tmp_path, "kv-fp8", "--kv-cache-dtype", "fp8")
+    assert "tokens in fp8_e4m3" in log, log
+
+
+def test_unknown_kv_cache_dtype_is_refused() -> None:
+    out = refused("--kv-cache-dtype", "int8")
+    assert "int8" in out and "fp8" in out, out
+    out = refused("--kv-cache-dtype", "fp8_e5m2")
+    assert "not supported" in out, out
 
 
 GGUF = REPO / "tests" / "fixtures" / "gguf"

@@ -50,6 +50,7 @@ _ENGINE_KWARGS = frozenset(
         "isq_lm_head",
         "tokenizer",
         "quantization",
+        "kv_cache_dtype",
     }
 )
 
@@ -268,7 +269,8 @@ class LLM:
     `async_scheduling` (default on: on a GPU the next step is issued while the current one runs),
     `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`,
     `fp8`), `quantization` (vLLM's spelling of `isq="fp8"`), `isq_lm_head` (with `isq`, the
-    output head too), `tokenizer` (a directory whose `tokenizer.json` replaces the model's).
+    output head too), `tokenizer` (a directory whose `tokenizer.json` replaces the model's),
+    `kv_cache_dtype` (`"auto"` or `"fp8"`: an FP8 E4M3 KV cache holding twice the tokens).
     """
 
     def __init__(
@@ -326,6 +328,16 @@ class LLM:
     @property
     def vocab_size(self) -> int:
         return self._engine.vocab_size
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds (all sequences together)."""
+        return self._engine.kv_cache_tokens
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores: `auto` (the model's dtype) or `fp8_e4m3`."""
+        return self._engine.kv_cache_dtype
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the model's special tokens unless told otherwise)."""

@@ -15,7 +15,8 @@ Parts (choose with --parts, comma-separated):
   quant    the first --big shape served bf16 and with each --isq format in RSERVE_QUANT (default
            bf16,fp8,q8_0,q4k): load time to /health (weights in the page cache), peak host RSS, the
            startup ISQ line, teacher-forced log-prob error against the bf16 model, batch-1 decode,
-           and 256 concurrent requests for the formats in RSERVE_QUANT_C256 (default bf16,fp8)
+           and 256 concurrent requests for the formats in RSERVE_QUANT_C256 (default bf16,fp8); a
+           format FORMAT+kv8 adds --kv-cache-dtype fp8 (bf16+kv8: the FP8 cache alone)
 
 RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
 RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios.
@@ -568,6 +569,18 @@ def part_quant(a, out: Path) -> None:
     # rounded as `--isq fp8` does (E4M3, a scale per output channel / per token): what the format
     # itself costs, and the reference rserve's fp8 products are held to
     hf_bf16 = teacher_forced_hf(model, ids)
+    kv_sim = None
+    if any(f.endswith("+kv8") for f in formats):
+        # the same model with every K and V rounded to E4M3 at unit scale, as an FP8 cache holds
+        # them (transformers rounds before the rotary embedding, rserve after it)
+        hooks = [proj.register_forward_hook(lambda _m, _a, y: y.to(torch.float8_e4m3fn).to(y.dtype))
+                 for layer in model.model.layers
+                 for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        kv_sim = teacher_forced_hf(model, ids)
+        for h in hooks:
+            h.remove()
+        emit(out, {"part": "quant-reference", "model": kind,
+                   "transformers_kv_fp8_sim_vs_bf16": compare(kind, hf_bf16, (kv_sim[0], kv_sim[1]))})
     sim = None
     if "fp8" in formats:
         def fake_fp8(x):
@@ -592,7 +605,13 @@ def part_quant(a, out: Path) -> None:
     c256 = os.environ.get("RSERVE_QUANT_C256", "bf16,fp8").split(",")
     base = None
     for f in formats:
-        extra = [] if f == "bf16" else ["--isq", f]
+        # FORMAT[+kv8]: --isq FORMAT (bf16: none), and with +kv8 an FP8 KV cache
+        weights, _, kv = f.partition("+")
+        extra = [] if weights == "bf16" else ["--isq", weights]
+        if kv == "kv8":
+            extra += ["--kv-cache-dtype", "fp8"]
+        elif kv:
+            raise SystemExit(f"RSERVE_QUANT: unknown suffix +{kv} in {f} (known: +kv8)")
         extra += shlex.split(os.environ.get(f"RSERVE_QUANT_ARGS_{f.upper()}", ""))
         rec: dict = {"part": "quant", "model": kind, "format": f, "args": extra}
         try:
@@ -606,11 +625,14 @@ def part_quant(a, out: Path) -> None:
         rec["peak_rss_gb"] = peak_rss_gb(srv.proc.pid)
         try:
             lines = srv.log_path.read_text().splitlines()
-            rec["startup"] = [ln.strip()[-400:] for ln in lines if "ISQ" in ln or "rserve: serving" in ln][-3:]
+            rec["startup"] = [ln.strip()[-400:] for ln in lines
+                              if "ISQ" in ln or "rserve: serving" in ln or "KV cache" in ln][-4:]
             lp, arg = teacher_forced_rserve(srv, ids)
             rec["vs_transformers_bf16"] = compare(kind, hf_bf16, (lp, arg))
             if f == "fp8" and sim is not None:
                 rec["vs_transformers_fp8_sim"] = compare(kind, sim, (lp, arg))
+            if f == "bf16+kv8" and kv_sim is not None:
+                rec["vs_transformers_kv_fp8_sim"] = compare(kind, kv_sim, (lp, arg))
             if f == "bf16":
                 base = (lp, arg)
             elif base is not None:

@@ -41,6 +41,8 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: Option<usize>,
     pub block_size: usize,
     pub kv_cache: KvBudget,
+    /// What the KV cache stores (`--kv-cache-dtype`).
+    pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
     /// Fraction of GPU memory rserve may use in all (weights, activations, KV cache).
     pub gpu_memory_utilization: f64,
     pub seed: u64,
@@ -75,6 +77,7 @@ impl EngineConfig {
             max_num_batched_tokens: None,
             block_size: 16,
             kv_cache: KvBudget::Auto,
+            kv_cache_dtype: crate::kv_cache::KvCacheDtype::Auto,
             gpu_memory_utilization: 0.9,
             seed: 0,
             isq: None,
@@ -104,6 +107,8 @@ pub struct EngineInfo {
     pub num_blocks: usize,
     pub block_size: usize,
     pub dtype: DType,
+    /// What the KV cache stores.
+    pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
     /// `cpu` or `cuda:N`.
     pub device: String,
 }

@@ -299,11 +299,11 @@ impl ModelRunner {
 }
 
 /// Runs one forward pass over a synthetic prompt of `tokens` tokens with `rows` logit rows, on a
-/// scratch cache just large enough, to measure the activation peak; returns the scratch cache's
-/// bytes (to be subtracted from the peak).
+/// scratch cache (of `cache_dtype`) just large enough, to measure the activation peak; returns the
+/// scratch cache's bytes (to be subtracted from the peak).
 pub fn profile_forward(
     model: &dyn Model,
-    dtype: candle_core::DType,
+    cache_dtype: candle_core::DType,
     device: &Device,
     tokens: usize,
     rows: usize,
@@ -317,7 +317,7 @@ pub fn profile_forward(
         block_size,
         mc.num_kv_heads,
         mc.head_dim,
-        dtype,
+        cache_dtype,
         device,
     )?;
     let ids: Vec<u32> = (0..tokens as u32)
@@ -349,6 +349,6 @@ pub fn profile_forward(
         block_size,
         mc.num_kv_heads,
         mc.head_dim,
-        dtype,
+        cache_dtype,
     ) * blocks)
 }

@@ -12,6 +12,9 @@
 // are empty. The unnormalised partial results go to the same buffers as paged_attention's split,
 // merged by paged_attention_combine.
 //
+// FP8 caches (C = e4m3) are read with 8-byte (4-byte for f32) loads of the same Vec16<T>::N
+// values and converted in registers.
+//
 // Host guarantees: head_dim * sizeof(T) is a multiple of 16 and head_dim <= 256; the group of
 // query heads per KV head is <= G; every listed sequence has exactly one query token.
 // Shared bytes: 4 * (G * head_dim + G * kChunk + 3 * G + kChunk).
@@ -100,15 +103,16 @@ __device__ void decode_finish(float (&acc)[G][Vec16<T>::N], float* scratch, cons
 
 
 // KU / VU: 16-byte K-row and V-row loads a thread issues before using any of them.
-template <typename T, int G, int KU = 4, int VU = 8>
+template <typename T, typename C, int G, int KU = 4, int VU = 8>
 __device__ void paged_decode_impl(
-    T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
     const uint32_t* __restrict__ seq_lens, const uint32_t* __restrict__ query_start,
     const uint32_t* __restrict__ seqs, int width, int num_heads, int kv_heads, int head_dim,
     int block_size, float scale, int window, long q_stride, int split_keys, long total_rows,
     float* __restrict__ part_acc, float* __restrict__ part_ml) {
   constexpr int VN = Vec16<T>::N;
+  using Cv = CacheVec<T, C>;
   const int D = head_dim;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -155,8 +159,8 @@ __device__ void paged_decode_impl(
 
   const uint32_t* table = block_tables + (size_t)seq * width;
   const size_t row_stride = (size_t)kv_heads * D;
-  const T* kbase = k_cache + (size_t)kvh * D;
-  const T* vbase = v_cache + (size_t)kvh * D;
+  const C* kbase = k_cache + (size_t)kvh * D;
+  const C* vbase = v_cache + (size_t)kvh * D;
 
   for (int c0 = k_begin; c0 < k_end; c0 += kChunk) {
     const int nk = min(kChunk, k_end - c0);
@@ -168,21 +172,20 @@ __device__ void paged_decode_impl(
       // 64-bit arithmetic; a slot itself fits 32 bits (KvCache holds fewer than 2^32 token slots)
       const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
       sslot[kk] = (uint32_t)slot;
-      const T* kr = kbase + (size_t)slot * row_stride;
+      const C* kr = kbase + (size_t)slot * row_stride;
       float s[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
       for (int c0 = 0; c0 < D; c0 += KU * VN) {
-        uint4 raw[KU];  // all KU loads issued before any is used
+        typename Cv::Raw raw[KU];  // all KU loads issued before any is used
 #pragma unroll
-        for (int u = 0; u < KU; ++u)
-          raw[u] = c0 + u * VN < D ? ldg16(kr + c0 + u * VN) : make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < KU; ++u) raw[u] = c0 + u * VN < D ? Cv::load(kr + c0 + u * VN) : Cv::zero();
 #pragma unroll
         for (int u = 0; u < KU; ++u) {
           const int c = c0 + u * VN;
           if (c >= D) break;
           float f[VN];
-          Vec16<T>::unpack(raw[u], f);
+          Cv::unpack(raw[u], f);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float* qg = sq + g * D + c;
@@ -234,19 +237,18 @@ __device__ void paged_decode_impl(
 #pragma unroll
         for (int e = 0; e < VN; ++e) acc[g][e] *= sc[g];
       for (int k0 = st; k0 < nk; k0 += streams * VU) {
-        uint4 raw[VU];  // all VU rows' loads issued before any is used
+        typename Cv::Raw raw[VU];  // all VU rows' loads issued before any is used
 #pragma unroll
         for (int u = 0; u < VU; ++u) {
           const int kk = k0 + u * streams;
-          raw[u] = kk < nk ? ldg16(vbase + (size_t)sslot[kk] * row_stride + cv * VN)
-                           : make_uint4(0, 0, 0, 0);
+          raw[u] = kk < nk ? Cv::load(vbase + (size_t)sslot[kk] * row_stride + cv * VN) : Cv::zero();
         }
 #pragma unroll
         for (int u = 0; u < VU; ++u) {
           const int kk = k0 + u * streams;
           if (kk >= nk) break;
           float v[VN];
-          Vec16<T>::unpack(raw[u], v);
+          Cv::unpack(raw[u], v);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float p = ss[g * kChunk + kk];
@@ -286,30 +288,42 @@ __device__ void paged_decode_impl(
 // group's few heads. The score fragment becomes P.V's B operand through one register transpose
 // (movmatrix) per 8 keys, and a head's softmax max is taken over the 8 lanes that hold its keys.
 //
+// FP8 caches (C = e4m3): the ring's stages hold the tiles' E4M3 bytes (rows of head_dim bytes, so
+// a 16-byte copy carries 16 values); a warp converts its current tile into one 16-bit stage of
+// its own, which the products read as above. The queries then borrow warp 0's converted stage.
+//
 // Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
-//             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T).
+//             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T), or for FP8 caches
+//               WARPS * (2 * 16 * (head_dim + 8) * sizeof(T) + S * 2 * 16 * head_dim).
 constexpr int kTcKeys = 16;  // keys per warp tile
 
-template <typename T, int D, int S, int WARPS, bool KM>
+template <typename T, typename C, int D, int S, int WARPS, bool KM>
 __device__ void paged_decode_tc_impl(
-    T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k_cache,
-    const T* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
+    T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
+    const C* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
     const uint32_t* __restrict__ seq_lens, const uint32_t* __restrict__ query_start,
     const uint32_t* __restrict__ seqs, int width, int num_heads, int kv_heads, int /*head_dim*/,
     int block_size, float scale, int window, long q_stride, int split_keys, long total_rows,
     float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  constexpr bool F8 = sizeof(C) == 1;
   constexpr int LD = D + 8;                 // padded row: ldmatrix rows hit distinct banks
-  constexpr int CH = D / 8;                 // 16-byte pieces per row
+  constexpr int PIECE = 16 / sizeof(C);     // cache values per 16-byte copy
+  constexpr int CH = D / PIECE;             // 16-byte pieces per cache row
   constexpr int KSTEP = 32 / CH;            // keys a warp's lanes cover per copy round
   constexpr int NU = kTcKeys / KSTEP;       // copy rounds per tile
-  constexpr int WSTAGE = 2 * kTcKeys * LD;  // one warp stage: K tile, then V tile
+  constexpr int WSTAGE = 2 * kTcKeys * LD;  // one 16-bit warp stage: K tile, then V tile
+  constexpr int RSTAGE = 2 * kTcKeys * D;   // one FP8 stage in bytes: K tile, then V tile
+  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(T);     // a key's row in a ring stage
+  constexpr int STAGE_BYTES = F8 ? RSTAGE : WSTAGE * (int)sizeof(T);
+  constexpr int CONV_BYTES = F8 ? WSTAGE * (int)sizeof(T) : 0;  // FP8: the converted stage
+  constexpr int WARP_BYTES = CONV_BYTES + S * STAGE_BYTES;
   constexpr int THREADS = 32 * WARPS;
   constexpr int NO = KM ? D / 16 : D / 8;  // accumulator fragments per lane
   using Mma = tc_mma<T>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(S >= 2, "the queries borrow warp 0's last stage");
-  static_assert(WARPS * 16 * (D + 2) * 4 <= WARPS * S * WSTAGE * (int)sizeof(T),
+  static_assert(WARPS * 16 * (D + 2) * 4 <= WARPS * WARP_BYTES,
                 "the warps' results must fit in the rings");
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -330,15 +344,18 @@ __device__ void paged_decode_tc_impl(
 
   pdl_trigger();
   extern __shared__ __align__(16) unsigned char tc_dec_smem[];
-  T* ring = reinterpret_cast<T*>(tc_dec_smem) + warp * S * WSTAGE;  // this warp's stages
-  // [16, LD] queries, in warp 0's last stage: no tile lands there before every warp holds them
-  T* sq = reinterpret_cast<T*>(tc_dec_smem) + (S - 1) * WSTAGE;
+  unsigned char* wmem = tc_dec_smem + warp * WARP_BYTES;
+  T* conv = reinterpret_cast<T*>(wmem);    // FP8: this warp's converted stage
+  unsigned char* ring = wmem + CONV_BYTES;  // this warp's S stages
+  // [16, LD] queries, in warp 0's last stage (FP8: its converted stage): no tile lands there
+  // before every warp holds them
+  T* sq = reinterpret_cast<T*>(tc_dec_smem + (F8 ? 0 : (S - 1) * STAGE_BYTES));
 
   // this warp's j-th tile -> stage j % S: lane copies piece lane % CH of keys lane / CH + KSTEP u
   const uint32_t* table = block_tables + (size_t)seq * width;
   const size_t row_stride = (size_t)kv_heads * D;
   const int key0 = lane / CH;
-  const int col = 8 * (lane % CH);
+  const int col = PIECE * (lane % CH);
   // the cache row of key pos (block_size is a power of two here); when blocks hold whole tiles and
   // the keys start on a tile boundary (no sliding window) a tile lies in one block, so one table
   // read per tile serves its keys
@@ -348,7 +365,7 @@ __device__ void paged_decode_tc_impl(
   const size_t head_col = (size_t)kvh * D + col;
   const auto load = [&](int j) {
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
-    T* sk = ring + (j % S) * WSTAGE + key0 * LD + col;
+    unsigned char* sk = ring + (j % S) * STAGE_BYTES + key0 * ROW_BYTES + col * (int)sizeof(C);
     const size_t tile_off = whole_tiles ? cache_row(k0) * row_stride + head_col : 0;
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
@@ -359,8 +376,8 @@ __device__ void paged_decode_tc_impl(
         off = tile_off + (size_t)(key0 + KSTEP * u) * row_stride;
       else if (valid)
         off = cache_row(pos) * row_stride + head_col;
-      tc_cp_async16(sk + KSTEP * u * LD, k_cache + off, valid);
-      tc_cp_async16(sk + (kTcKeys + KSTEP * u) * LD, v_cache + off, valid);
+      tc_cp_async16(sk + KSTEP * u * ROW_BYTES, k_cache + off, valid);
+      tc_cp_async16(sk + (kTcKeys + KSTEP * u) * ROW_BYTES, v_cache + off, valid);
     }
   };
 #pragma unroll
@@ -370,8 +387,8 @@ __device__ void paged_decode_tc_impl(
   }
 
   // queries: rows past the group are zero
-  for (int i = tid; i < 16 * CH; i += THREADS) {
-    const int r = i / CH, c = 8 * (i % CH);
+  for (int i = tid; i < 16 * (D / 8); i += THREADS) {
+    const int r = i / (D / 8), c = 8 * (i % (D / 8));
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < group) v = ldg16(q + (size_t)tok * q_stride + (size_t)(h0 + r) * D + c);
     *reinterpret_cast<uint4*>(sq + r * LD + c) = v;
@@ -410,7 +427,12 @@ __device__ void paged_decode_tc_impl(
     __syncwarp();  // every lane's pieces of tile j are in; tile j - 1's stage is consumed
     if (j + S - 1 < my_tiles) load(j + S - 1);
     tc_cp_async_commit();
-    const T* sk = ring + (j % S) * WSTAGE;
+    const T* sk = reinterpret_cast<const T*>(ring + (j % S) * STAGE_BYTES);
+    if constexpr (F8) {
+      e4m3_rows_to_smem<T>(conv, LD, ring + (j % S) * STAGE_BYTES, D, RSTAGE / 16, lane, 32);
+      __syncwarp();
+      sk = conv;
+    }
     const T* sv = sk + kTcKeys * LD;
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
     if constexpr (KM) {
@@ -550,8 +572,8 @@ __device__ void paged_decode_tc_impl(
 }  // namespace
 
 // Every decode kernel's arguments, in the order the host passes them (paged_attention.rs).
-#define PAGED_DECODE_PARAMS(T)                                                                    \
-  T *out, const T *q, const T *k_cache, const T *v_cache, const uint32_t *block_tables,           \
+#define PAGED_DECODE_PARAMS(T, C)                                                                 \
+  T *out, const T *q, const C *k_cache, const C *v_cache, const uint32_t *block_tables,           \
       const uint32_t *seq_lens, const uint32_t *query_start, const uint32_t *seqs, int width,     \
       int num_heads, int kv_heads, int head_dim, int block_size, float scale, int window,         \
       long q_stride, int split_keys, long total_rows, float *part_acc, float *part_ml
@@ -560,29 +582,32 @@ __device__ void paged_decode_tc_impl(
       kv_heads, head_dim, block_size, scale, window, q_stride, split_keys, total_rows, part_acc,  \
       part_ml
 
-#define PAGED_DECODE_G(T, NAME, G)                                                                \
+#define PAGED_DECODE_G(T, C, NAME, G)                                                             \
   extern "C" __global__ void __launch_bounds__(kDecThreads)                                       \
-      paged_decode_g##G##_##NAME(PAGED_DECODE_PARAMS(T)) {                                        \
-    paged_decode_impl<T, G>(PAGED_DECODE_ARGS);                                                   \
+      paged_decode_g##G##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                                     \
+    paged_decode_impl<T, C, G>(PAGED_DECODE_ARGS);                                                \
   }
-#define PAGED_DECODE(T, NAME) PAGED_DECODE_G(T, NAME, 1) PAGED_DECODE_G(T, NAME, 4) \
-  PAGED_DECODE_G(T, NAME, 8) PAGED_DECODE_G(T, NAME, 16)
-RSERVE_FOR_DTYPES(PAGED_DECODE)
+#define PAGED_DECODE(T, C, NAME) PAGED_DECODE_G(T, C, NAME, 1) PAGED_DECODE_G(T, C, NAME, 4) \
+  PAGED_DECODE_G(T, C, NAME, 8) PAGED_DECODE_G(T, C, NAME, 16)
+RSERVE_FOR_CACHES(PAGED_DECODE)
 
 // paged_decode_tc_*: heads as rows (groups up to 16); paged_decode_tk_*: keys as rows (up to 8)
-#define PAGED_DECODE_TC_W(T, NAME, D, W)                                                          \
+#define PAGED_DECODE_TC_W(T, C, NAME, D, W)                                                       \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
-      paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
-    paged_decode_tc_impl<T, D, 3, W, false>(PAGED_DECODE_ARGS);                                   \
+      paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
+    paged_decode_tc_impl<T, C, D, 3, W, false>(PAGED_DECODE_ARGS);                                \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
-      paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T)) {                              \
-    paged_decode_tc_impl<T, D, 3, W, true>(PAGED_DECODE_ARGS);                                    \
+      paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
+    paged_decode_tc_impl<T, C, D, 3, W, true>(PAGED_DECODE_ARGS);                                 \
   }
-#define PAGED_DECODE_TC(T, NAME, D) PAGED_DECODE_TC_W(T, NAME, D, 2) PAGED_DECODE_TC_W(T, NAME, D, 4)
-PAGED_DECODE_TC(__nv_bfloat16, bf16, 64)
-PAGED_DECODE_TC(__nv_bfloat16, bf16, 128)
-PAGED_DECODE_TC(__half, f16, 64)
-PAGED_DECODE_TC(__half, f16, 128)
+#define PAGED_DECODE_TC(T, C, NAME, D) \
+  PAGED_DECODE_TC_W(T, C, NAME, D, 2) PAGED_DECODE_TC_W(T, C, NAME, D, 4)
+#define PAGED_DECODE_TC_DIMS(T, C, NAME) PAGED_DECODE_TC(T, C, NAME, 64) PAGED_DECODE_TC(T, C, NAME, 128)
+PAGED_DECODE_TC_DIMS(__nv_bfloat16, __nv_bfloat16, bf16)
+PAGED_DECODE_TC_DIMS(__half, __half, f16)
+PAGED_DECODE_TC_DIMS(__nv_bfloat16, e4m3, bf16_fp8)
+PAGED_DECODE_TC_DIMS(__half, e4m3, f16_fp8)
+#undef PAGED_DECODE_TC_DIMS
 #undef PAGED_DECODE_TC
 #undef PAGED_DECODE_TC_W

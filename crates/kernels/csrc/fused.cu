@@ -104,25 +104,38 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
   }
 }
 
+// Stores Vec16<T>::N floats into a cache row: rounded to T, then (FP8 caches) times `inv` and
+// rounded to E4M3, as the CPU path rounds.
+template <typename T, typename C> struct CacheStore {
+  __device__ __forceinline__ static void vec(C* p, const float* f, float) { store16(p, f); }
+};
+template <typename T> struct CacheStore<T, e4m3> {
+  __device__ __forceinline__ static void vec(e4m3* p, const float* f, float inv) {
+#pragma unroll
+    for (int e = 0; e < Vec16<T>::N; ++e) p[e] = CacheElem<e4m3>::put(to_f32(from_f32<T>(f[e])), inv);
+  }
+};
+
 // Rotary embedding with the cache write, one CTA per token. qkv: [tokens, heads + 2 * kv_heads,
 // D] (rows `row_stride` apart); q heads rotate in place with cos/sin: [max_positions, D / 2] (the
 // "rotate half" layout of Hugging Face Llama), k heads rotate in place and into k_cache at the
 // token's slot, v heads are copied into v_cache (caches [slots, kv_heads * D]; a negative slot
-// skips the writes, others were validated). With slots null nothing is written to a cache: the
-// first `heads` heads are rotated (rotary_qk, kv_heads 0).
-template <typename T>
+// skips the writes, others were validated; FP8 caches take values times k_inv / v_inv). With
+// slots null nothing is written to a cache: the first `heads` heads are rotated (rotary_qk,
+// kv_heads 0).
+template <typename T, typename C>
 __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
                                      const T* __restrict__ cos, const T* __restrict__ sin,
                                      int heads, int kv_heads, int head_dim, long row_stride,
-                                     T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                     const int64_t* __restrict__ slots) {
+                                     C* __restrict__ k_cache, C* __restrict__ v_cache,
+                                     const int64_t* __restrict__ slots, float k_inv, float v_inv) {
   const int half = head_dim / 2;
   const long pos = positions[blockIdx.x];
   const int64_t slot = slots ? slots[blockIdx.x] : -1;
   const long kv_row = (long)kv_heads * head_dim;
   T* row = qkv + (long)blockIdx.x * row_stride;
-  T* kd = slot >= 0 ? k_cache + slot * kv_row : nullptr;
-  T* vd = slot >= 0 ? v_cache + slot * kv_row : nullptr;
+  C* kd = slot >= 0 ? k_cache + slot * kv_row : nullptr;
+  C* vd = slot >= 0 ? v_cache + slot * kv_row : nullptr;
   const T* c = cos + pos * half;
   const T* s = sin + pos * half;
   const int rotated = (heads + kv_heads) * half;
@@ -150,14 +163,15 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
         store16(p + j, y1);
         store16(p + j + half, y2);
         if (h >= heads && kd) {
-          T* k = kd + (long)(h - heads) * head_dim;
-          store16(k + j, y1);
-          store16(k + j + half, y2);
+          C* k = kd + (long)(h - heads) * head_dim;
+          CacheStore<T, C>::vec(k + j, y1, k_inv);
+          CacheStore<T, C>::vec(k + j + half, y2, k_inv);
         }
       } else if (vd) {
         const long v = (long)(i - rv) * VN;
-        *reinterpret_cast<uint4*>(vd + v) =
-            *reinterpret_cast<const uint4*>(row + (long)(heads + kv_heads) * head_dim + v);
+        float x[VN];
+        load16_rw(row + (long)(heads + kv_heads) * head_dim + v, x);
+        CacheStore<T, C>::vec(vd + v, x, v_inv);
       }
     }
     return;
@@ -172,13 +186,13 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
       p[j] = y1;
       p[j + half] = y2;
       if (h >= heads && kd) {
-        T* k = kd + (long)(h - heads) * head_dim;
-        k[j] = y1;
-        k[j + half] = y2;
+        C* k = kd + (long)(h - heads) * head_dim;
+        k[j] = CacheElem<C>::put(to_f32(y1), k_inv);
+        k[j + half] = CacheElem<C>::put(to_f32(y2), k_inv);
       }
     } else if (vd) {
       const long v = i - rotated;
-      vd[v] = row[(long)(heads + kv_heads) * head_dim + v];
+      vd[v] = CacheElem<C>::put(to_f32(row[(long)(heads + kv_heads) * head_dim + v]), v_inv);
     }
   }
 }
@@ -216,16 +230,19 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   extern "C" __global__ void rotary_qk_##NAME(T* qkv, const uint32_t* positions, const T* cos,     \
                                               const T* sin, int rotated_heads, int head_dim,       \
                                               long row_stride) {                                   \
-    rotary_qk_cache_impl<T>(qkv, positions, cos, sin, rotated_heads, 0, head_dim, row_stride,      \
-                            nullptr, nullptr, nullptr);                                            \
-  }                                                                                                \
-  extern "C" __global__ void rotary_qk_cache_##NAME(                                               \
-      T* qkv, const uint32_t* positions, const T* cos, const T* sin, int heads, int kv_heads,      \
-      int head_dim, long row_stride, T* k_cache, T* v_cache, const int64_t* slots) {               \
-    rotary_qk_cache_impl<T>(qkv, positions, cos, sin, heads, kv_heads, head_dim, row_stride,       \
-                            k_cache, v_cache, slots);                                              \
+    rotary_qk_cache_impl<T, T>(qkv, positions, cos, sin, rotated_heads, 0, head_dim, row_stride,   \
+                               nullptr, nullptr, nullptr, 1.f, 1.f);                               \
   }                                                                                                \
   extern "C" __global__ void to_f32_##NAME(float* out, const T* x, long n) {                       \
     to_f32_impl<T>(out, x, n);                                                                     \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)
+#define ROTARY_CACHE(T, C, NAME)                                                                   \
+  extern "C" __global__ void rotary_qk_cache_##NAME(                                               \
+      T* qkv, const uint32_t* positions, const T* cos, const T* sin, int heads, int kv_heads,      \
+      int head_dim, long row_stride, C* k_cache, C* v_cache, const int64_t* slots, float k_inv,    \
+      float v_inv) {                                                                               \
+    rotary_qk_cache_impl<T, C>(qkv, positions, cos, sin, heads, kv_heads, head_dim, row_stride,    \
+                               k_cache, v_cache, slots, k_inv, v_inv);                             \
+  }
+RSERVE_FOR_CACHES(ROTARY_CACHE)

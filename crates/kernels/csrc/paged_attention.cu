@@ -9,6 +9,7 @@
 //
 // Host-chosen sizes (see paged_attention.rs): rows * head_dim <= 4096, rows <= 16 * row_groups,
 // tile_keys * head_dim * sizeof(T) <= 8192; head_dim even and <= 256. Shared memory stays < 48 KB.
+// FP8 caches (C = e4m3) are converted to T as the tiles are copied to shared memory.
 #include "common.cuh"
 
 namespace {
@@ -19,12 +20,12 @@ constexpr int kSlots = 16;  // row slots per thread in the P.V accumulation (2 c
 template <typename T> struct Pad { static constexpr int value = 2; };
 template <> struct Pad<float> { static constexpr int value = 1; };
 
-template <typename T>
+template <typename T, typename C>
 __device__ void paged_attention_impl(
     T* __restrict__ out,                         // [num_tokens, num_heads, head_dim]
     const T* __restrict__ q,                     // [num_tokens, num_heads, head_dim], rows q_stride apart
-    const T* __restrict__ k_cache,               // [num_blocks, block_size, kv_heads, head_dim]
-    const T* __restrict__ v_cache,               // [num_blocks, block_size, kv_heads, head_dim]
+    const C* __restrict__ k_cache,               // [num_blocks, block_size, kv_heads, head_dim]
+    const C* __restrict__ v_cache,               // [num_blocks, block_size, kv_heads, head_dim]
     const uint32_t* __restrict__ block_tables,   // [num_seqs, width]
     const uint32_t* __restrict__ seq_lens,       // [num_seqs]
     const uint32_t* __restrict__ query_start,    // [num_seqs + 1]
@@ -102,10 +103,10 @@ __device__ void paged_attention_impl(
       const int pos = k0 + kk;
       const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
       const size_t src = slot * row_stride + (size_t)kvh * D + c;
-      sk[kk * DP + c] = k_cache[src];
-      sk[kk * DP + c + 1] = k_cache[src + 1];
-      sv[kk * DP + c] = v_cache[src];
-      sv[kk * DP + c + 1] = v_cache[src + 1];
+      sk[kk * DP + c] = CacheAs<T, C>::get(k_cache[src]);
+      sk[kk * DP + c + 1] = CacheAs<T, C>::get(k_cache[src + 1]);
+      sv[kk * DP + c] = CacheAs<T, C>::get(v_cache[src]);
+      sv[kk * DP + c + 1] = CacheAs<T, C>::get(v_cache[src + 1]);
     }
     __syncthreads();
 
@@ -243,20 +244,22 @@ __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part
 
 }  // namespace
 
-#define PAGED_ATTENTION(T, NAME)                                                                   \
+#define PAGED_ATTENTION(T, C, NAME)                                                                \
   extern "C" __global__ void __launch_bounds__(kThreads) paged_attention_##NAME(                   \
-      T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
+      T* out, const T* q, const C* k_cache, const C* v_cache, const uint32_t* block_tables,       \
       const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* work, int width,     \
       int num_heads, int kv_heads, int head_dim, int block_size, int heads_per_cta,               \
       int queries_per_cta, int rows_cap, int tile_keys, float scale, int window, long q_stride,   \
       int split_keys, long total_rows, float* part_acc, float* part_ml) {                         \
-    paged_attention_impl<T>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, work,  \
+    paged_attention_impl<T, C>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, work,  \
                             width, num_heads, kv_heads, head_dim, block_size, heads_per_cta,      \
                             queries_per_cta, rows_cap, tile_keys, scale, window, q_stride,        \
                             split_keys, total_rows, part_acc, part_ml);                           \
-  }                                                                                               \
+  }
+RSERVE_FOR_CACHES(PAGED_ATTENTION)
+#define PAGED_ATTENTION_COMBINE(T, NAME)                                                          \
   extern "C" __global__ void paged_attention_combine_##NAME(                                      \
       T* out, const float* part_acc, const float* part_ml, int splits, long total_rows, int D) {  \
     combine_impl<T>(out, part_acc, part_ml, splits, total_rows, D);                               \
   }
-RSERVE_FOR_DTYPES(PAGED_ATTENTION)
+RSERVE_FOR_DTYPES(PAGED_ATTENTION_COMBINE)

@@ -23,6 +23,11 @@
 //              = 32768 * (D + 8) / D: 36864 for D = 64, 34816 for D = 128.
 // Rows are padded by 8 elements so that ldmatrix and cp.async touch distinct banks.
 //
+// FP8 caches (C = e4m3): the two stages hold the tiles' E4M3 bytes (rows of D bytes, so a 16-byte
+// copy carries 16 values) and a third, 16-bit stage receives the current tile, converted by the
+// whole CTA before the products; Q is staged there. Shared bytes = 2 * BK * (D + 8) * sizeof(T) +
+// 2 stages * 2 * BK * D = 33792 for D = 128, 26624 for D = 64.
+//
 // Host guarantees: queries_per_cta * (num_heads / kv_heads) <= 64; block_size is a power of two;
 // q (and every row, q_stride being a multiple of 8), k_cache and v_cache are 16-byte aligned.
 #include "common.cuh"
@@ -38,21 +43,20 @@ template <int D> struct pf_tile {
   static constexpr int BK = 4096 / D;      // keys per tile
   static constexpr int LD = D + 8;         // shared row stride in elements (16-byte multiple)
   static constexpr int STAGE = 2 * BK * LD;  // one stage: K tile, then V tile
-  static constexpr int CH = D / 8;         // 16-byte chunks per row
   static_assert(BK % 16 == 0 && pf_rows * LD <= STAGE, "Q staging must fit in one stage");
-  static_assert((BK * CH) % pf_threads == 0, "tile chunks must split evenly over the threads");
+  static_assert((BK * D / 16) % pf_threads == 0, "tile chunks must split evenly over the threads");
 };
 
 __device__ __forceinline__ int pf_window_lo(int p, int window) {
   return window > 0 ? max(0, p + 1 - window) : 0;
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 __device__ __forceinline__ void pf_paged_prefill_impl(
     T* __restrict__ out,                        // [num_tokens, num_heads, D]
     const T* __restrict__ q,                    // [num_tokens, num_heads, D], tokens q_stride apart
-    const T* __restrict__ k_cache,              // [num_blocks, block_size, kv_heads, D]
-    const T* __restrict__ v_cache,              // [num_blocks, block_size, kv_heads, D]
+    const C* __restrict__ k_cache,              // [num_blocks, block_size, kv_heads, D]
+    const C* __restrict__ v_cache,              // [num_blocks, block_size, kv_heads, D]
     const uint32_t* __restrict__ block_tables,  // [num_seqs, width]
     const uint32_t* __restrict__ seq_lens,      // [num_seqs]
     const uint32_t* __restrict__ query_start,   // [num_seqs + 1]
@@ -60,7 +64,14 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     int width, int num_heads, int kv_heads, int block_size, int queries_per_cta, float scale,
     int window, long q_stride) {
   using Tile = pf_tile<D>;
-  constexpr int BK = Tile::BK, LD = Tile::LD, STAGE = Tile::STAGE, CH = Tile::CH;
+  constexpr int BK = Tile::BK, LD = Tile::LD, STAGE = Tile::STAGE;
+  constexpr bool F8 = sizeof(C) == 1;
+  constexpr int PIECE = 16 / sizeof(C);  // cache values per 16-byte copy
+  constexpr int CH = D / PIECE;          // 16-byte copies per cache row
+  // a copy stage: K tile then V tile, rows of ROW_BYTES; FP8 adds a 16-bit stage in front
+  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(T);
+  constexpr int STAGE_BYTES = 2 * BK * ROW_BYTES;
+  constexpr int CONV_BYTES = F8 ? STAGE * (int)sizeof(T) : 0;
   using Mma = tc_mma<T>;
 
   const int tid = threadIdx.x;
@@ -85,12 +96,14 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   const int n_tiles = (k_end - k_begin + BK - 1) / BK;
 
   extern __shared__ __align__(16) unsigned char pf_smem[];
-  T* smem = reinterpret_cast<T*>(pf_smem);  // stage s: K at s * STAGE, V at s * STAGE + BK * LD
-  T* sq = smem + STAGE;                     // Q staging, in stage 1 (free until tile 1 loads)
+  T* conv = reinterpret_cast<T*>(pf_smem);  // FP8: the converted tile (K, then V at BK * LD)
+  unsigned char* stages = pf_smem + CONV_BYTES;  // stage s at s * STAGE_BYTES: K, then V
+  // Q staging: in stage 1 (free until tile 1 loads), for FP8 in the converted stage
+  T* sq = reinterpret_cast<T*>(F8 ? pf_smem : stages + STAGE_BYTES);
 
   // ---- phase 1a: Q rows to shared memory (zeros for padding rows)
-  for (int i = tid; i < pf_rows * CH; i += pf_threads) {
-    const int r = i / CH, c = i % CH;
+  for (int i = tid; i < pf_rows * (D / 8); i += pf_threads) {
+    const int r = i / (D / 8), c = i % (D / 8);
     const bool valid = r < R;
     const T* src = valid ? q + (size_t)(qs + qi0 + r / group) * q_stride +
                                (size_t)(kvh * group + r % group) * D + 8 * c
@@ -105,7 +118,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   constexpr int NJ = BK * CH / pf_threads;
   constexpr int KEY_STEP = pf_threads / CH;
   const int key0 = tid / CH;
-  const int col = 8 * (tid % CH);
+  const int col = PIECE * (tid % CH);
   const uint32_t* table = block_tables + (size_t)seq * width;
   const size_t slot_stride = (size_t)kv_heads * D;
   const int bs_shift = __ffs(block_size) - 1;
@@ -118,16 +131,16 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     }
   };
   const auto load_tile = [&](int it) {
-    T* sk = smem + (it & 1) * STAGE + key0 * LD + col;
-    T* sv = sk + BK * LD;
+    unsigned char* sk = stages + (it & 1) * STAGE_BYTES + key0 * ROW_BYTES + col * (int)sizeof(C);
+    unsigned char* sv = sk + BK * ROW_BYTES;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int pos = k_begin + it * BK + key0 + j * KEY_STEP;
       const bool valid = pos < k_end;
       const size_t off =
           valid ? paged_slot(blk[j], pos, bs_shift) * slot_stride + (size_t)kvh * D + col : 0;
-      tc_cp_async16(sk + j * KEY_STEP * LD, k_cache + off, valid);
-      tc_cp_async16(sv + j * KEY_STEP * LD, v_cache + off, valid);
+      tc_cp_async16(sk + j * KEY_STEP * ROW_BYTES, k_cache + off, valid);
+      tc_cp_async16(sv + j * KEY_STEP * ROW_BYTES, v_cache + off, valid);
     }
   };
   if (n_tiles > 0) {
@@ -178,8 +191,14 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     __syncthreads();
 
     const int k0 = k_begin + it * BK;
+    const T* sk = reinterpret_cast<const T*>(stages + (it & 1) * STAGE_BYTES);
+    if constexpr (F8) {
+      e4m3_rows_to_smem<T>(conv, LD, stages + (it & 1) * STAGE_BYTES, D, 2 * BK * D / 16, tid,
+                           pf_threads);
+      __syncthreads();
+      sk = conv;
+    }
     if (warp_active && k0 <= wp_max && k0 + BK - 1 >= wlo_min) {
-      const T* sk = smem + (it & 1) * STAGE;
       const T* sv = sk + BK * LD;
 
       // ---- phase 3a: S = Q K^T. One x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8
@@ -261,18 +280,20 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
 
 }  // namespace
 
-#define PF_PAGED_PREFILL(T, NAME, D)                                                               \
+#define PF_PAGED_PREFILL(T, C, NAME, D)                                                            \
   extern "C" __global__ void __launch_bounds__(pf_threads) paged_prefill_d##D##_##NAME(            \
-      T* out, const T* q, const T* k_cache, const T* v_cache, const uint32_t* block_tables,       \
+      T* out, const T* q, const C* k_cache, const C* v_cache, const uint32_t* block_tables,       \
       const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* work, int width,     \
       int num_heads, int kv_heads, int block_size, int queries_per_cta, float scale, int window,  \
       long q_stride) {                                                                            \
-    pf_paged_prefill_impl<T, D>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start,    \
-                                work, width, num_heads, kv_heads, block_size, queries_per_cta,    \
-                                scale, window, q_stride);                                         \
+    pf_paged_prefill_impl<T, C, D>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, \
+                                   work, width, num_heads, kv_heads, block_size, queries_per_cta, \
+                                   scale, window, q_stride);                                      \
   }
-PF_PAGED_PREFILL(__nv_bfloat16, bf16, 64)
-PF_PAGED_PREFILL(__nv_bfloat16, bf16, 128)
-PF_PAGED_PREFILL(__half, f16, 64)
-PF_PAGED_PREFILL(__half, f16, 128)
+#define PF_PAGED_PREFILL_DIMS(T, C, NAME) PF_PAGED_PREFILL(T, C, NAME, 64) PF_PAGED_PREFILL(T, C, NAME, 128)
+PF_PAGED_PREFILL_DIMS(__nv_bfloat16, __nv_bfloat16, bf16)
+PF_PAGED_PREFILL_DIMS(__half, __half, f16)
+PF_PAGED_PREFILL_DIMS(__nv_bfloat16, e4m3, bf16_fp8)
+PF_PAGED_PREFILL_DIMS(__half, e4m3, f16_fp8)
+#undef PF_PAGED_PREFILL_DIMS
 #undef PF_PAGED_PREFILL

@@ -3,6 +3,11 @@
 //!
 //! Invariants: a slot is `block * block_size + offset`; a negative slot means "do not write" (padding);
 //! a slot past the cache is an error, never an out-of-bounds write.
+//!
+//! FP8 caches (`--kv-cache-dtype fp8`) are `U8` tensors of E4M3 bytes: a value `x` of a layer is
+//! stored as `x / scale` rounded to nearest-even and saturated ([`crate::fp8::encode`]), with one
+//! scale per layer for keys and one for values ([`CacheScales`]); the attention reads them back
+//! exactly (every E4M3 value is a 16-bit float), the key scale folded into the score scale.
 
 use crate::elem::{contiguous_range, for_kernel, Elem};
 use crate::metadata::AttentionMetadata;
@@ -10,28 +15,62 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Result, Tensor};
 use half::{bf16, f16};
 
+/// The dtype of an FP8 E4M3 cache tensor (its bytes).
+pub const FP8_CACHE_DTYPE: DType = DType::U8;
+
+/// Whether `cache` holds FP8 E4M3 bytes rather than the model's floats.
+pub fn is_fp8_cache(cache: &Tensor) -> bool {
+    cache.dtype() == FP8_CACHE_DTYPE
+}
+
+/// One layer's FP8 cache scales: keys are stored as `k / k`, values as `v / v`. Unit scales (the
+/// default, as vLLM uses without calibrated scales) leave values as they are; 16-bit caches ignore
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheScales {
+    pub k: f32,
+    pub v: f32,
+}
+
+impl Default for CacheScales {
+    fn default() -> Self {
+        Self { k: 1.0, v: 1.0 }
+    }
+}
+
+impl CacheScales {
+    /// Checks that both scales are finite and positive.
+    pub fn validate(&self) -> Result<()> {
+        for (what, s) in [("k", self.k), ("v", self.v)] {
+            if !(s.is_finite() && s > 0.0) {
+                candle_core::bail!("KV cache {what} scale {s} (must be finite and positive)");
+            }
+        }
+        Ok(())
+    }
+}
+
 struct WriteSlots<'a> {
     meta: &'a AttentionMetadata,
+    /// FP8 caches: 1 / the layer's scale.
+    inv: f32,
 }
 
 impl WriteSlots<'_> {
-    fn run<T: Elem>(
+    /// Copies row `t` of `src` (rows of `kv_heads * head_dim`, one per token) to the row of
+    /// `dst` (`[num_blocks, block_size, kv_heads, head_dim]`) at token t's slot, converting each
+    /// value with `put`; skipped slots are left alone, slots past the cache refused.
+    fn scatter<S: Copy, D>(
         &self,
-        dst: &mut CpuStorage,
+        dst: &mut [D],
         dst_l: &Layout,
-        src: &CpuStorage,
-        src_l: &Layout,
+        src: &[S],
+        put: impl Fn(S) -> D,
     ) -> Result<()> {
-        // dst: [num_blocks, block_size, kv_heads, head_dim]; src: [num_tokens, kv_heads, head_dim]
         let dims = dst_l.dims();
         let row = dims[2] * dims[3];
         let total_slots = dims[0] * dims[1];
         let (da, db) = contiguous_range(dst_l, "cache")?;
-        let (sa, sb) = contiguous_range(src_l, "new k/v")?;
-        let src = T::slice(src)
-            .ok_or_else(|| candle_core::Error::Msg("k/v dtype must match the cache".into()))?;
-        let src = &src[sa..sb];
-        let dst = T::slice_mut(dst).ok_or_else(|| candle_core::Error::Msg("cache dtype".into()))?;
         let dst = &mut dst[da..db];
         if src.len() != self.meta.slots.len() * row {
             candle_core::bail!(
@@ -48,9 +87,44 @@ impl WriteSlots<'_> {
             if slot >= total_slots {
                 candle_core::bail!("slot {slot} outside the cache ({total_slots} slots)");
             }
-            dst[slot * row..(slot + 1) * row].copy_from_slice(&src[t * row..(t + 1) * row]);
+            let d = &mut dst[slot * row..(slot + 1) * row];
+            for (o, &x) in d.iter_mut().zip(&src[t * row..(t + 1) * row]) {
+                *o = put(x);
+            }
         }
         Ok(())
+    }
+
+    /// Into an FP8 cache: `src` of type `T`, each value times `inv`, encoded.
+    fn run_fp8<T: Elem>(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let src = crate::elem::typed::<T>(src, src_l, "new k/v")?;
+        let CpuStorage::U8(dst) = dst else {
+            candle_core::bail!("FP8 cache dtype");
+        };
+        self.scatter(dst, dst_l, src, |x| {
+            crate::fp8::encode(x.to_f32() * self.inv)
+        })
+    }
+
+    /// Into a cache of the values' own dtype `T`.
+    fn run<T: Elem>(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let (sa, sb) = contiguous_range(src_l, "new k/v")?;
+        let src = T::slice(src)
+            .ok_or_else(|| candle_core::Error::Msg("k/v dtype must match the cache".into()))?;
+        let dst = T::slice_mut(dst).ok_or_else(|| candle_core::Error::Msg("cache dtype".into()))?;
+        self.scatter(dst, dst_l, &src[sa..sb], |x| x)
     }
 }
 
@@ -66,11 +140,14 @@ impl InplaceOp2 for WriteSlots<'_> {
         src: &CpuStorage,
         src_l: &Layout,
     ) -> Result<()> {
-        match dst.dtype() {
-            DType::F32 => self.run::<f32>(dst, dst_l, src, src_l),
-            DType::BF16 => self.run::<bf16>(dst, dst_l, src, src_l),
-            DType::F16 => self.run::<f16>(dst, dst_l, src, src_l),
-            dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
+        match (dst.dtype(), src.dtype()) {
+            (DType::F32, _) => self.run::<f32>(dst, dst_l, src, src_l),
+            (DType::BF16, _) => self.run::<bf16>(dst, dst_l, src, src_l),
+            (DType::F16, _) => self.run::<f16>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::F32) => self.run_fp8::<f32>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::BF16) => self.run_fp8::<bf16>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::F16) => self.run_fp8::<f16>(dst, dst_l, src, src_l),
+            (dt, st) => candle_core::bail!("unsupported cache dtype {dt:?} for {st:?} k/v"),
         }
     }
 
@@ -82,18 +159,35 @@ impl InplaceOp2 for WriteSlots<'_> {
         src: &candle_core::CudaStorage,
         src_l: &Layout,
     ) -> Result<()> {
-        match dst.dtype() {
-            DType::F32 => self.cuda_run::<f32>(dst, dst_l, src, src_l),
-            DType::BF16 => self.cuda_run::<bf16>(dst, dst_l, src, src_l),
-            DType::F16 => self.cuda_run::<f16>(dst, dst_l, src, src_l),
-            dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
+        match (dst.dtype(), src.dtype()) {
+            (DType::F32, DType::F32) => self.cuda_run::<f32, f32>(dst, dst_l, src, src_l),
+            (DType::BF16, DType::BF16) => self.cuda_run::<bf16, bf16>(dst, dst_l, src, src_l),
+            (DType::F16, DType::F16) => self.cuda_run::<f16, f16>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::F32) => self.cuda_run::<f32, u8>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::BF16) => self.cuda_run::<bf16, u8>(dst, dst_l, src, src_l),
+            (FP8_CACHE_DTYPE, DType::F16) => self.cuda_run::<f16, u8>(dst, dst_l, src, src_l),
+            (dt, st) => candle_core::bail!("unsupported cache dtype {dt:?} for {st:?} k/v"),
         }
     }
 }
 
+/// The name of a kernel instantiated per (compute dtype, cache dtype): `<base>_<dtype>`, or
+/// `<base>_<dtype>_fp8` for an FP8 cache.
+#[cfg(feature = "cuda")]
+pub(crate) fn cache_kernel(base: &str, compute: DType, cache: DType) -> Result<String> {
+    let suffix = crate::cuda::dtype_suffix(compute)?;
+    Ok(if cache == FP8_CACHE_DTYPE {
+        format!("{base}_{suffix}_fp8")
+    } else if cache == compute {
+        format!("{base}_{suffix}")
+    } else {
+        candle_core::bail!("a {cache:?} cache for {compute:?} values")
+    })
+}
+
 #[cfg(feature = "cuda")]
 impl WriteSlots<'_> {
-    fn cuda_run<T>(
+    fn cuda_run<T, C>(
         &self,
         dst: &mut candle_core::CudaStorage,
         dst_l: &Layout,
@@ -104,8 +198,11 @@ impl WriteSlots<'_> {
         T: candle_core::cuda_backend::CudaDType
             + candle_core::WithDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        C: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
-        use crate::cuda::{cuda_slice, dtype_suffix, function, token_rows};
+        use crate::cuda::{cuda_slice, function, token_rows};
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
 
@@ -129,10 +226,10 @@ impl WriteSlots<'_> {
         let arrays = self.meta.device_arrays()?;
         let (sg, _) = arrays.slots.storage_and_layout();
         let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
-        let cache = dst.as_cuda_slice_mut::<T>()?;
+        let cache = dst.as_cuda_slice_mut::<C>()?;
         let func = function(
             &dev,
-            &format!("reshape_and_cache_{}", dtype_suffix(T::DTYPE)?),
+            &cache_kernel("reshape_and_cache", T::DTYPE, C::DTYPE)?,
         )?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
@@ -141,14 +238,15 @@ impl WriteSlots<'_> {
             .arg(&src_view)
             .arg(slots)
             .arg(&row_i)
-            .arg(&src_stride);
+            .arg(&src_stride)
+            .arg(&self.inv);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (row.next_multiple_of(32).min(256) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches `reshape_and_cache_<dtype>` in csrc/cache.cu; slots were validated
-        // against the cache size on the host.
+        // SAFETY: matches `reshape_and_cache_<dtype>[_fp8]` in csrc/cache.cu; slots were
+        // validated against the cache size on the host.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
@@ -163,6 +261,18 @@ pub fn reshape_and_cache(
     v_cache: &Tensor,
     meta: &AttentionMetadata,
 ) -> Result<()> {
+    reshape_and_cache_scaled(key, value, k_cache, v_cache, meta, CacheScales::default())
+}
+
+/// [`reshape_and_cache`] with the layer's FP8 scales (ignored by 16-bit caches).
+pub fn reshape_and_cache_scaled(
+    key: &Tensor,
+    value: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    meta: &AttentionMetadata,
+    scales: CacheScales,
+) -> Result<()> {
     let (_, kvh, d) = key.dims3()?;
     if value.dims3()? != key.dims3()? {
         candle_core::bail!(
@@ -172,9 +282,17 @@ pub fn reshape_and_cache(
         );
     }
     check_caches(kvh, d, k_cache, v_cache, meta)?;
-    let op = WriteSlots { meta };
-    k_cache.inplace_op2(&for_kernel(key)?, &op)?;
-    v_cache.inplace_op2(&for_kernel(value)?, &op)
+    scales.validate()?;
+    let write = |cache: &Tensor, x: &Tensor, scale: f32| {
+        let inv = if is_fp8_cache(cache) {
+            1.0 / scale
+        } else {
+            1.0
+        };
+        cache.inplace_op2(&for_kernel(x)?, &WriteSlots { meta, inv })
+    };
+    write(k_cache, key, scales.k)?;
+    write(v_cache, value, scales.v)
 }
 
 /// Checks that both caches are `[num_blocks, block_size, kv_heads, head_dim]` and that every slot
@@ -203,11 +321,15 @@ struct CopyBlocks {
 
 impl CopyBlocks {
     fn run<T: Elem>(&self, dst: &mut CpuStorage, l: &Layout) -> Result<()> {
+        let data =
+            T::slice_mut(dst).ok_or_else(|| candle_core::Error::Msg("cache dtype".into()))?;
+        self.copy(data, l)
+    }
+
+    fn copy<T: Copy>(&self, data: &mut [T], l: &Layout) -> Result<()> {
         let dims = l.dims();
         let per_block = dims[1] * dims[2] * dims[3];
         let (a, b) = contiguous_range(l, "cache")?;
-        let data =
-            T::slice_mut(dst).ok_or_else(|| candle_core::Error::Msg("cache dtype".into()))?;
         let data = &mut data[a..b];
         for &(src, dst) in &self.pairs {
             if src >= dims[0] || dst >= dims[0] {
@@ -230,11 +352,12 @@ impl candle_core::InplaceOp1 for CopyBlocks {
     }
 
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> Result<()> {
-        match s.dtype() {
-            DType::F32 => self.run::<f32>(s, l),
-            DType::BF16 => self.run::<bf16>(s, l),
-            DType::F16 => self.run::<f16>(s, l),
-            dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
+        match s {
+            CpuStorage::F32(_) => self.run::<f32>(s, l),
+            CpuStorage::BF16(_) => self.run::<bf16>(s, l),
+            CpuStorage::F16(_) => self.run::<f16>(s, l),
+            CpuStorage::U8(data) => self.copy(data, l),
+            _ => candle_core::bail!("unsupported cache dtype {:?}", s.dtype()),
         }
     }
 
@@ -262,7 +385,10 @@ impl candle_core::InplaceOp1 for CopyBlocks {
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
         let pairs = stream.clone_htod(&flat).w()?;
-        let name = format!("copy_blocks_{}", dtype_suffix(s.dtype())?);
+        let name = match s.dtype() {
+            FP8_CACHE_DTYPE => "copy_blocks_u8".to_string(),
+            dt => format!("copy_blocks_{}", dtype_suffix(dt)?),
+        };
         let func = function(&dev, &name)?;
         let per_block_i = per_block as i32;
         let cfg = LaunchConfig {
@@ -287,6 +413,7 @@ impl candle_core::InplaceOp1 for CopyBlocks {
             DType::F32 => launch!(f32),
             DType::BF16 => launch!(bf16),
             DType::F16 => launch!(f16),
+            FP8_CACHE_DTYPE => launch!(u8),
             dt => candle_core::bail!("unsupported cache dtype {dt:?}"),
         }
         Ok(())

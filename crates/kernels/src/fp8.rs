@@ -22,6 +22,26 @@ use rayon::prelude::*;
 /// E4M3's largest finite value.
 pub const E4M3_MAX: f32 = 448.0;
 
+/// Every E4M3 byte's value: [`decode`] as a table, for the CPU attention's inner loops over
+/// FP8 caches.
+pub static DECODE_TABLE: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut b = 0usize;
+    while b < 256 {
+        let (e, m) = ((b >> 3) & 0xf, b & 7);
+        let magnitude = if e == 15 && m == 7 {
+            f32::NAN
+        } else if e == 0 {
+            m as f32 / 512.0
+        } else {
+            f32::from_bits(((e + 120) << 23 | m << 20) as u32)
+        };
+        t[b] = if b & 0x80 != 0 { -magnitude } else { magnitude };
+        b += 1;
+    }
+    t
+};
+
 /// `x` in E4M3 (the `fn` variant: no infinities, NaN = `0x7f`/`0xff`), rounded to
 /// nearest-even and saturated to ±448.
 pub fn encode(x: f32) -> u8 {

@@ -2,6 +2,7 @@
 //! (which is also the reference the CUDA kernels are tested against); on CUDA each is one kernel
 //! from `csrc/fused.cu`.
 
+use crate::cache::CacheScales;
 use crate::metadata::AttentionMetadata;
 use candle_core::backend::BackendStorage;
 use candle_core::{DType, Result, Tensor};
@@ -126,7 +127,8 @@ pub fn rotary_qk_(
 
 /// [`rotary_qk_`] of the `heads` q heads and `kv_heads` k heads of `qkv`
 /// (`[tokens, heads + 2 * kv_heads, dim]`, contiguous), then [`crate::reshape_and_cache`] of its
-/// k and v heads at the metadata's slots: one kernel on CUDA, the two ops elsewhere.
+/// k and v heads at the metadata's slots (an FP8 cache takes them divided by `scales`): one
+/// kernel on CUDA, the two ops elsewhere.
 #[allow(clippy::too_many_arguments)]
 pub fn rotary_qk_cache_(
     qkv: &Tensor,
@@ -137,6 +139,7 @@ pub fn rotary_qk_cache_(
     k_cache: &Tensor,
     v_cache: &Tensor,
     meta: &AttentionMetadata,
+    scales: CacheScales,
 ) -> Result<()> {
     let (t, all, d) = qkv.dims3()?;
     if meta.slots.len() != t {
@@ -151,7 +154,9 @@ pub fn rotary_qk_cache_(
     if qkv.device().is_cuda() {
         let (pos, host) = check_rotary(qkv, positions, cos, sin, heads + kv_heads)?;
         crate::cache::check_caches(kv_heads, d, k_cache, v_cache, meta)?;
-        if k_cache.dtype() != qkv.dtype() || v_cache.dtype() != qkv.dtype() {
+        scales.validate()?;
+        let fits = |c: &Tensor| c.dtype() == qkv.dtype() || crate::cache::is_fp8_cache(c);
+        if !fits(k_cache) || k_cache.dtype() != v_cache.dtype() {
             candle_core::bail!("rotary_qk_cache: cache dtype differs from qkv");
         }
         return qkv.inplace_op1(&Rotary {
@@ -165,16 +170,18 @@ pub fn rotary_qk_cache_(
                 v_cache,
                 meta,
                 heads,
+                scales,
             }),
         });
     }
     rotary_qk_(qkv, positions, cos, sin, heads + kv_heads)?;
-    crate::reshape_and_cache(
+    crate::cache::reshape_and_cache_scaled(
         &qkv.narrow(1, heads, kv_heads)?,
         &qkv.narrow(1, heads + kv_heads, kv_heads)?,
         k_cache,
         v_cache,
         meta,
+        scales,
     )
 }
 
@@ -229,6 +236,7 @@ struct CacheWrite<'a> {
     meta: &'a AttentionMetadata,
     /// q heads before the k heads
     heads: usize,
+    scales: CacheScales,
 }
 
 impl Rotary<'_> {
@@ -607,12 +615,18 @@ mod cuda {
         {
             candle_core::bail!("rotary_qk_cache: the caches must be whole contiguous tensors");
         }
-        let k_cache = cuda_slice::<T>(&kg, "k_cache")?;
-        let v_cache = cuda_slice::<T>(&vg, "v_cache")?;
+        let fp8 = crate::cache::is_fp8_cache(cw.k_cache);
+        let (k8, v8, k16, v16);
         let arrays = cw.meta.device_arrays()?;
         let (sg, _) = arrays.slots.storage_and_layout();
         let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
-        let func = function(&dev, &format!("rotary_qk_cache_{suffix}"))?;
+        let name = crate::cache::cache_kernel("rotary_qk_cache", T::DTYPE, cw.k_cache.dtype())?;
+        let func = function(&dev, &name)?;
+        let (k_inv, v_inv) = if fp8 {
+            (1.0 / cw.scales.k, 1.0 / cw.scales.v)
+        } else {
+            (1f32, 1f32)
+        };
         let mut b = stream.launch_builder(&func);
         let (h, kvh, hd) = (cw.heads as i32, kv_heads as i32, d as i32);
         b.arg(qkv)
@@ -622,10 +636,17 @@ mod cuda {
             .arg(&h)
             .arg(&kvh)
             .arg(&hd)
-            .arg(&stride)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(slots);
+            .arg(&stride);
+        if fp8 {
+            k8 = cuda_slice::<u8>(&kg, "k_cache")?;
+            v8 = cuda_slice::<u8>(&vg, "v_cache")?;
+            b.arg(k8).arg(v8);
+        } else {
+            k16 = cuda_slice::<T>(&kg, "k_cache")?;
+            v16 = cuda_slice::<T>(&vg, "v_cache")?;
+            b.arg(k16).arg(v16);
+        }
+        b.arg(slots).arg(&k_inv).arg(&v_inv);
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
             block_dim: (
@@ -635,7 +656,7 @@ mod cuda {
             ),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches `rotary_qk_cache_<dtype>` in csrc/fused.cu; positions index tables of
+        // SAFETY: matches `rotary_qk_cache_<dtype>[_fp8]` in csrc/fused.cu; positions index tables of
         // max_positions rows; the slots were checked against both caches (same shape) on the
         // host. The kernel writes the caches through these views: they are device memory that
         // no host reference reads, and this stream orders the write before any attention read.

@@ -7,7 +7,8 @@
 //!
 //! Shapes used throughout:
 //! - `q`: `[num_tokens, num_heads, head_dim]` (all scheduled tokens of a step, flattened)
-//! - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`
+//! - `k_cache`, `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`, of the model's
+//!   dtype or FP8 E4M3 bytes (`U8`, see [`cache`])
 //! - [`AttentionMetadata`] carries the step's layout, once per step for every layer:
 //! - `block_tables`: `[num_seqs, max_blocks_per_seq]` u32
 //! - `seq_lens`: `[num_seqs]` u32, the context length of each sequence after this step's tokens
@@ -31,7 +32,10 @@ pub mod paged_attention;
 pub mod quantize;
 pub mod sampling;
 
-pub use cache::{copy_blocks, reshape_and_cache};
+pub use cache::{
+    copy_blocks, is_fp8_cache, reshape_and_cache, reshape_and_cache_scaled, CacheScales,
+    FP8_CACHE_DTYPE,
+};
 pub use fused::{add_rms_norm, rotary_qk_, rotary_qk_cache_, silu_and_mul, to_f32, to_f32_into};
 pub use gemv::{linear_rows, silu_glu_rows};
 pub use metadata::{AttentionMetadata, DeviceArrays};

@@ -5,6 +5,10 @@
 //! step) sits at position `seq_len - q_len + i` and attends causally to cached positions
 //! `[max(0, pos + 1 - window), pos]`. The CPU path is a flash-style loop (online softmax, no score
 //! matrix) that accumulates in f32; it is also the reference for the CUDA kernels.
+//!
+//! The caches hold `q`'s dtype, or FP8 E4M3 bytes (`U8`, see [`crate::cache`]) read back exactly;
+//! the caller folds an FP8 cache's key scale into [`PagedAttentionParams::scale`] and multiplies
+//! the output by its value scale.
 
 use crate::elem::{for_kernel, typed, with_cpu, Elem};
 use crate::metadata::AttentionMetadata;
@@ -29,20 +33,44 @@ struct PagedAttention<'a> {
     params: PagedAttentionParams,
 }
 
+/// A cache element read as f32: the model's floats, or FP8 E4M3 bytes (`u8`).
+pub(crate) trait CacheRead: Copy + Send + Sync + 'static {
+    fn value(self) -> f32;
+}
+
+macro_rules! cache_read_floats {
+    ($($t:ty),*) => {$(
+        impl CacheRead for $t {
+            #[inline(always)]
+            fn value(self) -> f32 {
+                self.to_f32()
+            }
+        }
+    )*};
+}
+cache_read_floats!(f32, bf16, f16);
+
+impl CacheRead for u8 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        crate::fp8::DECODE_TABLE[self as usize]
+    }
+}
+
 /// `q . k` with eight independent partial sums so the compiler can use SIMD lanes.
 #[inline(always)]
-fn dot<T: Elem>(q: &[f32], k: &[T]) -> f32 {
+fn dot<T: CacheRead>(q: &[f32], k: &[T]) -> f32 {
     let n = q.len().min(k.len());
     let body = n / 8 * 8;
     let mut acc = [0f32; 8];
     for (qc, kc) in q[..body].chunks_exact(8).zip(k[..body].chunks_exact(8)) {
         for i in 0..8 {
-            acc[i] += qc[i] * kc[i].to_f32();
+            acc[i] += qc[i] * kc[i].value();
         }
     }
     let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]);
     for i in body..n {
-        s += q[i] * k[i].to_f32();
+        s += q[i] * k[i].value();
     }
     s
 }
@@ -72,12 +100,12 @@ impl PagedAttention<'_> {
         rows
     }
 
-    fn run<T: Elem>(
+    fn run<T: Elem, C: CacheRead>(
         &self,
         q: &[T],
         q_dims: &[usize],
-        kc: &[T],
-        vc: &[T],
+        kc: &[C],
+        vc: &[C],
         c_dims: &[usize],
     ) -> Result<Vec<T>> {
         let (num_tokens, num_heads, d) = (q_dims[0], q_dims[1], q_dims[2]);
@@ -115,14 +143,14 @@ impl PagedAttention<'_> {
                         let c = (m - s).exp();
                         l = l * c + 1.0;
                         for (a, vv) in acc.iter_mut().zip(v) {
-                            *a = *a * c + vv.to_f32();
+                            *a = *a * c + vv.value();
                         }
                         m = s;
                     } else {
                         let e = (s - m).exp();
                         l += e;
                         for (a, vv) in acc.iter_mut().zip(v) {
-                            *a += e * vv.to_f32();
+                            *a += e * vv.value();
                         }
                     }
                 }
@@ -134,13 +162,24 @@ impl PagedAttention<'_> {
         Ok(out)
     }
 
-    fn dispatch<T: Elem>(&self, q: &CpuStorage, ql: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn dispatch<T: Elem + CacheRead>(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let q_s = typed::<T>(q, ql, "q")?;
         let out = with_cpu(self.k_cache, "k_cache", |ks, kl| {
-            let kc = typed::<T>(ks, kl, "k_cache")?;
-            with_cpu(self.v_cache, "v_cache", |vs, vl| {
-                let vc = typed::<T>(vs, vl, "v_cache")?;
-                self.run(q_s, ql.dims(), kc, vc, kl.dims())
+            with_cpu(self.v_cache, "v_cache", |vs, vl| match (ks, vs) {
+                (CpuStorage::U8(k), CpuStorage::U8(v)) => {
+                    let (ka, kb) = crate::elem::contiguous_range(kl, "k_cache")?;
+                    let (va, vb) = crate::elem::contiguous_range(vl, "v_cache")?;
+                    self.run(q_s, ql.dims(), &k[ka..kb], &v[va..vb], kl.dims())
+                }
+                _ => {
+                    let kc = typed::<T>(ks, kl, "k_cache")?;
+                    let vc = typed::<T>(vs, vl, "v_cache")?;
+                    self.run(q_s, ql.dims(), kc, vc, kl.dims())
+                }
             })
         })?;
         Ok((T::storage(out), ql.shape().clone()))
@@ -167,11 +206,15 @@ impl CustomOp1 for PagedAttention<'_> {
         q: &candle_core::CudaStorage,
         ql: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        match q.dtype() {
-            DType::F32 => self.cuda_run::<f32>(q, ql),
-            DType::BF16 => self.cuda_run::<bf16>(q, ql),
-            DType::F16 => self.cuda_run::<f16>(q, ql),
-            dt => candle_core::bail!("paged_attention: unsupported dtype {dt:?}"),
+        let fp8 = crate::cache::is_fp8_cache(self.k_cache);
+        match (q.dtype(), fp8) {
+            (DType::F32, false) => self.cuda_run::<f32, f32>(q, ql),
+            (DType::BF16, false) => self.cuda_run::<bf16, bf16>(q, ql),
+            (DType::F16, false) => self.cuda_run::<f16, f16>(q, ql),
+            (DType::F32, true) => self.cuda_run::<f32, u8>(q, ql),
+            (DType::BF16, true) => self.cuda_run::<bf16, u8>(q, ql),
+            (DType::F16, true) => self.cuda_run::<f16, u8>(q, ql),
+            (dt, _) => candle_core::bail!("paged_attention: unsupported dtype {dt:?}"),
         }
     }
 }
@@ -283,9 +326,20 @@ const DECODE_TC_STAGES: usize = 3;
 
 /// Dynamic shared memory of the tensor-core decode kernel of `warps` warps: per warp and stage a
 /// K and a V tile of 16 keys, rows padded by eight elements (the queries borrow warp 0's last
-/// stage).
-pub fn decode_tc_shared_bytes(warps: usize, head_dim: usize, elem_bytes: usize) -> usize {
-    warps * DECODE_TC_STAGES * 2 * 16 * (head_dim + 8) * elem_bytes
+/// stage). With an FP8 cache the stages hold unpadded rows of bytes and each warp has one more,
+/// 16-bit stage for the tile it converts.
+pub fn decode_tc_shared_bytes(
+    warps: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+    fp8_cache: bool,
+) -> usize {
+    let tile16 = 2 * 16 * (head_dim + 8) * elem_bytes;
+    if fp8_cache {
+        warps * (tile16 + DECODE_TC_STAGES * 2 * 16 * head_dim)
+    } else {
+        warps * DECODE_TC_STAGES * tile16
+    }
 }
 
 /// Warps per CTA of the tensor-core decode kernel for a grid of `ctas` CTAs on `sms`
@@ -304,9 +358,15 @@ pub fn decode_tc_warps(ctas: usize, sms: usize) -> usize {
 pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// Dynamic shared memory of the tensor-core prompt kernel (see `csrc/prefill.cu`): two stages of
-/// a K and a V tile of `4096 / head_dim` keys, rows padded by eight 16-bit elements.
-pub fn prefill_shared_bytes(head_dim: usize) -> usize {
-    32768 * (head_dim + 8) / head_dim
+/// a K and a V tile of `4096 / head_dim` keys, rows padded by eight 16-bit elements; with an FP8
+/// cache, one such 16-bit stage and two stages of unpadded rows of bytes.
+pub fn prefill_shared_bytes(head_dim: usize, fp8_cache: bool) -> usize {
+    let stage16 = 16384 * (head_dim + 8) / head_dim;
+    if fp8_cache {
+        stage16 + 2 * 2 * 4096
+    } else {
+        2 * stage16
+    }
 }
 
 /// Keys per chunk of the decode kernel (`kChunk` in `csrc/decode.cu`).
@@ -345,11 +405,11 @@ mod launch {
 
     /// Output, q, caches and metadata, then a sequence or work list, then kernel-specific ints,
     /// then scale, window and q's token stride: the leading arguments of every attention kernel.
-    pub struct Operands<'a, T> {
+    pub struct Operands<'a, T, C> {
         pub q: CudaView<'a, T>,
         pub q_stride: i64,
-        pub k: &'a CudaSlice<T>,
-        pub v: &'a CudaSlice<T>,
+        pub k: &'a CudaSlice<C>,
+        pub v: &'a CudaSlice<C>,
         pub tables: &'a CudaSlice<u32>,
         pub lens: &'a CudaSlice<u32>,
         pub starts: &'a CudaSlice<u32>,
@@ -357,7 +417,7 @@ mod launch {
         pub window: i32,
     }
 
-    impl<T: DeviceRepr> Operands<'_, T> {
+    impl<T: DeviceRepr, C: DeviceRepr> Operands<'_, T, C> {
         pub fn args<'b>(
             &'b self,
             stream: &'b CudaStream,
@@ -468,13 +528,16 @@ mod launch {
 
 #[cfg(feature = "cuda")]
 impl PagedAttention<'_> {
-    fn cuda_run<T>(
+    fn cuda_run<T, C>(
         &self,
         q: &candle_core::CudaStorage,
         ql: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)>
     where
         T: candle_core::cuda_backend::CudaDType
+            + candle_core::WithDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        C: candle_core::cuda_backend::CudaDType
             + candle_core::WithDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
@@ -493,6 +556,13 @@ impl PagedAttention<'_> {
         let group = num_heads / kvh;
         let dev = q.device().clone();
         let suffix = dtype_suffix(T::DTYPE)?;
+        let fp8 = C::DTYPE == crate::cache::FP8_CACHE_DTYPE;
+        // the attention kernels' suffix: the compute dtype, then `_fp8` for an FP8 cache
+        let ksuffix = if fp8 {
+            format!("{suffix}_fp8")
+        } else {
+            suffix.to_string()
+        };
         let total_rows = num_tokens * num_heads;
         // SAFETY: every (token, head) row is written below: decode rows by the decode kernel (or
         // its merge), the other rows by a prompt kernel's work items, which cover every token.
@@ -533,8 +603,8 @@ impl PagedAttention<'_> {
         let ops = Operands {
             q: q_view,
             q_stride,
-            k: cuda_slice::<T>(&kg, "k_cache")?,
-            v: cuda_slice::<T>(&vg, "v_cache")?,
+            k: cuda_slice::<C>(&kg, "k_cache")?,
+            v: cuda_slice::<C>(&vg, "v_cache")?,
             tables: cuda_slice::<u32>(&tg, "block_tables")?,
             lens: cuda_slice::<u32>(&lg, "seq_lens")?,
             starts: cuda_slice::<u32>(&sg, "query_start_loc")?,
@@ -570,15 +640,15 @@ impl PagedAttention<'_> {
                     "tc"
                 };
                 (
-                    format!("paged_decode_{layout}_w{w}_d{d}_{suffix}"),
+                    format!("paged_decode_{layout}_w{w}_d{d}_{ksuffix}"),
                     grid,
-                    decode_tc_shared_bytes(w, d, elem),
+                    decode_tc_shared_bytes(w, d, elem, fp8),
                     32 * w as u32,
                 )
             } else {
                 let grid = (n_dec as u32, kvh as u32, splits.count as u32);
                 (
-                    format!("paged_decode_g{g}_{suffix}"),
+                    format!("paged_decode_g{g}_{ksuffix}"),
                     grid,
                     decode_shared_bytes(g, d),
                     128,
@@ -612,13 +682,13 @@ impl PagedAttention<'_> {
             let (work, num_work) = meta.work_items(per, min_len)?;
             let (wg, _) = work.storage_and_layout();
             let items = cuda_slice::<u32>(&wg, "work")?;
-            let func = function(&dev, &format!("paged_prefill_d{d}_{suffix}"))?;
+            let func = function(&dev, &format!("paged_prefill_d{d}_{ksuffix}"))?;
             let iv = ints(&[width, num_heads, kvh, bs, per]);
             let mut b = ops.args(&stream, &func, &mut out, items, &iv);
             let cfg = LaunchConfig {
                 grid_dim: (num_work as u32, kvh as u32, 1),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: prefill_shared_bytes(d) as u32,
+                shared_mem_bytes: prefill_shared_bytes(d, fp8) as u32,
             };
             // SAFETY: argument order and types match `paged_prefill_d<D>_<dtype>` in
             // csrc/prefill.cu; 64 / group queries per item keep a CTA within 64 rows.
@@ -641,7 +711,7 @@ impl PagedAttention<'_> {
         let mut splits = Splits::new(&dev, count, split_keys, total_rows, d)?;
         let (wg, _) = work.storage_and_layout();
         let items = cuda_slice::<u32>(&wg, "work")?;
-        let func = function(&dev, &format!("paged_attention_{suffix}"))?;
+        let func = function(&dev, &format!("paged_attention_{ksuffix}"))?;
         let iv = ints(&[
             width,
             num_heads,
@@ -684,6 +754,15 @@ pub fn paged_attention(
     let (num_blocks, bs, kvh, cd) = k_cache.dims4()?;
     if v_cache.dims4()? != (num_blocks, bs, kvh, cd) {
         candle_core::bail!("paged_attention: k/v cache shapes differ");
+    }
+    let fp8 = crate::cache::is_fp8_cache(k_cache);
+    if v_cache.dtype() != k_cache.dtype() || !(fp8 || k_cache.dtype() == q.dtype()) {
+        candle_core::bail!(
+            "paged_attention: {:?}/{:?} caches for {:?} queries",
+            k_cache.dtype(),
+            v_cache.dtype(),
+            q.dtype()
+        );
     }
     if cd != d || kvh == 0 || num_heads % kvh != 0 {
         candle_core::bail!(

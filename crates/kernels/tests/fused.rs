@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
-use rserve_kernels::{rotary_qk_, rotary_qk_cache_, AttentionMetadata};
+use rserve_kernels::{rotary_qk_, rotary_qk_cache_, AttentionMetadata, CacheScales};
 
 /// Largest `|a - b| / max(1, |b|)`: one rounding step of the dtype at any magnitude.
 fn max_rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
@@ -99,7 +99,17 @@ fn rotary_cache_rejects_bad_operands() -> Result<()> {
     let cache = Tensor::zeros((2, 4, 1, 8), DType::F32, &cpu)?;
     let meta = AttentionMetadata::new(vec![0, 1], vec![0], 1, vec![2], vec![0, 2], &cpu)?;
     let run = |qkv: &Tensor, meta: &AttentionMetadata| {
-        rotary_qk_cache_(qkv, &pos, &cos, &sin, (2, 1), &cache, &cache.copy()?, meta)
+        rotary_qk_cache_(
+            qkv,
+            &pos,
+            &cos,
+            &sin,
+            (2, 1),
+            &cache,
+            &cache.copy()?,
+            meta,
+            CacheScales::default(),
+        )
     };
     // 2 q + 2 x 1 kv heads expected, 3 given
     assert!(run(&Tensor::zeros((2, 3, 8), DType::F32, &cpu)?, &meta).is_err());
@@ -139,12 +149,33 @@ mod cuda {
     fn cuda_rotary_cache_matches_separate_ops() -> Result<()> {
         // head dim 64 takes the kernel's 16-byte vectors, 72 single elements
         for d in [64, 72] {
-            rotary_cache_case(d)?;
+            rotary_cache_case(d, None)?;
         }
         Ok(())
     }
 
-    fn rotary_cache_case(d: usize) -> Result<()> {
+    /// The same into FP8 caches, with unit and non-unit scales: every byte decodes to the CPU
+    /// path's value within one E4M3 step (the rotated values may differ in their last f32 bit).
+    #[test]
+    fn cuda_rotary_cache_writes_fp8_caches_as_the_cpu() -> Result<()> {
+        for d in [64, 72] {
+            for scales in [CacheScales::default(), CacheScales { k: 0.02, v: 3.0 }] {
+                rotary_cache_case(d, Some(scales))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The values of an FP8 cache tensor.
+    fn decoded(t: &Tensor) -> Result<Vec<f32>> {
+        let bytes = t.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<u8>()?;
+        Ok(bytes
+            .iter()
+            .map(|&b| rserve_kernels::fp8::decode(b))
+            .collect())
+    }
+
+    fn rotary_cache_case(d: usize, fp8: Option<CacheScales>) -> Result<()> {
         let (t, h, kvh, max_pos, blocks, bs) = (5, 4, 2, 50, 4, 4);
         let cpu = Device::Cpu;
         let dev = gpu();
@@ -152,7 +183,19 @@ mod cuda {
             let qkv = Tensor::randn(0f32, 1., (t, h + 2 * kvh, d), &cpu)?.to_dtype(dtype)?;
             let positions = Tensor::new(&[0u32, 3, 7, 20, 49], &cpu)?;
             let (cos, sin) = tables(max_pos, d, dtype, &cpu)?;
-            let cache = || Tensor::randn(0f32, 1., (blocks, bs, kvh, d), &cpu)?.to_dtype(dtype);
+            let cache = || {
+                let x = Tensor::randn(0f32, 1., (blocks, bs, kvh, d), &cpu)?;
+                match fp8 {
+                    Some(_) => {
+                        let v = x.flatten_all()?.to_vec1::<f32>()?;
+                        let b: Vec<u8> =
+                            v.iter().map(|&x| rserve_kernels::fp8::encode(x)).collect();
+                        Tensor::from_vec(b, (blocks, bs, kvh, d), &cpu)
+                    }
+                    None => x.to_dtype(dtype),
+                }
+            };
+            let scales = fp8.unwrap_or_default();
             let (kc, vc) = (cache()?, cache()?);
             let slots = vec![0i64, 5, -1, 14, 9];
             let meta = |dev: &Device| {
@@ -175,6 +218,7 @@ mod cuda {
                 &want.1,
                 &want.2,
                 &meta(&cpu)?,
+                scales,
             )?;
             let got = (
                 qkv.to_device(&dev)?,
@@ -192,12 +236,22 @@ mod cuda {
                 &got.1,
                 &got.2,
                 &meta(&dev)?,
+                scales,
             )?;
             for (name, g, w) in [
                 ("qkv", &got.0, &want.0),
                 ("k", &got.1, &want.1),
                 ("v", &got.2, &want.2),
             ] {
+                if name != "qkv" && fp8.is_some() {
+                    for (i, (a, b)) in decoded(g)?.iter().zip(decoded(w)?).enumerate() {
+                        assert!(
+                            (a - b).abs() <= b.abs() / 16.0 + 1.0 / 512.0,
+                            "{dtype:?} d {d} {name}[{i}]: {a} vs {b}"
+                        );
+                    }
+                    continue;
+                }
                 let err = max_err(&g.to_device(&cpu)?, w)?;
                 assert!(
                     err <= tol.max(1e-5),
@@ -213,9 +267,18 @@ mod cuda {
                 vec![0, 5],
                 &dev,
             )?;
-            assert!(
-                rotary_qk_cache_(&got.0, &dpos, &dc, &ds, (h, kvh), &got.1, &got.2, &bad).is_err()
-            );
+            assert!(rotary_qk_cache_(
+                &got.0,
+                &dpos,
+                &dc,
+                &ds,
+                (h, kvh),
+                &got.1,
+                &got.2,
+                &bad,
+                CacheScales::default()
+            )
+            .is_err());
         }
         Ok(())
     }

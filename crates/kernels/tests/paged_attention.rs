@@ -4,130 +4,13 @@
 //! The same cases run on the CPU kernel always and on the CUDA kernel with the `cuda` feature.
 #![allow(clippy::unwrap_used)]
 
+mod attention_case;
+
+use attention_case::{check, Case};
 use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::{
-    copy_blocks, paged_attention, reference_attention, reshape_and_cache, AttentionMetadata,
-    PagedAttentionParams,
+    copy_blocks, paged_attention, reshape_and_cache, AttentionMetadata, PagedAttentionParams,
 };
-
-/// One case: heads, KV heads, head dim, block size, (query tokens, context) per sequence.
-struct Case<'a> {
-    dtype: DType,
-    heads: usize,
-    kvh: usize,
-    d: usize,
-    bs: usize,
-    seqs: &'a [(usize, usize)],
-    window: Option<usize>,
-    tol: f32,
-    /// Compare only this many last query rows of each sequence (long prompts).
-    last_rows: Option<usize>,
-}
-
-fn check(dev: &Device, c: &Case) -> Result<()> {
-    check_planned(dev, c, None)
-}
-
-/// `check`, with a decode-only step's metadata served from device arrays and its key split
-/// planned for contexts up to `split_context` (a decode graph's metadata) when that is given.
-fn check_planned(dev: &Device, c: &Case, split_context: Option<usize>) -> Result<()> {
-    let cpu = Device::Cpu;
-    let num_blocks = c
-        .seqs
-        .iter()
-        .map(|&(_, ctx)| ctx.div_ceil(c.bs))
-        .sum::<usize>()
-        .max(1)
-        * 2
-        + 3;
-    let kc = Tensor::zeros((num_blocks, c.bs, c.kvh, c.d), c.dtype, dev)?;
-    let vc = Tensor::zeros((num_blocks, c.bs, c.kvh, c.d), c.dtype, dev)?;
-    let width = c
-        .seqs
-        .iter()
-        .map(|&(_, ctx)| ctx.div_ceil(c.bs))
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    // a fixed scramble of block ids, distinct across sequences
-    let mut next = 0usize;
-    let mut tables = vec![0u32; c.seqs.len() * width];
-    let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
-    let (mut qsl, mut all_slots, mut ctx_qsl) = (vec![0u32], vec![], vec![0u32]);
-    for (s, &(q_len, ctx)) in c.seqs.iter().enumerate() {
-        for j in 0..ctx.div_ceil(c.bs) {
-            tables[s * width + j] = ((next * 37 + 11) % num_blocks) as u32;
-            next += 1;
-        }
-        ks.push(Tensor::randn(0f32, 1., (ctx, c.kvh, c.d), &cpu)?.to_dtype(c.dtype)?);
-        vs.push(Tensor::randn(0f32, 1., (ctx, c.kvh, c.d), &cpu)?.to_dtype(c.dtype)?);
-        all_slots.extend(
-            (0..ctx).map(|p| (tables[s * width + p / c.bs] as usize * c.bs + p % c.bs) as i64),
-        );
-        qs.push(Tensor::randn(0f32, 1., (q_len, c.heads, c.d), &cpu)?.to_dtype(c.dtype)?);
-        qsl.push(qsl[s] + q_len as u32);
-        ctx_qsl.push(ctx_qsl[s] + ctx as u32);
-    }
-    let lens: Vec<u32> = c.seqs.iter().map(|&(_, x)| x as u32).collect();
-    // write every sequence's whole context, as a prefill of all of it would
-    let write =
-        AttentionMetadata::new(all_slots, tables.clone(), width, lens.clone(), ctx_qsl, dev)?;
-    let k_all = Tensor::cat(&ks, 0)?.to_device(dev)?;
-    let v_all = Tensor::cat(&vs, 0)?.to_device(dev)?;
-    reshape_and_cache(&k_all, &v_all, &kc, &vc, &write)?;
-
-    let q_slots = vec![-1i64; *qsl.last().unwrap() as usize];
-    let meta = match split_context {
-        None => AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), dev)?,
-        Some(planned) => {
-            let n = lens.len();
-            let arrays = rserve_kernels::DeviceArrays {
-                slots: Tensor::new(q_slots.as_slice(), dev)?,
-                block_tables: Tensor::from_slice(&tables, (n, width), dev)?,
-                seq_lens: Tensor::new(lens.as_slice(), dev)?,
-                query_start_loc: Tensor::new(qsl.as_slice(), dev)?,
-            };
-            let seqs: Vec<u32> = (0..n as u32).collect();
-            AttentionMetadata::new(q_slots, tables, width, lens, qsl.clone(), &cpu)?.on_device(
-                arrays,
-                Tensor::new(seqs.as_slice(), dev)?,
-                planned,
-            )?
-        }
-    };
-    let q = Tensor::cat(&qs, 0)?.to_device(dev)?;
-    let params = PagedAttentionParams {
-        scale: 1.0 / (c.d as f32).sqrt(),
-        sliding_window: c.window,
-    };
-    let out = paged_attention(&q, &kc, &vc, &meta, &params)?.to_device(&cpu)?;
-    assert_eq!(out.dims(), q.dims());
-    for s in 0..c.seqs.len() {
-        let q_len = c.seqs[s].0;
-        let rows = c.last_rows.unwrap_or(q_len).min(q_len);
-        let got = out
-            .narrow(0, qsl[s] as usize + q_len - rows, rows)?
-            .to_dtype(DType::F32)?;
-        let q_rows = qs[s].narrow(0, q_len - rows, rows)?;
-        let want = reference_attention(&q_rows, &ks[s], &vs[s], &params)?;
-        let err = (got - want)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()?;
-        assert!(
-            err < c.tol,
-            "seq {s} {:?}: max abs error {err} ({:?}, heads {}/{}, d {}, block {})",
-            c.seqs[s],
-            c.dtype,
-            c.heads,
-            c.kvh,
-            c.d,
-            c.bs
-        );
-    }
-    Ok(())
-}
 
 fn mixed(dev: &Device) -> Result<()> {
     check(
@@ -274,9 +157,9 @@ fn tensor_core_decode_narrows_its_ctas_for_large_grids() {
     assert_eq!(decode_tc_warps(320, 132), 2, "40 sequences of 8 KV heads");
     assert_eq!(decode_tc_warps(2048, 132), 2);
     // four 2-warp CTAs of head dim 128 fit a Hopper multiprocessor's 228 KiB (1 KiB each kept)
-    assert_eq!(decode_tc_shared_bytes(2, 128, 2), 52_224);
-    assert!(4 * (decode_tc_shared_bytes(2, 128, 2) + 1024) <= 228 * 1024);
-    assert_eq!(decode_tc_shared_bytes(4, 128, 2), 2 * 52_224);
+    assert_eq!(decode_tc_shared_bytes(2, 128, 2, false), 52_224);
+    assert!(4 * (decode_tc_shared_bytes(2, 128, 2, false) + 1024) <= 228 * 1024);
+    assert_eq!(decode_tc_shared_bytes(4, 128, 2, false), 2 * 52_224);
 }
 
 #[test]
@@ -319,6 +202,7 @@ fn cpu_cache_writes_and_copies() -> Result<()> {
 #[cfg(feature = "cuda")]
 mod cuda {
     //! The same cases on the GPU, plus every head dim, dtype and block size the models use.
+    use super::attention_case::check_planned;
     use super::*;
 
     fn gpu() -> Device {

@@ -7,6 +7,10 @@ fn parse_isq(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
 }
 
 /// vLLM's `--quantization`: rserve takes `fp8` (quantized at load time, as `--isq fp8`).
+fn parse_kv_cache_dtype(s: &str) -> Result<rserve_core::kv_cache::KvCacheDtype, String> {
+    s.trim().to_ascii_lowercase().parse()
+}
+
 fn parse_quantization(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
     match s.trim().to_ascii_lowercase().as_str() {
         "fp8" => Ok(rserve_core::quant::IsqFormat::Fp8),
@@ -66,6 +70,10 @@ pub struct EngineArgs {
     /// after the weights and the measured activation peak; capped by what max_num_seqs can use).
     #[arg(long)]
     pub kv_cache_memory: Option<usize>,
+    /// What the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (E4M3 bytes, one
+    /// scale per layer for keys and one for values: twice the tokens in the same memory).
+    #[arg(long, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    pub kv_cache_dtype: rserve_core::kv_cache::KvCacheDtype,
     /// Fraction of GPU memory rserve may use for weights, activations and KV cache (ignored on the
     /// CPU).
     #[arg(long, default_value_t = 0.9)]

@@ -49,6 +49,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.block_size = args.block_size;
     cfg.seed = args.seed;
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
+    cfg.kv_cache_dtype = args.kv_cache_dtype;
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
     cfg.isq = match (args.isq, args.quantization) {

@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -87,6 +87,7 @@ impl PyEngine {
         isq_lm_head: bool,
         tokenizer: Option<String>,
         quantization: Option<String>,
+        kv_cache_dtype: String,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -94,6 +95,11 @@ impl PyEngine {
         cfg.max_model_len = max_model_len;
         cfg.max_num_seqs = max_num_seqs;
         cfg.gpu_memory_utilization = gpu_memory_utilization;
+        cfg.kv_cache_dtype = kv_cache_dtype
+            .trim()
+            .to_ascii_lowercase()
+            .parse()
+            .map_err(PyValueError::new_err)?;
         cfg.max_num_batched_tokens = max_num_batched_tokens;
         cfg.block_size = block_size;
         cfg.seed = seed;
@@ -149,6 +155,19 @@ impl PyEngine {
     #[getter]
     fn vocab_size(&self) -> usize {
         self.handle.info().model_config.vocab_size
+    }
+
+    /// Tokens the KV cache holds.
+    #[getter]
+    fn kv_cache_tokens(&self) -> usize {
+        let info = self.handle.info();
+        info.num_blocks * info.block_size
+    }
+
+    /// What the KV cache stores: `auto` (the model's dtype) or `fp8_e4m3`.
+    #[getter]
+    fn kv_cache_dtype(&self) -> &'static str {
+        self.handle.info().kv_cache_dtype.name()
     }
 
     #[pyo3(signature = (text, add_special_tokens = true))]

@@ -144,10 +144,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     let kv_tokens = info.num_blocks * info.block_size;
     eprintln!(
-        "rserve: serving `{name}` on http://{addr} ({}, {:?}, loaded in {:.1}s; KV cache {kv_tokens} tokens, {:.1} sequences of {} tokens at once)",
+        "rserve: serving `{name}` on http://{addr} ({}, {:?}, loaded in {:.1}s; KV cache {kv_tokens} tokens{}, {:.1} sequences of {} tokens at once)",
         info.device,
         info.dtype,
         started.elapsed().as_secs_f64(),
+        match info.kv_cache_dtype {
+            rserve_core::kv_cache::KvCacheDtype::Auto => String::new(),
+            other => format!(" in {}", other.name()),
+        },
         kv_tokens as f64 / info.max_model_len as f64,
         info.max_model_len
     );

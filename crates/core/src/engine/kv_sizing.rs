@@ -45,7 +45,7 @@ pub(super) fn gpu_kv_budget(
     let rows = cfg.max_num_seqs.min(tokens);
     let scratch = crate::model_runner::profile_forward(
         loaded.model.as_ref(),
-        loaded.dtype,
+        cfg.kv_cache_dtype.storage(loaded.dtype),
         device,
         tokens,
         rows,
@@ -112,7 +112,7 @@ pub(super) fn kv_blocks(
         cfg.block_size,
         mc.num_kv_heads,
         mc.head_dim,
-        loaded.dtype,
+        cfg.kv_cache_dtype.storage(loaded.dtype),
     );
     let useful = cfg
         .max_num_seqs

@@ -114,7 +114,7 @@ impl Engine {
             )));
         }
         let mc = loaded.model.config().clone();
-        let kv_dtype: DType = loaded.dtype;
+        let kv_dtype: DType = cfg.kv_cache_dtype.storage(loaded.dtype);
         let num_blocks =
             kv_sizing::kv_blocks(&cfg, &loaded, &device, batched_tokens, max_model_len)?;
         max_model_len = kv_sizing::fit_context(
@@ -133,7 +133,11 @@ impl Engine {
         )
         .map_err(|e| EngineError::Model(e.to_string()))?;
         tracing::info!(
-            "KV cache: {num_blocks} blocks of {} tokens = {} tokens; max concurrency at {max_model_len} tokens: {:.2}",
+            "KV cache ({}): {num_blocks} blocks of {} tokens = {} tokens; max concurrency at {max_model_len} tokens: {:.2}",
+            match cfg.kv_cache_dtype {
+                crate::kv_cache::KvCacheDtype::Auto => format!("{kv_dtype:?}"),
+                other => other.name().to_string(),
+            },
             cfg.block_size,
             num_blocks * cfg.block_size,
             (num_blocks * cfg.block_size) as f64 / max_model_len as f64
@@ -168,6 +172,7 @@ impl Engine {
             num_blocks,
             block_size: cfg.block_size,
             dtype: loaded.dtype,
+            kv_cache_dtype: cfg.kv_cache_dtype,
             device: match device.location() {
                 candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
                 candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),

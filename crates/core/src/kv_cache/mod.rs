@@ -10,4 +10,4 @@ pub mod tensors;
 
 pub use block_pool::{BlockId, BlockPool, PoolError};
 pub use manager::{KvCacheManager, NoFreeBlocks};
-pub use tensors::KvCache;
+pub use tensors::{KvCache, KvCacheDtype, LayerKv};

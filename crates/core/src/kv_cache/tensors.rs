@@ -4,12 +4,65 @@
 //! Owns device memory only; which block belongs to whom lives in `manager`.
 
 use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::{CacheScales, FP8_CACHE_DTYPE};
+
+/// What the KV cache stores (`--kv-cache-dtype`, vLLM's values).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The model's compute dtype.
+    #[default]
+    Auto,
+    /// FP8 E4M3 bytes with a scale per layer for keys and one for values (1 unless the checkpoint
+    /// gives them): half the bytes of a 16-bit cache, so twice the tokens.
+    Fp8,
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "fp8" | "fp8_e4m3" => Ok(Self::Fp8),
+            "fp8_e5m2" => Err("kv_cache_dtype fp8_e5m2 is not supported; fp8 (E4M3) is".into()),
+            other => Err(format!(
+                "unknown kv_cache_dtype {other:?} (choose auto, fp8 or fp8_e4m3)"
+            )),
+        }
+    }
+}
+
+impl KvCacheDtype {
+    /// The dtype of the cache tensors for a model computing in `model`.
+    pub fn storage(self, model: DType) -> DType {
+        match self {
+            Self::Auto => model,
+            Self::Fp8 => FP8_CACHE_DTYPE,
+        }
+    }
+
+    /// The name the startup log and `/v1/models` give.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Fp8 => "fp8_e4m3",
+        }
+    }
+}
+
+/// One layer's keys and values, each `[num_blocks, block_size, kv_heads, head_dim]`, and the
+/// scales an FP8 cache stores them at.
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    pub k: Tensor,
+    pub v: Tensor,
+    pub scales: CacheScales,
+}
 
 /// Keys and values of every layer.
 #[derive(Debug, Clone)]
 pub struct KvCache {
-    /// Per layer: (k, v), each `[num_blocks, block_size, kv_heads, head_dim]`.
-    pub layers: Vec<(Tensor, Tensor)>,
+    pub layers: Vec<LayerKv>,
     pub num_blocks: usize,
     pub block_size: usize,
 }
@@ -45,10 +98,11 @@ impl KvCache {
         let shape = (num_blocks, block_size, kv_heads, head_dim);
         let layers = (0..num_layers)
             .map(|_| {
-                Ok((
-                    Tensor::zeros(shape, dtype, device)?,
-                    Tensor::zeros(shape, dtype, device)?,
-                ))
+                Ok(LayerKv {
+                    k: Tensor::zeros(shape, dtype, device)?,
+                    v: Tensor::zeros(shape, dtype, device)?,
+                    scales: CacheScales::default(),
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -60,9 +114,9 @@ impl KvCache {
 
     /// Copies whole blocks `src -> dst` in every layer (copy-on-write).
     pub fn copy_blocks(&self, pairs: &[(usize, usize)]) -> Result<()> {
-        for (k, v) in &self.layers {
-            rserve_kernels::copy_blocks(k, pairs)?;
-            rserve_kernels::copy_blocks(v, pairs)?;
+        for layer in &self.layers {
+            rserve_kernels::copy_blocks(&layer.k, pairs)?;
+            rserve_kernels::copy_blocks(&layer.v, pairs)?;
         }
         Ok(())
     }
@@ -71,6 +125,29 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_cache_dtypes_parse_as_vllm_spells_them() {
+        assert_eq!("auto".parse(), Ok(KvCacheDtype::Auto));
+        assert_eq!("fp8".parse(), Ok(KvCacheDtype::Fp8));
+        assert_eq!("fp8_e4m3".parse(), Ok(KvCacheDtype::Fp8));
+        let e5m2 = "fp8_e5m2".parse::<KvCacheDtype>().expect_err("e5m2");
+        assert!(e5m2.contains("not supported"), "{e5m2}");
+        let bad = "int8".parse::<KvCacheDtype>().expect_err("int8");
+        assert!(bad.contains("auto, fp8"), "{bad}");
+        assert_eq!(KvCacheDtype::Fp8.storage(DType::BF16), DType::U8);
+        assert_eq!(KvCacheDtype::Auto.storage(DType::BF16), DType::BF16);
+    }
+
+    #[test]
+    fn an_fp8_cache_block_takes_half_the_bytes_of_a_16_bit_one() {
+        let b16 = KvCache::bytes_per_block(32, 16, 8, 128, DType::BF16);
+        let b8 = KvCache::bytes_per_block(32, 16, 8, 128, KvCacheDtype::Fp8.storage(DType::BF16));
+        assert_eq!(
+            (b16, b8),
+            (2 * 32 * 16 * 8 * 128 * 2, 2 * 32 * 16 * 8 * 128)
+        );
+    }
 
     #[test]
     fn a_cache_of_2_to_the_32_slots_or_more_is_refused_before_allocating() {

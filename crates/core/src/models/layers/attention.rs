@@ -8,6 +8,7 @@ use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::rotary::RotaryEmbedding;
 use crate::batch::ForwardBatch;
+use crate::kv_cache::LayerKv;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
@@ -65,14 +66,15 @@ impl Attention {
         })
     }
 
-    /// `x`: `[num_tokens, hidden]`; `cache`: this layer's (k, v), each
-    /// `[num_blocks, block_size, kv_heads, head_dim]`.
+    /// `x`: `[num_tokens, hidden]`; `cache`: this layer's keys and values, each
+    /// `[num_blocks, block_size, kv_heads, head_dim]` (an FP8 cache's key scale joins the score
+    /// scale and its value scale multiplies the output).
     pub fn forward(
         &self,
         x: &Tensor,
         rotary: &RotaryEmbedding,
         batch: &ForwardBatch,
-        cache: &(Tensor, Tensor),
+        cache: &LayerKv,
     ) -> Result<Tensor> {
         let s = &self.spec;
         let t = x.dim(0)?;
@@ -91,11 +93,15 @@ impl Attention {
         let qkv = qkv.contiguous()?;
         rotary.rotate_and_cache_(&qkv, &batch.positions, (h, kvh), cache, &batch.attn)?;
         let q = qkv.narrow(1, 0, h)?;
+        let fp8 = rserve_kernels::is_fp8_cache(&cache.k);
         let params = PagedAttentionParams {
-            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            scale: (s.head_dim as f32).sqrt().recip() * if fp8 { cache.scales.k } else { 1.0 },
             sliding_window: s.sliding_window,
         };
-        let o = paged_attention(&q, &cache.0, &cache.1, &batch.attn, &params)?;
+        let mut o = paged_attention(&q, &cache.k, &cache.v, &batch.attn, &params)?;
+        if fp8 && cache.scales.v != 1.0 {
+            o = (o * f64::from(cache.scales.v))?;
+        }
         self.o_proj
             .forward(&o.reshape((t, s.num_heads * s.head_dim))?, &ctx)
     }

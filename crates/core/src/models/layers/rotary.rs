@@ -2,6 +2,7 @@
 //! `linear` and `llama3` scaling. Tables are precomputed in f32 exactly as transformers does, then
 //! gathered per token by position so any mix of positions runs in one call.
 
+use crate::kv_cache::LayerKv;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// How the base frequencies are rescaled for long contexts.
@@ -107,11 +108,19 @@ impl RotaryEmbedding {
         qkv: &Tensor,
         positions: &Tensor,
         heads: (usize, usize),
-        cache: &(Tensor, Tensor),
+        cache: &LayerKv,
         meta: &rserve_kernels::AttentionMetadata,
     ) -> Result<()> {
         rserve_kernels::rotary_qk_cache_(
-            qkv, positions, &self.cos, &self.sin, heads, &cache.0, &cache.1, meta,
+            qkv,
+            positions,
+            &self.cos,
+            &self.sin,
+            heads,
+            &cache.k,
+            &cache.v,
+            meta,
+            cache.scales,
         )
     }
 }
