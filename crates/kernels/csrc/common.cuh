@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+#include <type_traits>
 
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
@@ -208,6 +209,24 @@ __device__ __forceinline__ void e4m3_rows_to_smem(T* __restrict__ dst, int ld,
     uint4* d = reinterpret_cast<uint4*>(dst + r * ld + c);
     d[0] = make_uint4(o[0], o[1], o[2], o[3]);
     d[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}
+
+// Eight 16-bit values of T at src (16 bytes, global) into dst (shared) as MT: a plain copy when
+// MT is T, else converted (saturated to MT's range) - the queries of the tensor-core attention
+// kernels, whose products run in f16 over an FP8 cache.
+template <typename T, typename MT>
+__device__ __forceinline__ void stage8_as(MT* dst, const T* src, bool valid) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (valid) v = ldg16(src);
+  if constexpr (!std::is_same<T, MT>::value) {
+    float f[8];
+    Vec16<T>::unpack(v, f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = fminf(fmaxf(f[e], -65504.f), 65504.f);
+    store16(dst, f);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = v;
   }
 }
 

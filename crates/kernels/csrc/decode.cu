@@ -290,7 +290,9 @@ __device__ void paged_decode_impl(
 //
 // FP8 caches (C = e4m3): the ring's stages hold the tiles' E4M3 bytes (rows of head_dim bytes, so
 // a 16-byte copy carries 16 values); a warp converts its current tile into one 16-bit stage of
-// its own, which the products read as above. The queries then borrow warp 0's converted stage.
+// its own, which the products read as above. The products then run in f16 whatever T is (E4M3
+// converts to f16 in one instruction, exactly; queries are saturated to f16's range, P is in
+// [0, 1]), and the queries borrow warp 0's converted stage.
 //
 // Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
@@ -307,6 +309,7 @@ __device__ void paged_decode_tc_impl(
     int block_size, float scale, int window, long q_stride, int split_keys, long total_rows,
     float* __restrict__ part_acc, float* __restrict__ part_ml) {
   constexpr bool F8 = sizeof(C) == 1;
+  using MT = typename std::conditional<F8, __half, T>::type;  // the products' 16-bit type
   constexpr int LD = D + 8;                 // padded row: ldmatrix rows hit distinct banks
   constexpr int PIECE = 16 / sizeof(C);     // cache values per 16-byte copy
   constexpr int CH = D / PIECE;             // 16-byte pieces per cache row
@@ -314,13 +317,13 @@ __device__ void paged_decode_tc_impl(
   constexpr int NU = kTcKeys / KSTEP;       // copy rounds per tile
   constexpr int WSTAGE = 2 * kTcKeys * LD;  // one 16-bit warp stage: K tile, then V tile
   constexpr int RSTAGE = 2 * kTcKeys * D;   // one FP8 stage in bytes: K tile, then V tile
-  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(T);     // a key's row in a ring stage
-  constexpr int STAGE_BYTES = F8 ? RSTAGE : WSTAGE * (int)sizeof(T);
-  constexpr int CONV_BYTES = F8 ? WSTAGE * (int)sizeof(T) : 0;  // FP8: the converted stage
+  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(MT);     // a key's row in a ring stage
+  constexpr int STAGE_BYTES = F8 ? RSTAGE : WSTAGE * (int)sizeof(MT);
+  constexpr int CONV_BYTES = F8 ? WSTAGE * (int)sizeof(MT) : 0;  // FP8: the converted stage
   constexpr int WARP_BYTES = CONV_BYTES + S * STAGE_BYTES;
   constexpr int THREADS = 32 * WARPS;
   constexpr int NO = KM ? D / 16 : D / 8;  // accumulator fragments per lane
-  using Mma = tc_mma<T>;
+  using Mma = tc_mma<MT>;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(S >= 2, "the queries borrow warp 0's last stage");
   static_assert(WARPS * 16 * (D + 2) * 4 <= WARPS * WARP_BYTES,
@@ -345,11 +348,11 @@ __device__ void paged_decode_tc_impl(
   pdl_trigger();
   extern __shared__ __align__(16) unsigned char tc_dec_smem[];
   unsigned char* wmem = tc_dec_smem + warp * WARP_BYTES;
-  T* conv = reinterpret_cast<T*>(wmem);    // FP8: this warp's converted stage
+  MT* conv = reinterpret_cast<MT*>(wmem);  // FP8: this warp's converted stage
   unsigned char* ring = wmem + CONV_BYTES;  // this warp's S stages
   // [16, LD] queries, in warp 0's last stage (FP8: its converted stage): no tile lands there
   // before every warp holds them
-  T* sq = reinterpret_cast<T*>(tc_dec_smem + (F8 ? 0 : (S - 1) * STAGE_BYTES));
+  MT* sq = reinterpret_cast<MT*>(tc_dec_smem + (F8 ? 0 : (S - 1) * STAGE_BYTES));
 
   // this warp's j-th tile -> stage j % S: lane copies piece lane % CH of keys lane / CH + KSTEP u
   const uint32_t* table = block_tables + (size_t)seq * width;
@@ -389,9 +392,8 @@ __device__ void paged_decode_tc_impl(
   // queries: rows past the group are zero
   for (int i = tid; i < 16 * (D / 8); i += THREADS) {
     const int r = i / (D / 8), c = 8 * (i % (D / 8));
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < group) v = ldg16(q + (size_t)tok * q_stride + (size_t)(h0 + r) * D + c);
-    *reinterpret_cast<uint4*>(sq + r * LD + c) = v;
+    stage8_as(sq + r * LD + c, q + (size_t)tok * q_stride + (size_t)(h0 + (r < group ? r : 0)) * D + c,
+              r < group);
   }
   __syncthreads();
   // the queries as A fragments (rows: heads), or with KM as B fragments (columns: heads 0..7),
@@ -427,13 +429,13 @@ __device__ void paged_decode_tc_impl(
     __syncwarp();  // every lane's pieces of tile j are in; tile j - 1's stage is consumed
     if (j + S - 1 < my_tiles) load(j + S - 1);
     tc_cp_async_commit();
-    const T* sk = reinterpret_cast<const T*>(ring + (j % S) * STAGE_BYTES);
+    const MT* sk = reinterpret_cast<const MT*>(ring + (j % S) * STAGE_BYTES);
     if constexpr (F8) {
-      e4m3_rows_to_smem<T>(conv, LD, ring + (j % S) * STAGE_BYTES, D, RSTAGE / 16, lane, 32);
+      e4m3_rows_to_smem<MT>(conv, LD, ring + (j % S) * STAGE_BYTES, D, RSTAGE / 16, lane, 32);
       __syncwarp();
       sk = conv;
     }
-    const T* sv = sk + kTcKeys * LD;
+    const MT* sv = sk + kTcKeys * LD;
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
     if constexpr (KM) {
       // S^T = K Q^T: one x4 = keys +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (bit 4); s[e] is

@@ -26,19 +26,63 @@ __device__ __forceinline__ float block_max(float v) {
   return result;
 }
 
-// One CTA per row of x [rows, k]: q [rows, k] E4M3 bytes, scale [rows].
+// Vectors of 16 bytes a thread keeps in registers in the single-pass quantizer.
+constexpr int kFp8HeldVectors = 4;
+
+// Four E4M3 bytes of four values divided by s, as the CPU encoder rounds them.
+__device__ __forceinline__ uint32_t fp8_pack4(const float* f, float s) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    w |= (uint32_t)__nv_cvt_float_to_fp8(f[e] / s, __NV_SATFINITE, __NV_E4M3) << (8 * e);
+  return w;
+}
+
+// One CTA per row of x [rows, k]: q [rows, k] E4M3 bytes, scale [rows]. Rows of up to
+// 256 * kFp8HeldVectors 16-byte vectors (8,192 16-bit values) whose vectors are aligned are read
+// once, held in registers while the CTA takes the row's maximum, and written 8 (4) bytes at a
+// time; other rows are read twice, one value a thread at a time.
 template <typename T>
 __device__ void fp8_quantize_rows_impl(uint8_t* __restrict__ q, float* __restrict__ scale,
                                        const T* __restrict__ x, int k) {
+  constexpr int VN = Vec16<T>::N;
   const size_t row = blockIdx.x;
   const T* xr = x + row * k;
   uint8_t* qr = q + row * k;
   pdl_wait();
+  const bool held = k % VN == 0 && k <= kFp8HeldVectors * VN * kFp8Threads && aligned16(xr) &&
+                    (reinterpret_cast<uintptr_t>(qr) & (VN - 1)) == 0;
+  float f[kFp8HeldVectors][VN];
   float amax = 0.f;
-  for (int i = threadIdx.x; i < k; i += kFp8Threads) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
+  if (held) {
+#pragma unroll
+    for (int r = 0; r < kFp8HeldVectors; ++r) {
+      const int i = (r * kFp8Threads + threadIdx.x) * VN;
+      if (i < k) {
+        load16(xr + i, f[r]);
+#pragma unroll
+        for (int e = 0; e < VN; ++e) amax = fmaxf(amax, fabsf(f[r][e]));
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < k; i += kFp8Threads) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
+  }
   amax = block_max(amax);
   const float s = amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f;
   if (threadIdx.x == 0) scale[row] = s;
+  if (held) {
+#pragma unroll
+    for (int r = 0; r < kFp8HeldVectors; ++r) {
+      const int i = (r * kFp8Threads + threadIdx.x) * VN;
+      if (i >= k) continue;
+      if constexpr (VN == 8) {
+        *reinterpret_cast<uint2*>(qr + i) = make_uint2(fp8_pack4(f[r], s), fp8_pack4(f[r] + 4, s));
+      } else {
+        *reinterpret_cast<uint32_t*>(qr + i) = fp8_pack4(f[r], s);
+      }
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < k; i += kFp8Threads) {
     qr[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(xr[i]) / s, __NV_SATFINITE, __NV_E4M3));
   }
@@ -58,17 +102,34 @@ __device__ void fp8_dequantize_rows_impl(T* __restrict__ y, const uint8_t* __res
 }
 
 // y [m, n] = d * sx[i] * sw[j]: the scales of a product taken with unit scales (d: its f32 or
-// T output, [m, n]; y may be d). Grid: m * ceil(n / 256) CTAs, row by row.
+// T output, [m, n]; y may be d). Grid: m * ceil(n / kScaleCols) CTAs, row by row; a thread takes
+// 8 neighbouring columns, as one 16-byte vector of T (two of f32) where n and the pointers allow.
+constexpr int kScaleCols = 8 * kFp8Threads;
+
 template <typename T, typename D>
 __device__ void fp8_scale_outer_impl(T* y, const D* d, const float* __restrict__ sx,
                                      const float* __restrict__ sw, int n) {
   pdl_wait();
-  const int per_row = (n + kFp8Threads - 1) / kFp8Threads;
+  const int per_row = (n + kScaleCols - 1) / kScaleCols;
   const int i = blockIdx.x / per_row;
-  const int j = (blockIdx.x % per_row) * kFp8Threads + threadIdx.x;
+  const int j = (blockIdx.x % per_row) * kScaleCols + 8 * threadIdx.x;
   if (j >= n) return;
   const size_t e = (size_t)i * n + j;
-  y[e] = from_f32<T>(to_f32(d[e]) * sx[i] * sw[j]);
+  const float si = sx[i];
+  if (n % 8 == 0 && aligned16(y) && aligned16(d) && aligned16(sw)) {
+    float v[8];
+#pragma unroll
+    for (int h = 0; h < 8; h += Vec16<D>::N) load16_rw(d + e + h, v + h);
+    const float4 w0 = *reinterpret_cast<const float4*>(sw + j);
+    const float4 w1 = *reinterpret_cast<const float4*>(sw + j + 4);
+    const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) v[c] = v[c] * si * w[c];
+#pragma unroll
+    for (int h = 0; h < 8; h += Vec16<T>::N) store16(y + e + h, v + h);
+    return;
+  }
+  for (int c = 0; c < 8 && j + c < n; ++c) y[e + c] = from_f32<T>(to_f32(d[e + c]) * si * sw[j + c]);
 }
 
 }  // namespace

@@ -25,7 +25,8 @@
 //
 // FP8 caches (C = e4m3): the two stages hold the tiles' E4M3 bytes (rows of D bytes, so a 16-byte
 // copy carries 16 values) and a third, 16-bit stage receives the current tile, converted by the
-// whole CTA before the products; Q is staged there. Shared bytes = 2 * BK * (D + 8) * sizeof(T) +
+// whole CTA before the products; Q is staged there. The products then run in f16 whatever T is
+// (E4M3 converts to f16 in one instruction; Q is saturated to f16's range, P is in [0, 1]). Shared bytes = 2 * BK * (D + 8) * sizeof(T) +
 // 2 stages * 2 * BK * D = 33792 for D = 128, 26624 for D = 64.
 //
 // Host guarantees: queries_per_cta * (num_heads / kv_heads) <= 64; block_size is a power of two;
@@ -66,13 +67,14 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   using Tile = pf_tile<D>;
   constexpr int BK = Tile::BK, LD = Tile::LD, STAGE = Tile::STAGE;
   constexpr bool F8 = sizeof(C) == 1;
+  using MT = typename std::conditional<F8, __half, T>::type;  // the products' 16-bit type
   constexpr int PIECE = 16 / sizeof(C);  // cache values per 16-byte copy
   constexpr int CH = D / PIECE;          // 16-byte copies per cache row
   // a copy stage: K tile then V tile, rows of ROW_BYTES; FP8 adds a 16-bit stage in front
-  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(T);
+  constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(MT);
   constexpr int STAGE_BYTES = 2 * BK * ROW_BYTES;
-  constexpr int CONV_BYTES = F8 ? STAGE * (int)sizeof(T) : 0;
-  using Mma = tc_mma<T>;
+  constexpr int CONV_BYTES = F8 ? STAGE * (int)sizeof(MT) : 0;
+  using Mma = tc_mma<MT>;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -96,10 +98,10 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   const int n_tiles = (k_end - k_begin + BK - 1) / BK;
 
   extern __shared__ __align__(16) unsigned char pf_smem[];
-  T* conv = reinterpret_cast<T*>(pf_smem);  // FP8: the converted tile (K, then V at BK * LD)
+  MT* conv = reinterpret_cast<MT*>(pf_smem);  // FP8: the converted tile (K, then V at BK * LD)
   unsigned char* stages = pf_smem + CONV_BYTES;  // stage s at s * STAGE_BYTES: K, then V
   // Q staging: in stage 1 (free until tile 1 loads), for FP8 in the converted stage
-  T* sq = reinterpret_cast<T*>(F8 ? pf_smem : stages + STAGE_BYTES);
+  MT* sq = reinterpret_cast<MT*>(F8 ? pf_smem : stages + STAGE_BYTES);
 
   // ---- phase 1a: Q rows to shared memory (zeros for padding rows)
   for (int i = tid; i < pf_rows * (D / 8); i += pf_threads) {
@@ -108,7 +110,10 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     const T* src = valid ? q + (size_t)(qs + qi0 + r / group) * q_stride +
                                (size_t)(kvh * group + r % group) * D + 8 * c
                          : q;
-    tc_cp_async16(sq + r * LD + 8 * c, src, valid);
+    if constexpr (std::is_same<T, MT>::value)
+      tc_cp_async16(sq + r * LD + 8 * c, src, valid);
+    else
+      stage8_as(sq + r * LD + 8 * c, src, valid);
   }
   tc_cp_async_commit();
 
@@ -191,15 +196,15 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     __syncthreads();
 
     const int k0 = k_begin + it * BK;
-    const T* sk = reinterpret_cast<const T*>(stages + (it & 1) * STAGE_BYTES);
+    const MT* sk = reinterpret_cast<const MT*>(stages + (it & 1) * STAGE_BYTES);
     if constexpr (F8) {
-      e4m3_rows_to_smem<T>(conv, LD, stages + (it & 1) * STAGE_BYTES, D, 2 * BK * D / 16, tid,
+      e4m3_rows_to_smem<MT>(conv, LD, stages + (it & 1) * STAGE_BYTES, D, 2 * BK * D / 16, tid,
                            pf_threads);
       __syncthreads();
       sk = conv;
     }
     if (warp_active && k0 <= wp_max && k0 + BK - 1 >= wlo_min) {
-      const T* sv = sk + BK * LD;
+      const MT* sv = sk + BK * LD;
 
       // ---- phase 3a: S = Q K^T. One x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8
       // (lane bit 3): b0, b1 of key block 2j and b0, b1 of key block 2j + 1.
@@ -273,7 +278,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
 #pragma unroll
       for (int nd = 0; nd < D / 8; ++nd)
         *reinterpret_cast<uint32_t*>(dst + 8 * nd) =
-            Mma::pack(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
+            tc_mma<T>::pack(o[nd][2 * h] * inv, o[nd][2 * h + 1] * inv);
     }
   }
 }

@@ -308,9 +308,10 @@ fn scale_outer<T: CudaDType + WithDType + DeviceRepr>(
         (&raw mut swp).cast::<c_void>(),
         (&raw mut ni).cast::<c_void>(),
     ];
-    let grid = (m * n.div_ceil(256)) as u32;
+    // a thread takes 8 columns (`kScaleCols` = 2,048 per CTA in csrc/fp8.cu)
+    let grid = (m * n.div_ceil(8 * 256)) as u32;
     // SAFETY: `fp8_scale_outer[_f32]_<dtype>(y, d, sx, sw, n)` (csrc/fp8.cu): y [m, n] of T, d
     // the sums ([m, n] f32, or y itself), sx [m] and sw [n] f32, alive for the call (the caller
-    // holds their guards); m * ceil(n / 256) CTAs of 256 threads.
+    // holds their guards); m * ceil(n / 2048) CTAs of 256 threads.
     unsafe { launch_dependent(&func, &stream, grid, 256, &mut params) }
 }

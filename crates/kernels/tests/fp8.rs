@@ -165,13 +165,16 @@ mod cuda {
     #[test]
     fn gpu_quantizer_writes_the_references_bits() -> Result<()> {
         let dev = gpu();
-        for dtype in [DType::BF16, DType::F16, DType::F32] {
-            let w = (Tensor::randn(0f32, 1., (37, 4096), &Device::Cpu)? * 0.3)?.to_dtype(dtype)?;
-            let (q, s) = fp8::quantize_rows(&w.to_device(&dev)?)?;
-            let (rq, rs) =
-                quantize_rows_ref(&w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?, 4096);
-            assert_eq!(q.flatten_all()?.to_vec1::<u8>()?, rq, "{dtype:?}");
-            assert_eq!(s.to_vec1::<f32>()?, rs, "{dtype:?}");
+        // rows held in registers (up to 8,192 16-bit values), and rows read twice: odd or long
+        for k in [4096, 24, 1001, 12288] {
+            for dtype in [DType::BF16, DType::F16, DType::F32] {
+                let w = (Tensor::randn(0f32, 1., (37, k), &Device::Cpu)? * 0.3)?.to_dtype(dtype)?;
+                let (q, s) = fp8::quantize_rows(&w.to_device(&dev)?)?;
+                let (rq, rs) =
+                    quantize_rows_ref(&w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?, k);
+                assert_eq!(q.flatten_all()?.to_vec1::<u8>()?, rq, "{dtype:?} k {k}");
+                assert_eq!(s.to_vec1::<f32>()?, rs, "{dtype:?} k {k}");
+            }
         }
         Ok(())
     }
