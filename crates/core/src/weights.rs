@@ -262,6 +262,26 @@ impl Weights {
         Ok(t)
     }
 
+    /// The value of the one-element tensor `name` (shape `[]` or `[1]`), or `None` when absent.
+    pub fn scalar_opt(&self, name: &str) -> Result<Option<f32>, LoadError> {
+        if !self.contains(name) {
+            return Ok(None);
+        }
+        let t = match self.get(&[], name) {
+            Err(LoadError::TensorShape { .. }) => self.get(&[1], name)?,
+            other => other?,
+        };
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| LoadError::Tensor {
+                name: self.full(name),
+                reason: e.to_string(),
+            })?;
+        Ok(v.first().copied())
+    }
+
     /// Like [`Weights::get`] but `None` when the tensor is absent.
     pub fn get_opt(&self, shape: &[usize], name: &str) -> Result<Option<Tensor>, LoadError> {
         if self.contains(name) {

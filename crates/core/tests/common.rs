@@ -1,7 +1,7 @@
 //! Helpers shared by the engine's integration tests: fixture paths, goldens and engine start-up.
 #![allow(dead_code)]
 
-use rserve_core::{Engine, EngineConfig, EngineHandle, KvBudget};
+use rserve_core::{Engine, EngineConfig, EngineHandle, EngineRequest, KvBudget, SamplingParams};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -70,4 +70,25 @@ pub fn assert_sound(h: &EngineHandle) {
     assert!(errs.is_empty(), "pool integrity: {errs:?}");
     let free_all = h.stats().running.load(std::sync::atomic::Ordering::Relaxed) == 0;
     assert!(free_all, "requests still running");
+}
+
+/// The prompt logprobs of `ids` (one per position after the first): the model's log-probability
+/// of each token given the ones before it.
+pub fn teacher_forced(h: &EngineHandle, ids: &[u32]) -> Vec<f32> {
+    let mut p = SamplingParams::greedy(1);
+    p.prompt_logprobs = Some(0);
+    let out = h
+        .submit(EngineRequest {
+            prompt_token_ids: ids.to_vec(),
+            params: p,
+        })
+        .expect("submitted")
+        .wait()
+        .expect("finished");
+    out.prompt_logprobs
+        .expect("prompt logprobs")
+        .into_iter()
+        .skip(1)
+        .map(|l| l.expect("a logprob").logprob)
+        .collect()
 }

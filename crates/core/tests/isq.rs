@@ -18,26 +18,6 @@ fn engine(model: &str, isq: Option<IsqFormat>) -> EngineHandle {
     Engine::start(cfg).unwrap()
 }
 
-/// The prompt logprobs of `ids` (one per position after the first).
-fn teacher_forced(h: &EngineHandle, ids: &[u32]) -> Vec<f32> {
-    let mut p = SamplingParams::greedy(1);
-    p.prompt_logprobs = Some(0);
-    let out = h
-        .submit(EngineRequest {
-            prompt_token_ids: ids.to_vec(),
-            params: p,
-        })
-        .unwrap()
-        .wait()
-        .unwrap();
-    out.prompt_logprobs
-        .unwrap()
-        .into_iter()
-        .skip(1)
-        .map(|l| l.unwrap().logprob)
-        .collect()
-}
-
 #[test]
 fn every_format_loads_reports_and_stays_close_to_f32() {
     for model in ["qwen2", "llama3"] {

@@ -122,7 +122,7 @@ impl Engine {
             cfg.max_model_len.is_some(),
             num_blocks * cfg.block_size,
         )?;
-        let kv = KvCache::new(
+        let mut kv = KvCache::new(
             mc.num_layers,
             num_blocks,
             cfg.block_size,
@@ -132,12 +132,15 @@ impl Engine {
             &device,
         )
         .map_err(|e| EngineError::Model(e.to_string()))?;
-        tracing::info!(
-            "KV cache ({}): {num_blocks} blocks of {} tokens = {} tokens; max concurrency at {max_model_len} tokens: {:.2}",
-            match cfg.kv_cache_dtype {
-                crate::kv_cache::KvCacheDtype::Auto => format!("{kv_dtype:?}"),
-                other => other.name().to_string(),
+        let kv_kind = match cfg.kv_cache_dtype {
+            crate::kv_cache::KvCacheDtype::Auto => format!("{kv_dtype:?}"),
+            other => match kv.set_scales(&loaded.model.kv_cache_scales()) {
+                0 => format!("{}, unit scales", other.name()),
+                n => format!("{}, the checkpoint's scales in {n} layers", other.name()),
             },
+        };
+        tracing::info!(
+            "KV cache ({kv_kind}): {num_blocks} blocks of {} tokens = {} tokens; max concurrency at {max_model_len} tokens: {:.2}",
             cfg.block_size,
             num_blocks * cfg.block_size,
             (num_blocks * cfg.block_size) as f64 / max_model_len as f64

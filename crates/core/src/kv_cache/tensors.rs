@@ -112,6 +112,19 @@ impl KvCache {
         })
     }
 
+    /// Gives layer `i` the scales `scales[i]` where that is `Some` (a checkpoint's FP8 KV-cache
+    /// scales); returns how many layers took one.
+    pub fn set_scales(&mut self, scales: &[Option<CacheScales>]) -> usize {
+        let mut n = 0;
+        for (layer, s) in self.layers.iter_mut().zip(scales) {
+            if let Some(s) = s {
+                layer.scales = *s;
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// Copies whole blocks `src -> dst` in every layer (copy-on-write).
     pub fn copy_blocks(&self, pairs: &[(usize, usize)]) -> Result<()> {
         for layer in &self.layers {

@@ -39,6 +39,10 @@ pub trait Model: Send {
     fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
         logits.slice_set(&self.forward(batch, kv)?, 0, 0)
     }
+    /// Per layer, the FP8 KV-cache scales the checkpoint gives (`None`: unit scales).
+    fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
+        Vec::new()
+    }
 }
 
 /// How an architecture builds its model from its config, the weights and the number of positions

@@ -12,7 +12,7 @@ use crate::kv_cache::LayerKv;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
-use rserve_kernels::{paged_attention, PagedAttentionParams};
+use rserve_kernels::{paged_attention, CacheScales, PagedAttentionParams};
 
 /// Shape and options of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,6 +35,33 @@ pub struct Attention {
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     spec: AttentionSpec,
+    /// The checkpoint's FP8 KV-cache scales, when it has them.
+    kv_scales: Option<CacheScales>,
+}
+
+/// A checkpoint's FP8 KV-cache scales for one attention layer, when it has any: `k_scale` and
+/// `v_scale` (vLLM's and llm-compressor's names), or `k_proj.output_scale` and
+/// `v_proj.output_scale` (AutoFP8's); a missing one is 1. Each must be finite and positive.
+fn load_kv_scales(w: &Weights) -> std::result::Result<Option<CacheScales>, LoadError> {
+    let mut found = false;
+    let mut one = |names: [&str; 2]| -> std::result::Result<f32, LoadError> {
+        for name in names {
+            if let Some(v) = w.scalar_opt(name)? {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(LoadError::Tensor {
+                        name: w.name_of(name),
+                        reason: format!("a KV-cache scale of {v} (must be finite and positive)"),
+                    });
+                }
+                found = true;
+                return Ok(v);
+            }
+        }
+        Ok(1.0)
+    };
+    let k = one(["k_scale", "k_proj.output_scale"])?;
+    let v = one(["v_scale", "v_proj.output_scale"])?;
+    Ok(found.then_some(CacheScales { k, v }))
 }
 
 impl Attention {
@@ -63,7 +90,13 @@ impl Attention {
             q_norm,
             k_norm,
             spec,
+            kv_scales: load_kv_scales(w)?,
         })
+    }
+
+    /// The checkpoint's FP8 KV-cache scales for this layer, when it has them.
+    pub fn kv_scales(&self) -> Option<CacheScales> {
+        self.kv_scales
     }
 
     /// `x`: `[num_tokens, hidden]`; `cache`: this layer's keys and values, each

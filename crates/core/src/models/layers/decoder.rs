@@ -132,6 +132,13 @@ impl Model for Decoder {
         self.max_positions
     }
 
+    fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
+        self.layers
+            .iter()
+            .map(|l| l.self_attn.kv_scales())
+            .collect()
+    }
+
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         self.embed_tokens.index_select(input_ids, 0)
     }
