@@ -169,9 +169,14 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
         }
       } else if (vd) {
         const long v = (long)(i - rv) * VN;
-        float x[VN];
-        load16_rw(row + (long)(heads + kv_heads) * head_dim + v, x);
-        CacheStore<T, C>::vec(vd + v, x, v_inv);
+        const T* src = row + (long)(heads + kv_heads) * head_dim + v;
+        if constexpr (std::is_same<T, C>::value) {
+          *reinterpret_cast<uint4*>(vd + v) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          float x[VN];
+          load16_rw(src, x);
+          CacheStore<T, C>::vec(vd + v, x, v_inv);
+        }
       }
     }
     return;

@@ -171,18 +171,24 @@ impl InplaceOp2 for WriteSlots<'_> {
     }
 }
 
-/// The name of a kernel instantiated per (compute dtype, cache dtype): `<base>_<dtype>`, or
-/// `<base>_<dtype>_fp8` for an FP8 cache.
+/// The name suffix of a kernel instantiated per (compute dtype, cache dtype): `<dtype>`, or
+/// `<dtype>_fp8` for an FP8 cache.
 #[cfg(feature = "cuda")]
-pub(crate) fn cache_kernel(base: &str, compute: DType, cache: DType) -> Result<String> {
+pub(crate) fn cache_suffix(compute: DType, cache: DType) -> Result<String> {
     let suffix = crate::cuda::dtype_suffix(compute)?;
     Ok(if cache == FP8_CACHE_DTYPE {
-        format!("{base}_{suffix}_fp8")
+        format!("{suffix}_fp8")
     } else if cache == compute {
-        format!("{base}_{suffix}")
+        suffix.to_string()
     } else {
         candle_core::bail!("a {cache:?} cache for {compute:?} values")
     })
+}
+
+/// `<base>_<cache_suffix>`: the kernel `base` for these dtypes.
+#[cfg(feature = "cuda")]
+pub(crate) fn cache_kernel(base: &str, compute: DType, cache: DType) -> Result<String> {
+    Ok(format!("{base}_{}", cache_suffix(compute, cache)?))
 }
 
 #[cfg(feature = "cuda")]
@@ -195,12 +201,8 @@ impl WriteSlots<'_> {
         src_l: &Layout,
     ) -> Result<()>
     where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-        C: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        T: crate::cuda::KernelElem,
+        C: crate::cuda::KernelElem,
     {
         use crate::cuda::{cuda_slice, function, token_rows};
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};

@@ -3,7 +3,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView,
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
@@ -12,6 +12,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rserve_kernels.fatbin"));
+
+/// An element type a kernel launch takes: candle's CUDA dtype that cudarc can pass.
+pub(crate) trait KernelElem: CudaDType + WithDType + DeviceRepr {}
+impl<T: CudaDType + WithDType + DeviceRepr> KernelElem for T {}
 
 /// Suffix of a kernel's name for `dtype` (kernels are instantiated per element type).
 pub(crate) fn dtype_suffix(dtype: DType) -> Result<&'static str> {

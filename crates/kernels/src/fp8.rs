@@ -250,9 +250,7 @@ mod cuda {
 
     fn quantize_as<T>(dev: &CudaDevice, x: &Tensor) -> Result<(Tensor, Tensor)>
     where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        T: crate::cuda::KernelElem,
     {
         let (rows, k) = x.dims2()?;
         let stream = dev.cuda_stream();
@@ -302,9 +300,7 @@ mod cuda {
 
     fn dequantize_as<T>(dev: &CudaDevice, q: &Tensor, scale: &Tensor) -> Result<Tensor>
     where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        T: crate::cuda::KernelElem,
     {
         let (rows, k) = q.dims2()?;
         let stream = dev.cuda_stream();

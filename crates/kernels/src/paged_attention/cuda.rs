@@ -151,12 +151,8 @@ impl PagedAttention<'_> {
         ql: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)>
     where
-        T: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-        C: candle_core::cuda_backend::CudaDType
-            + candle_core::WithDType
-            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+        T: crate::cuda::KernelElem,
+        C: crate::cuda::KernelElem,
     {
         use crate::cuda::{
             cuda_slice, dtype_suffix, function, function_with_shared, keys_as_rows_decode_enabled,
@@ -174,11 +170,7 @@ impl PagedAttention<'_> {
         let suffix = dtype_suffix(T::DTYPE)?;
         let fp8 = C::DTYPE == crate::cache::FP8_CACHE_DTYPE;
         // the attention kernels' suffix: the compute dtype, then `_fp8` for an FP8 cache
-        let ksuffix = if fp8 {
-            format!("{suffix}_fp8")
-        } else {
-            suffix.to_string()
-        };
+        let ksuffix = crate::cache::cache_suffix(T::DTYPE, C::DTYPE)?;
         let total_rows = num_tokens * num_heads;
         // SAFETY: every (token, head) row is written below: decode rows by the decode kernel (or
         // its merge), the other rows by a prompt kernel's work items, which cover every token.
