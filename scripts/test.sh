@@ -35,3 +35,4 @@ echo "== build the Python extension"
 
 echo "== pytest"
 "$VPY" -m pytest tests -q
+echo "== target/ holds $(du -sh target 2>/dev/null | cut -f1)"
