@@ -45,6 +45,7 @@ if has kernels; then
   test_bin gemv gemv
   test_bin fp8 fp8
   test_bin fp8-cache fp8_cache
+  test_bin ggml ggml
 fi
 if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin parity-f32 parity

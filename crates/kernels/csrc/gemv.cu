@@ -47,6 +47,45 @@ struct Fp8W {
 constexpr int kGemvRows = 4;  // R
 constexpr int kGemvSteps = 2;  // U
 
+// The epilogue of the streaming products: sums each thread's partial products acc[r][i] (W's row
+// row0 + r times x's row i) over the CTA through warp shuffles and shared memory and writes y
+// (`outs` wide); `row_scale` (may be null) multiplies each row's sum; in the GLU form rows R/2.. are
+// the up rows of the gate rows 0..R/2 and y is SiLU(gate) * up, both rounded to T first.
+template <typename T, int M, int R, int NT, bool GLU>
+__device__ __forceinline__ void gemv_store(T* __restrict__ y, const float (&acc)[R][M],
+                                           const float* __restrict__ row_scale, int m, int outs,
+                                           int row0, int rows) {
+  constexpr int RO = GLU ? R / 2 : R;
+  const int tid = threadIdx.x;
+  __shared__ float red[NT / 32][R * M];
+  const int lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float v = warp_sum(acc[r][i]);
+      if (lane == 0) red[warp][r * M + i] = v;
+    }
+  __syncthreads();
+  if (tid < RO * M) {
+    const int r = tid / M, i = tid % M;
+    float s = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
+    const int orow = row0 + min(r, rows - 1);
+    if (row_scale != nullptr) s *= row_scale[orow];
+    if (GLU) {
+      float u = 0.f;
+#pragma unroll
+      for (int wp = 0; wp < NT / 32; ++wp) u += red[wp][RO * M + tid];
+      if (row_scale != nullptr) u *= row_scale[outs + orow];
+      const float g = to_f32(from_f32<T>(s));
+      s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(u));
+    }
+    if (r < rows && i < m) y[(size_t)i * outs + row0 + r] = from_f32<T>(s);
+  }
+}
+
 template <typename T, typename W, int M, int R, int U, int NT, bool GLU = false>
 __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
                           const float* __restrict__ row_scale, int m, int n, int k) {
@@ -116,34 +155,7 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void
   }
 
   if (!waited) pdl_wait();
-
-  __shared__ float red[NT / 32][R * M];
-  const int lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const float v = warp_sum(acc[r][i]);
-      if (lane == 0) red[warp][r * M + i] = v;
-    }
-  __syncthreads();
-  if (tid < RO * M) {
-    const int r = tid / M, i = tid % M;
-    float s = 0.f;
-#pragma unroll
-    for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
-    const int orow = row0 + min(r, rows - 1);
-    if (row_scale != nullptr) s *= row_scale[orow];
-    if (GLU) {
-      float u = 0.f;
-#pragma unroll
-      for (int wp = 0; wp < NT / 32; ++wp) u += red[wp][RO * M + tid];
-      if (row_scale != nullptr) u *= row_scale[outs + orow];
-      const float g = to_f32(from_f32<T>(s));
-      s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(u));
-    }
-    if (r < rows && i < m) y[(size_t)i * outs + row0 + r] = from_f32<T>(s);
-  }
+  gemv_store<T, M, R, NT, GLU>(y, acc, row_scale, m, outs, row0, rows);
 }
 
 }  // namespace

@@ -7,3 +7,4 @@
 #include "fused.cu"
 #include "sampling.cu"
 #include "fp8.cu"
+#include "ggml.cu"

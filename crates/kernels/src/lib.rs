@@ -25,6 +25,7 @@ pub mod fp8;
 pub mod fp8_gemm;
 pub mod fused;
 pub mod gemv;
+pub mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
 pub mod metadata;

@@ -1,9 +1,15 @@
 //! A linear weight in a GGML block format (`q8_0`, `q4_0`, `q5_0`, `q4k`, `q6k`, and the other
-//! types a GGUF file may hold), `[out, in]` row-major with each row cut into blocks. On the CPU,
-//! the five formats rserve writes run its own kernels (`rserve_kernels::cpu_quant`: hand-written
-//! AVX2 chosen at run time); other GGUF types and every CUDA product run candle's quantized
-//! matmul. Both quantize the activations to 8 bits per block, as ggml does, and take integer dot
-//! products with the packed weights. The reference is the dequantized weight in f32 (tests).
+//! types a GGUF file may hold), `[out, in]` row-major with each row cut into blocks.
+//!
+//! - On a GPU the five formats rserve writes are `rserve_kernels::ggml` block weights: quantized
+//!   on the GPU, streamed by rserve's kernels for decode batches (16-bit activations, the weight
+//!   unpacked in registers) and dequantized to the activations' type for larger batches.
+//! - On the CPU they run rserve's kernels (`rserve_kernels::cpu_quant`: hand-written AVX2 chosen
+//!   at run time), which quantize the activations to 8 bits per block, as ggml does, and take
+//!   integer dot products with the packed weights.
+//! - Other GGUF types run candle's quantized matmul.
+//!
+//! The reference is the dequantized weight in f32 (tests).
 
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
@@ -11,6 +17,7 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Result, Tensor};
 use rserve_kernels::cpu_quant;
+use rserve_kernels::ggml::BlockWeight;
 use rserve_kernels::quantize::{self, BlockType};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,9 +25,19 @@ use std::sync::Arc;
 /// A weight stored in GGML blocks.
 #[derive(Debug, Clone)]
 pub struct GgmlLinear {
-    weight: Arc<QTensor>,
+    weight: Packed,
     /// `(out, in)`.
     shape: (usize, usize),
+}
+
+/// Where the blocks live and which kernels read them.
+#[derive(Debug, Clone)]
+enum Packed {
+    /// candle's tensor in ggml's bytes: the CPU, and the GGUF types rserve's GPU kernels do not
+    /// take.
+    Candle(Arc<QTensor>),
+    /// rserve's GPU layout.
+    Blocks(BlockWeight),
 }
 
 /// Every product on the CPU multiplies the dequantized weight in f32 when set: the reference
@@ -49,15 +66,32 @@ pub fn block_type(t: GgmlDType) -> Option<BlockType> {
     })
 }
 
+/// The GGML type of a block format.
+fn ggml_type(t: BlockType) -> GgmlDType {
+    match t {
+        BlockType::Q8_0 => GgmlDType::Q8_0,
+        BlockType::Q4_0 => GgmlDType::Q4_0,
+        BlockType::Q5_0 => GgmlDType::Q5_0,
+        BlockType::Q4K => GgmlDType::Q4K,
+        BlockType::Q6K => GgmlDType::Q6K,
+    }
+}
+
 impl GgmlLinear {
     /// Quantizes `weight` `[out, in]` to `dtype` with llama.cpp's reference quantizers (the same
-    /// bytes llama.cpp writes) and places it on the weight's device (`in` must be a multiple of
-    /// the block size).
+    /// bytes llama.cpp writes) where it lives: on a GPU with rserve's kernels, else on the CPU
+    /// (`in` must be a multiple of the block size).
     pub fn quantize(weight: &Tensor, dtype: GgmlDType) -> Result<Self> {
         let (out, inp) = weight.dims2()?;
         let Some(t) = block_type(dtype) else {
             candle_core::bail!("rserve does not quantize to {dtype:?}");
         };
+        if weight.device().is_cuda() {
+            return Ok(Self {
+                weight: Packed::Blocks(BlockWeight::quantize(t, weight)?),
+                shape: (out, inp),
+            });
+        }
         let x = weight
             .to_dtype(DType::F32)?
             .flatten_all()?
@@ -74,9 +108,19 @@ impl GgmlLinear {
         (out, inp): (usize, usize),
         device: &candle_core::Device,
     ) -> Result<Self> {
-        let q = qtensor_from_ggml(dtype, bytes, vec![out, inp], device)?;
+        let weight = match block_type(dtype) {
+            Some(t) if device.is_cuda() => {
+                Packed::Blocks(BlockWeight::from_ggml(t, bytes, (out, inp), device)?)
+            }
+            _ => Packed::Candle(Arc::new(qtensor_from_ggml(
+                dtype,
+                bytes,
+                vec![out, inp],
+                device,
+            )?)),
+        };
         Ok(Self {
-            weight: Arc::new(q),
+            weight,
             shape: (out, inp),
         })
     }
@@ -93,46 +137,83 @@ impl GgmlLinear {
         {
             return Ok(None);
         }
+        let rows = parts.iter().map(|p| p.shape.0).sum();
+        let blocks: Vec<BlockWeight> = parts
+            .iter()
+            .filter_map(|p| match &p.weight {
+                Packed::Blocks(b) => Some(b.clone()),
+                Packed::Candle(_) => None,
+            })
+            .collect();
+        if blocks.len() == parts.len() {
+            return Ok(BlockWeight::stack(&blocks)?.map(|b| Self {
+                weight: Packed::Blocks(b),
+                shape: (rows, first.shape.1),
+            }));
+        }
         let mut bytes = Vec::new();
         for p in parts {
-            bytes.extend_from_slice(&p.weight.data()?);
+            bytes.extend_from_slice(&p.bytes()?);
         }
-        let rows = parts.iter().map(|p| p.shape.0).sum();
         Self::from_bytes(
             first.dtype(),
             &bytes,
             (rows, first.shape.1),
-            &first.weight.device(),
+            &first.device(),
         )
         .map(Some)
     }
 
+    /// ggml's bytes of the weight.
+    fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>> {
+        Ok(match &self.weight {
+            Packed::Candle(q) => q.data()?,
+            Packed::Blocks(b) => std::borrow::Cow::Owned(b.to_ggml()?),
+        })
+    }
+
+    fn device(&self) -> candle_core::Device {
+        match &self.weight {
+            Packed::Candle(q) => q.device(),
+            Packed::Blocks(b) => b.device(),
+        }
+    }
+
     /// The GGML type of the blocks.
     pub fn dtype(&self) -> GgmlDType {
-        self.weight.dtype()
+        match &self.weight {
+            Packed::Candle(q) => q.dtype(),
+            Packed::Blocks(b) => ggml_type(b.block_type()),
+        }
     }
 
     /// Bytes of the packed weight.
     pub fn size_in_bytes(&self) -> usize {
-        self.weight.storage_size_in_bytes()
+        match &self.weight {
+            Packed::Candle(q) => q.storage_size_in_bytes(),
+            Packed::Blocks(b) => b.size_in_bytes(),
+        }
     }
 
     /// The weight dequantized to f32 by candle, `[out, in]` (the reference the products are
     /// tested against).
     pub fn dequantize(&self) -> Result<Tensor> {
-        self.weight.dequantize(&self.weight.device())
+        match &self.weight {
+            Packed::Candle(q) => q.dequantize(&q.device()),
+            Packed::Blocks(b) => b.dequantize(DType::F32),
+        }
     }
 
     /// `x W^T` on the CPU, `x` `[m, in]` f32: an f32 product with the dequantized weight over
     /// many rows, else integer block products (rserve's kernel where it takes the format).
-    fn cpu_matmul(&self, x: &Tensor) -> Result<Tensor> {
+    fn cpu_matmul(&self, q: &Arc<QTensor>, x: &Tensor) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         let (n, _) = self.shape;
         let format = block_type(self.dtype());
         if m >= DEQUANTIZE_FROM_ROWS || REFERENCE_PRODUCTS.load(Ordering::Relaxed) {
             let wf = match format {
                 Some(f) => {
-                    let w = cpu_quant::dequantize(f, &self.weight.data()?, n, k);
+                    let w = cpu_quant::dequantize(f, &q.data()?, n, k);
                     Tensor::from_vec(w, (n, k), x.device())?
                 }
                 None => self.dequantize()?,
@@ -140,25 +221,35 @@ impl GgmlLinear {
             return rserve_kernels::linear_rows(x, &wf);
         }
         let Some(f) = format else {
-            return QMatMul::QTensor(self.weight.clone()).forward(x);
+            return QMatMul::QTensor(q.clone()).forward(x);
         };
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let y = cpu_quant::matmul(f, &self.weight.data()?, n, k, &xs, m)
-            .map_err(candle_core::Error::msg)?;
+        let y = cpu_quant::matmul(f, &q.data()?, n, k, &xs, m).map_err(candle_core::Error::msg)?;
         Tensor::from_vec(y, (m, n), x.device())
     }
 }
 
 impl LinearMethod for GgmlLinear {
     fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let q = match &self.weight {
+            Packed::Blocks(b) => return b.linear(x),
+            Packed::Candle(q) => q,
+        };
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
         let y = if x.device().is_cpu() {
-            self.cpu_matmul(&xf)?
+            self.cpu_matmul(q, &xf)?
         } else {
-            QMatMul::QTensor(self.weight.clone()).forward(&xf)?
+            QMatMul::QTensor(q.clone()).forward(&xf)?
         };
         y.to_dtype(dtype)
+    }
+
+    fn matmul_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        match &self.weight {
+            Packed::Blocks(b) => b.silu_glu(x),
+            Packed::Candle(_) => rserve_kernels::silu_and_mul(&self.matmul(x, ctx)?),
+        }
     }
 
     fn shape(&self) -> (usize, usize) {

@@ -94,8 +94,6 @@ impl Isq {
         let (method, after, fallback): (Arc<dyn LinearMethod>, usize, Option<&str>) =
             if self.format == IsqFormat::Fp8 {
                 let q = Fp8Linear::quantize(&weight).map_err(err)?;
-                // the kernel's time, not its launch's
-                weight.device().synchronize().map_err(err)?;
                 let bytes = q.size_in_bytes();
                 (Arc::new(q), bytes, None)
             } else {
@@ -109,6 +107,8 @@ impl Isq {
                     None => (Arc::new(Dense::new(weight.clone())), before, Some("dense")),
                 }
             };
+        // the kernels' time, not their launches'
+        weight.device().synchronize().map_err(err)?;
         let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
         r.bytes_before += before;
         r.bytes_after += after;
