@@ -48,7 +48,7 @@ __device__ __forceinline__ void nibble_mant(const uint4& q, int r, float* f) {
 }
 
 struct Q8_0B {
-  static constexpr int kBlock = 32, kData = 32, kVals = 16, kSteps = 2;
+  static constexpr int kBlock = 32, kVals = 16, kSteps = 2;
   struct Raw { uint4 q; __half d; };
   struct Row { const uint4* q; const __half* d; };
   __device__ static Row row(const void* w, const void* d, int r, int k) {
@@ -76,7 +76,7 @@ struct Q8_0B {
 };
 
 struct Q4_0B {
-  static constexpr int kBlock = 32, kData = 16, kVals = 32, kSteps = 2;
+  static constexpr int kBlock = 32, kVals = 32, kSteps = 2;
   struct Raw { uint4 q; __half d; };
   struct Row { const uint4* q; const __half* d; };
   __device__ static Row row(const void* w, const void* d, int r, int k) {
@@ -104,7 +104,7 @@ struct Q4_0B {
 };
 
 struct Q5_0B {
-  static constexpr int kBlock = 32, kData = 20, kVals = 32, kSteps = 2;
+  static constexpr int kBlock = 32, kVals = 32, kSteps = 2;
   struct Raw { uint32_t w[5]; __half d; };
   struct Row { const uint32_t* q; const __half* d; };
   __device__ static Row row(const void* w, const void* d, int r, int k) {
@@ -158,7 +158,7 @@ __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t* q, int& s, i
 // q4k: chunk c is 16 bytes of a block's levels: values 64g + 16p + (0..16) (low nibbles,
 // sub-block 2g) and 64g + 32 + 16p + (0..16) (high nibbles, sub-block 2g + 1), i = c % 8 = 2g + p.
 struct Q4KB {
-  static constexpr int kBlock = 256, kData = 144, kVals = 32, kSteps = 2;
+  static constexpr int kBlock = 256, kVals = 32, kSteps = 2;
   struct Raw { uint4 q; uint4 head; };
   struct Row { const uint4* q; };
   __device__ static Row row(const void* w, const void*, int r, int k) {
@@ -215,7 +215,7 @@ struct Q4KB {
 // 128h + 32q + l for q = 0..3, from ql[64h + l] (q = 0, 2), ql[64h + 32 + l] (q = 1, 3) and
 // qh[32h + l].
 struct Q6KB {
-  static constexpr int kBlock = 256, kData = 208, kVals = 64, kSteps = 1;
+  static constexpr int kBlock = 256, kVals = 64, kSteps = 1;
   struct Raw { uint4 a, b, h, s; __half d; };
   struct Row { const uint4* q; const __half* d; };
   __device__ static Row row(const void* w, const void* d, int r, int k) {
