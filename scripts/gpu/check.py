@@ -19,7 +19,8 @@ Parts (choose with --parts, comma-separated):
            format FORMAT+kv8 adds --kv-cache-dtype fp8 (bf16+kv8: the FP8 cache alone)
 
 RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
-RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios.
+RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios, and
+RSERVE_PROFILE_ARGS (e.g. `--isq q4k`) adds server arguments to them.
 """
 
 from __future__ import annotations
@@ -453,13 +454,15 @@ def part_profile(a, out: Path) -> None:
         prefix = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
                   "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
                   "--csv", "--log-file", str(csv_path)]
-        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", prefix=prefix, tag=f"-ncu-{tag}",
+        extra = shlex.split(os.environ.get("RSERVE_PROFILE_ARGS", ""))  # e.g. --isq q4k
+        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra, prefix=prefix,
+                     tag=f"-ncu-{tag}",
                      env={"RSERVE_CUDA_PROFILE_STEPS": f"{start}:{count}"})
         try:
             r = bench(a, srv, out, conc, prompts, inp, outp)
         finally:
             srv.stop()
-        emit(out, {"part": "profile", "model": kind, "scenario": tag, **ncu_summary(csv_path, count),
+        emit(out, {"part": "profile", "model": kind, "scenario": tag, "args": extra, **ncu_summary(csv_path, count),
                    "bench_tpot_ms": r.get("tpot_ms"), "bench_ttft_ms": r.get("ttft_ms")})
     shutil.rmtree(path, ignore_errors=True)
 

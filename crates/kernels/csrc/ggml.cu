@@ -20,65 +20,67 @@
 namespace {
 
 // ---- formats: a thread's unit of work is a chunk of kVals values of one row, read with aligned
-// loads (Raw), unpacked to floats in run order: run r is 8 consecutive values of the row starting
-// at run(c, r). `unpack` gives the weights (the dequantizer); the products use `mant` and `coef`
-// instead, which avoid int-to-float conversions (an eighth of the FP32 rate on Hopper): `mant`
-// gives each level q of a run as the float 1 + q / 2^bits (its bits placed into the mantissa of
-// 1.0: two integer ops), and the run's weights times x sum to coef.x * S + coef.y * X, where S is
-// the sum of mant * x and X the sum of x over the run.
+// loads (Raw). `unpack` gives its weights in run order (run r is 8 consecutive values of the row
+// starting at run(c, r)), for the dequantizer. The decode products use `xload` and `dot`
+// instead: x comes quantized to int8 in blocks of 32 (XSlab below), and `dot` sums the chunk's
+// levels times x's levels four at a time (dp4a), then applies the two blocks' scales once.
+// Levels stored unsigned (q4_0, q5_0, q4k, q6k) are below 128, so the signed dp4a takes them
+// as they are and the format's offset is subtracted through x's block sums.
 
-// Bits [at, at + N) of w moved to [to, to + N), the rest cleared (at, to fold to constants).
-template <int N> __device__ __forceinline__ uint32_t field(uint32_t w, int at, int to) {
-  const uint32_t v = to >= at ? (w << (to - at)) : (w >> (at - to));
-  return v & (((1u << N) - 1) << to);
+// Sum of a[j] * b[j] over the 16 signed bytes of a and b, plus s.
+__device__ __forceinline__ int dot16(const uint4& a, const uint4& b, int s) {
+  s = __dp4a((int)a.x, (int)b.x, s);
+  s = __dp4a((int)a.y, (int)b.y, s);
+  s = __dp4a((int)a.z, (int)b.z, s);
+  return __dp4a((int)a.w, (int)b.w, s);
 }
-// Byte i (run-time) of a 16-byte vector, by selects rather than a trip through local memory.
-__device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {
-  const uint32_t w = i < 8 ? (i < 4 ? v.x : v.y) : (i < 12 ? v.z : v.w);
-  return (w >> (8 * (i & 3))) & 0xff;
+__device__ __forceinline__ uint4 low_nibbles(const uint4& q) {
+  return make_uint4(q.x & 0x0F0F0F0Fu, q.y & 0x0F0F0F0Fu, q.z & 0x0F0F0F0Fu, q.w & 0x0F0F0F0Fu);
 }
-__device__ __forceinline__ float one_plus(uint32_t mant) { return __uint_as_float(0x3F800000u | mant); }
+__device__ __forceinline__ uint4 high_nibbles(const uint4& q) {
+  return make_uint4((q.x >> 4) & 0x0F0F0F0Fu, (q.y >> 4) & 0x0F0F0F0Fu, (q.z >> 4) & 0x0F0F0F0Fu,
+                    (q.w >> 4) & 0x0F0F0F0Fu);
+}
 
-// The levels of run r of a 16-byte chunk of nibbles in ggml's order (runs 0, 1: the low nibbles
-// of bytes 0-7, 8-15; runs 2, 3: their high nibbles) as 1 + q / 16.
-__device__ __forceinline__ void nibble_mant(const uint4& q, int r, float* f) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = one_plus(field<4>(w[2 * (r & 1) + (e >> 2)], 8 * (e & 3) + 4 * (r >> 1), 19));
+// x's levels for one block of 32 values (a: 0-15, b: 16-31) and (d, d * sum of the levels).
+struct X32 {
+  uint4 a, b;
+  float2 ds;
+};
+__device__ __forceinline__ X32 xload32(const uint4* q, const float2* ds, int block) {
+  return {q[2 * block], q[2 * block + 1], ds[block]};
 }
 
 struct Q8_0B {
-  static constexpr int kBlock = 32, kVals = 16, kSteps = 2;
-  struct Raw { uint4 q; __half d; };
+  static constexpr int kBlock = 32, kVals = 32, kSteps = 2;
+  struct Raw { uint4 a, b; __half d; };
   struct Row { const uint4* q; const __half* d; };
+  using X = X32;
   __device__ static Row row(const void* w, const void* d, int r, int k) {
     return {reinterpret_cast<const uint4*>(static_cast<const char*>(w) + (size_t)r * k),
             static_cast<const __half*>(d) + (size_t)r * (k / kBlock)};
   }
-  __device__ static Raw load(const Row& w, int c) { return {__ldcs(w.q + c), __ldg(w.d + (c >> 1))}; }
-  __device__ static int run(int c, int r) { return 16 * c + 8 * r; }
+  __device__ static Raw load(const Row& w, int c) {
+    return {__ldcs(w.q + 2 * c), __ldcs(w.q + 2 * c + 1), __ldg(w.d + c)};
+  }
+  __device__ static int run(int c, int r) { return 32 * c + 8 * r; }
   __device__ static void unpack(const Raw& raw, int, float* f) {
     const float d = __half2float(raw.d);
-    const uint32_t w[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+    const uint32_t w[8] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w, raw.b.x, raw.b.y, raw.b.z, raw.b.w};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) f[i] = d * (float)(int8_t)(w[i >> 2] >> (8 * (i & 3)));
+    for (int i = 0; i < 32; ++i) f[i] = d * (float)(int8_t)(w[i >> 2] >> (8 * (i & 3)));
   }
-  // q + 128 as 1 + u / 256: sum (q x) = 256 S - 384 X
-  __device__ static void mant(const Raw& raw, int, int r, float* f) {
-    const uint32_t w[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = one_plus(field<8>(w[2 * r + (e >> 2)] ^ 0x80808080u, 8 * (e & 3), 15));
-  }
-  __device__ static float2 coef(const Raw& raw, int, int) {
-    const float d = __half2float(raw.d);
-    return make_float2(256.f * d, -384.f * d);
+  __device__ static X xload(const uint4* q, const float2* ds, int c) { return xload32(q, ds, c); }
+  __device__ static float dot(const Raw& raw, const X& x, int) {
+    return __half2float(raw.d) * x.ds.x * (float)dot16(raw.b, x.b, dot16(raw.a, x.a, 0));
   }
 };
 
 struct Q4_0B {
-  static constexpr int kBlock = 32, kVals = 32, kSteps = 2;
+  static constexpr int kBlock = 32, kVals = 32, kSteps = 4;
   struct Raw { uint4 q; __half d; };
   struct Row { const uint4* q; const __half* d; };
+  using X = X32;
   __device__ static Row row(const void* w, const void* d, int r, int k) {
     return {reinterpret_cast<const uint4*>(w) + (size_t)r * (k / kBlock),
             static_cast<const __half*>(d) + (size_t)r * (k / kBlock)};
@@ -95,18 +97,22 @@ struct Q4_0B {
       f[16 + j] = d * (float)((int)(b >> 4) - 8);
     }
   }
-  // sum ((q - 8) x) = 16 S - 24 X
-  __device__ static void mant(const Raw& raw, int, int r, float* f) { nibble_mant(raw.q, r, f); }
-  __device__ static float2 coef(const Raw& raw, int, int) {
-    const float d = __half2float(raw.d);
-    return make_float2(16.f * d, -24.f * d);
+  __device__ static X xload(const uint4* q, const float2* ds, int c) { return xload32(q, ds, c); }
+  // sum ((q - 8) x) over the block: d (dx sum(q xq) - 8 dx sum(xq))
+  __device__ static float dot(const Raw& raw, const X& x, int) {
+    const int s = dot16(high_nibbles(raw.q), x.b, dot16(low_nibbles(raw.q), x.a, 0));
+    return __half2float(raw.d) * (x.ds.x * (float)s - 8.f * x.ds.y);
   }
 };
 
+// Bits 0-3 of b moved to bit 4 of bytes 0-3 (the multiply's shifted copies do not overlap).
+__device__ __forceinline__ uint32_t bits_to_bytes(uint32_t b) { return ((b & 0xF) * 0x00204081u & 0x01010101u) << 4; }
+
 struct Q5_0B {
-  static constexpr int kBlock = 32, kVals = 32, kSteps = 2;
+  static constexpr int kBlock = 32, kVals = 32, kSteps = 4;
   struct Raw { uint32_t w[5]; __half d; };
   struct Row { const uint32_t* q; const __half* d; };
+  using X = X32;
   __device__ static Row row(const void* w, const void* d, int r, int k) {
     return {static_cast<const uint32_t*>(w) + (size_t)r * (k / kBlock) * 5,
             static_cast<const __half*>(d) + (size_t)r * (k / kBlock)};
@@ -129,95 +135,92 @@ struct Q5_0B {
       f[16 + j] = d * (float)((int)((b >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
     }
   }
-  // 5-bit levels as 1 + q / 32: sum ((q - 16) x) = 32 S - 48 X
-  __device__ static void mant(const Raw& raw, int, int r, float* f) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int j = 8 * (r & 1) + e;  // byte, and value j or 16 + j
-      f[e] = one_plus(field<4>(raw.w[1 + (j >> 2)], 8 * (j & 3) + 4 * (r >> 1), 18) |
-                      field<1>(raw.w[0], j + 16 * (r >> 1), 22));
-    }
-  }
-  __device__ static float2 coef(const Raw& raw, int, int) {
-    const float d = __half2float(raw.d);
-    return make_float2(32.f * d, -48.f * d);
+  __device__ static X xload(const uint4* q, const float2* ds, int c) { return xload32(q, ds, c); }
+  // sum ((q - 16) x): value j's fifth bit is bit j of qh (values 16 + j: bit 16 + j)
+  __device__ static float dot(const Raw& raw, const X& x, int) {
+    const uint32_t qh = raw.w[0];
+    const uint4 q = make_uint4(raw.w[1], raw.w[2], raw.w[3], raw.w[4]);
+    const uint4 lo = low_nibbles(q), hi = high_nibbles(q);
+    const uint4 l5 = make_uint4(lo.x | bits_to_bytes(qh), lo.y | bits_to_bytes(qh >> 4),
+                                lo.z | bits_to_bytes(qh >> 8), lo.w | bits_to_bytes(qh >> 12));
+    const uint4 h5 = make_uint4(hi.x | bits_to_bytes(qh >> 16), hi.y | bits_to_bytes(qh >> 20),
+                                hi.z | bits_to_bytes(qh >> 24), hi.w | bits_to_bytes(qh >> 28));
+    const int s = dot16(h5, x.b, dot16(l5, x.a, 0));
+    return __half2float(raw.d) * (x.ds.x * (float)s - 16.f * x.ds.y);
   }
 };
 
-// The 6-bit scale and minimum of sub-block j of a q4k block's 12 scale bytes.
-__device__ __forceinline__ void q4k_scale_min(int j, const uint8_t* q, int& s, int& m) {
-  if (j < 4) {
-    s = q[j] & 63;
-    m = q[j + 4] & 63;
+// A q4k block's header (d, dmin, then 12 bytes of 6-bit scales and minimums): the scale and
+// minimum of sub-blocks 2g (low byte) and 2g + 1 (high byte), as ggml packs them.
+__device__ __forceinline__ void q4k_scales(const uint4& head, int g, uint32_t& sc, uint32_t& mn) {
+  const int sh = 16 * (g & 1);
+  const uint32_t a = head.y >> sh, b = head.z >> sh, e = head.w >> sh;
+  if (g < 2) {
+    sc = a & 0x3f3f;
+    mn = b & 0x3f3f;
   } else {
-    s = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    sc = (e & 0x0f0f) | ((a & 0xc0c0) >> 2);
+    mn = ((e >> 4) & 0x0f0f) | ((b & 0xc0c0) >> 2);
   }
 }
+__device__ __forceinline__ float2 q4k_d_dmin(const uint4& head) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&head.x));
+}
 
-// q4k: chunk c is 16 bytes of a block's levels: values 64g + 16p + (0..16) (low nibbles,
-// sub-block 2g) and 64g + 32 + 16p + (0..16) (high nibbles, sub-block 2g + 1), i = c % 8 = 2g + p.
+// q4k: chunk c is group g = c % 4 of a block: 32 bytes of levels whose low nibbles are the
+// values 64g + (0..32) (sub-block 2g) and high nibbles the values 64g + 32 + (0..32) (2g + 1).
 struct Q4KB {
-  static constexpr int kBlock = 256, kVals = 32, kSteps = 2;
-  struct Raw { uint4 q; uint4 head; };
+  static constexpr int kBlock = 256, kVals = 64, kSteps = 2;
+  struct Raw { uint4 lo, hi, head; };
   struct Row { const uint4* q; };
+  struct X { X32 s0, s1; };
   __device__ static Row row(const void* w, const void*, int r, int k) {
     return {reinterpret_cast<const uint4*>(w) + (size_t)r * (k / kBlock) * 9};
   }
   __device__ static Raw load(const Row& w, int c) {
-    const int sb = c >> 3;
-    return {__ldcs(w.q + 9 * sb + 1 + (c & 7)), __ldg(w.q + 9 * sb)};
+    const uint4* b = w.q + 9 * (c >> 2) + 1 + 2 * (c & 3);
+    return {__ldcs(b), __ldcs(b + 1), __ldg(w.q + 9 * (c >> 2))};
   }
-  __device__ static int run(int c, int r) {
-    const int i = c & 7;
-    return 256 * (c >> 3) + 64 * (i >> 1) + 16 * (i & 1) + (r >= 2 ? 32 : 0) + 8 * (r & 1);
-  }
+  __device__ static int run(int c, int r) { return 64 * c + 8 * r; }
   __device__ static void unpack(const Raw& raw, int c, float* f) {
-    const uint32_t h[4] = {raw.head.x, raw.head.y, raw.head.z, raw.head.w};
-    const float d = __half2float(__ushort_as_half((unsigned short)(h[0] & 0xffff)));
-    const float dmin = __half2float(__ushort_as_half((unsigned short)(h[0] >> 16)));
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(h) + 4;
-    const int g = (c & 7) >> 1;
-    int s0, m0, s1, m1;
-    q4k_scale_min(2 * g, sc, s0, m0);
-    q4k_scale_min(2 * g + 1, sc, s1, m1);
-    const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
-    const uint32_t w[4] = {raw.q.x, raw.q.y, raw.q.z, raw.q.w};
+    const float2 dd = q4k_d_dmin(raw.head);
+    uint32_t sc, mn;
+    q4k_scales(raw.head, c & 3, sc, mn);
+    const float d0 = dd.x * (float)(sc & 0xff), o0 = dd.y * (float)(mn & 0xff);
+    const float d1 = dd.x * (float)(sc >> 8), o1 = dd.y * (float)(mn >> 8);
+    const uint32_t w[8] = {raw.lo.x, raw.lo.y, raw.lo.z, raw.lo.w, raw.hi.x, raw.hi.y, raw.hi.z, raw.hi.w};
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < 32; ++j) {
       const uint32_t b = (w[j >> 2] >> (8 * (j & 3))) & 0xff;
       f[j] = d0 * (float)(b & 15) - o0;
-      f[16 + j] = d1 * (float)(b >> 4) - o1;
+      f[32 + j] = d1 * (float)(b >> 4) - o1;
     }
   }
-  // runs 0, 1: sub-block 2g, runs 2, 3: 2g + 1; sum ((d s q - dmin m) x) = 16 d s S - (16 d s + dmin m) X
-  __device__ static void mant(const Raw& raw, int, int r, float* f) { nibble_mant(raw.q, r, f); }
-  __device__ static float2 coef(const Raw& raw, int c, int r) {
-    const float d = __half2float(__ushort_as_half((unsigned short)(raw.head.x & 0xffff)));
-    const float dmin = __half2float(__ushort_as_half((unsigned short)(raw.head.x >> 16)));
-    // q4k_scale_min of sub-block j over the header's bytes 4..15
-    const int j = 2 * ((c & 7) >> 1) + (r >> 1);
-    int sc, m;
-    if (j < 4) {
-      sc = byte_at(raw.head, 4 + j) & 63;
-      m = byte_at(raw.head, 8 + j) & 63;
-    } else {
-      const uint32_t b = byte_at(raw.head, 8 + j);
-      sc = (b & 0xF) | ((byte_at(raw.head, j) >> 6) << 4);
-      m = (b >> 4) | ((byte_at(raw.head, 4 + j) >> 6) << 4);
-    }
-    const float ds = 16.f * d * (float)sc;
-    return make_float2(ds, -(ds + dmin * (float)m));
+  __device__ static X xload(const uint4* q, const float2* ds, int c) {
+    return {xload32(q, ds, 2 * c), xload32(q, ds, 2 * c + 1)};
+  }
+  // sum ((d sc q - dmin mn) x) per sub-block: d sc dx sum(q xq) - dmin mn dx sum(xq)
+  __device__ static float dot(const Raw& raw, const X& x, int c) {
+    const int s0 = dot16(low_nibbles(raw.hi), x.s0.b, dot16(low_nibbles(raw.lo), x.s0.a, 0));
+    const int s1 = dot16(high_nibbles(raw.hi), x.s1.b, dot16(high_nibbles(raw.lo), x.s1.a, 0));
+    const float2 dd = q4k_d_dmin(raw.head);
+    uint32_t sc, mn;
+    q4k_scales(raw.head, c & 3, sc, mn);
+    const float p = (float)(sc & 0xff) * x.s0.ds.x * (float)s0 + (float)(sc >> 8) * x.s1.ds.x * (float)s1;
+    const float o = (float)(mn & 0xff) * x.s0.ds.y + (float)(mn >> 8) * x.s1.ds.y;
+    return dd.x * p - dd.y * o;
   }
 };
 
 // q6k: chunk c covers l = 16p + (0..16) of half h of a block (i = c % 4 = 2h + p): the values
 // 128h + 32q + l for q = 0..3, from ql[64h + l] (q = 0, 2), ql[64h + 32 + l] (q = 1, 3) and
-// qh[32h + l].
+// qh[32h + l]; sub-block (of 16) 8h + 2q + p.
 struct Q6KB {
-  static constexpr int kBlock = 256, kVals = 64, kSteps = 1;
+  static constexpr int kBlock = 256, kVals = 64, kSteps = 2;
   struct Raw { uint4 a, b, h, s; __half d; };
   struct Row { const uint4* q; const __half* d; };
+  // x's 16 values of each level group q, their block's dx and 32 times their levels' sum
+  struct X { uint4 p[4]; float d[4]; int s32[4]; };
   __device__ static Row row(const void* w, const void* d, int r, int k) {
     return {reinterpret_cast<const uint4*>(w) + (size_t)r * (k / kBlock) * 13,
             static_cast<const __half*>(d) + (size_t)r * (k / kBlock)};
@@ -231,13 +234,22 @@ struct Q6KB {
   __device__ static int run(int c, int r) {
     return 256 * (c >> 2) + 128 * ((c >> 1) & 1) + 32 * (r >> 1) + 16 * (c & 1) + 8 * (r & 1);
   }
+  // the int8 scales of the chunk's four sub-blocks (q = 0..3)
+  __device__ static void scales(const Raw& raw, int c, int* sc) {
+    const int h = (c >> 1) & 1, sh = 8 * (c & 1);
+    const uint32_t lo = h ? raw.s.z : raw.s.x, hi = h ? raw.s.w : raw.s.y;
+    sc[0] = (int8_t)(lo >> sh);
+    sc[1] = (int8_t)(lo >> (16 + sh));
+    sc[2] = (int8_t)(hi >> sh);
+    sc[3] = (int8_t)(hi >> (16 + sh));
+  }
   __device__ static void unpack(const Raw& raw, int c, float* f) {
     const float d = __half2float(raw.d);
-    const uint32_t s[4] = {raw.s.x, raw.s.y, raw.s.z, raw.s.w};
-    const int8_t* sc = reinterpret_cast<const int8_t*>(s) + 8 * ((c >> 1) & 1) + (c & 1);
+    int sc[4];
+    scales(raw, c, sc);
     float ds[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) ds[q] = d * (float)sc[2 * q];
+    for (int q = 0; q < 4; ++q) ds[q] = d * (float)sc[q];
     const uint32_t a[4] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w};
     const uint32_t b[4] = {raw.b.x, raw.b.y, raw.b.z, raw.b.w};
     const uint32_t hh[4] = {raw.h.x, raw.h.y, raw.h.z, raw.h.w};
@@ -252,99 +264,166 @@ struct Q6KB {
       f[48 + l] = ds[3] * (float)((int)((lb >> 4) | (((lh >> 6) & 3) << 4)) - 32);
     }
   }
-  // run r: level group r / 2 (a, b, c, d above), l = 8 (r % 2) + (0..8); 6-bit levels as
-  // 1 + q / 64: sum (d sc (q - 32) x) = 64 d sc S - 96 d sc X
-  __device__ static void mant(const Raw& raw, int, int r, float* f) {
-    const int grp = r >> 1;
-    const uint32_t ql[4] = {(grp & 1) ? raw.b.x : raw.a.x, (grp & 1) ? raw.b.y : raw.a.y,
-                            (grp & 1) ? raw.b.z : raw.a.z, (grp & 1) ? raw.b.w : raw.a.w};
-    const uint32_t qh[4] = {raw.h.x, raw.h.y, raw.h.z, raw.h.w};
+  __device__ static X xload(const uint4* q, const float2* ds, int c) {
+    const int base = 16 * (c >> 2) + 8 * ((c >> 1) & 1) + (c & 1);  // in 16-byte units
+    X x;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int l = 8 * (r & 1) + e;
-      f[e] = one_plus(field<4>(ql[l >> 2], 8 * (l & 3) + 4 * (grp >> 1), 17) |
-                      field<2>(qh[l >> 2], 8 * (l & 3) + 2 * grp, 21));
+    for (int g = 0; g < 4; ++g) {
+      x.p[g] = q[base + 2 * g];
+      x.d[g] = ds[(base + 2 * g) >> 1].x;
+      x.s32[g] = dot16(make_uint4(0x20202020u, 0x20202020u, 0x20202020u, 0x20202020u), x.p[g], 0);
     }
+    return x;
   }
-  __device__ static float2 coef(const Raw& raw, int c, int r) {
-    const int8_t sc = (int8_t)byte_at(raw.s, 8 * ((c >> 1) & 1) + (c & 1) + 2 * (r >> 1));
-    const float ds = __half2float(raw.d) * (float)sc;
-    return make_float2(64.f * ds, -96.f * ds);
+  // sum (d sc (q - 32) x) per sub-block: d sc dx (sum(q xq) - 32 sum(xq))
+  __device__ static float dot(const Raw& raw, const X& x, int c) {
+    int sc[4];
+    scales(raw, c, sc);
+    const uint4 h = raw.h;
+    const uint4 lv[4] = {
+        make_uint4((raw.a.x & 0x0F0F0F0Fu) | ((h.x << 4) & 0x30303030u), (raw.a.y & 0x0F0F0F0Fu) | ((h.y << 4) & 0x30303030u),
+                   (raw.a.z & 0x0F0F0F0Fu) | ((h.z << 4) & 0x30303030u), (raw.a.w & 0x0F0F0F0Fu) | ((h.w << 4) & 0x30303030u)),
+        make_uint4((raw.b.x & 0x0F0F0F0Fu) | ((h.x << 2) & 0x30303030u), (raw.b.y & 0x0F0F0F0Fu) | ((h.y << 2) & 0x30303030u),
+                   (raw.b.z & 0x0F0F0F0Fu) | ((h.z << 2) & 0x30303030u), (raw.b.w & 0x0F0F0F0Fu) | ((h.w << 2) & 0x30303030u)),
+        make_uint4(((raw.a.x >> 4) & 0x0F0F0F0Fu) | (h.x & 0x30303030u), ((raw.a.y >> 4) & 0x0F0F0F0Fu) | (h.y & 0x30303030u),
+                   ((raw.a.z >> 4) & 0x0F0F0F0Fu) | (h.z & 0x30303030u), ((raw.a.w >> 4) & 0x0F0F0F0Fu) | (h.w & 0x30303030u)),
+        make_uint4(((raw.b.x >> 4) & 0x0F0F0F0Fu) | ((h.x >> 2) & 0x30303030u), ((raw.b.y >> 4) & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u),
+                   ((raw.b.z >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u), ((raw.b.w >> 4) & 0x0F0F0F0Fu) | ((h.w >> 2) & 0x30303030u))};
+    float acc = 0.f;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) acc = fmaf((float)sc[g] * x.d[g], (float)(dot16(lv[g], x.p[g], 0) - x.s32[g]), acc);
+    return __half2float(raw.d) * acc;
   }
 };
 
-// ---- decode products: y = x W^T for m <= M rows of x. A CTA owns R rows of W; its threads take
-// chunks of k in turn and issue U * R chunk loads before using any; each run of 8 values of x
-// (read through L1) is converted once and multiplied with the levels of every row; gemv_store
-// (gemv.cu) reduces and writes y. The GLU form takes R/2 gate rows and the R/2 up rows of the
-// same outputs.
-template <typename T, typename F, int M, int R, int NT, bool GLU>
+// ---- decode products: y = x W^T for m <= M rows of x, on int8 activations (ggml's route: the
+// dp4a products need a tenth of the instructions of float ones, which would bound the kernel
+// below the memory bandwidth at 4-5 bits a weight). A CTA of 4 warps owns 4R rows of W, each warp
+// R of them; the CTA quantizes a slab of XSlab::kLen values of each row of x into shared memory (per
+// block of 32: d = max |x| / 127, levels rounded to nearest, and d times their sum), then each
+// lane takes chunks of the slab's k in turn, U chunks of each of its warp's rows in flight, and
+// the warp reduces with shuffles. The first weight loads go out before the kernel waits on the
+// previous one, and each step's loads are issued as soon as the last step's levels are used, so
+// they overlap the next slab's quantization. The GLU form gives each warp R/2 gate rows and the
+// R/2 up rows of the same outputs.
+constexpr int kGemvThreads = 128;
+// 4,096 values of each row of x at a time (one slab of 16,384 for a single row measured slower:
+// the whole quantization then precedes the first product)
+template <int M> struct XSlab {
+  static constexpr int kLen = 4096;
+  uint4 q[M][kLen / 16];
+  float2 ds[M][kLen / 32];
+};
+
+template <typename T, int M>
+__device__ void quantize_slab(XSlab<M>& xs, const T* __restrict__ x, int m, int k, int len) {
+  const int nb = len / 32;
+  for (int j = threadIdx.x; j < m * nb; j += kGemvThreads) {
+    const int i = j / nb, b = j % nb;
+    const T* src = x + (size_t)i * k + 32 * b;
+    float v[32];
+#pragma unroll
+    for (int h = 0; h < 32; h += Vec16<T>::N) load16(src + h, v + h);
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    // v * id rounded to the nearest integer lands in the low byte of (v * id + 1.5 * 2^23)
+    uint32_t w[8];
+    int sum = 0;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      uint32_t b4[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) b4[e] = __float_as_uint(fmaf(v[4 * q + e], id, 12582912.f));
+      w[q] = __byte_perm(__byte_perm(b4[0], b4[1], 0x0040), __byte_perm(b4[2], b4[3], 0x0040), 0x5410);
+      sum = __dp4a((int)w[q], 0x01010101, sum);
+    }
+    xs.q[i][2 * b] = make_uint4(w[0], w[1], w[2], w[3]);
+    xs.q[i][2 * b + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+    const float d = amax / 127.f;
+    xs.ds[i][b] = make_float2(d, d * (float)sum);
+  }
+}
+
+template <typename T, typename F, int M, int R, bool GLU>
 __device__ void ggml_gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
                                const void* __restrict__ d, int m, int n, int k) {
-  constexpr int U = GLU ? 1 : F::kSteps;  // the GLU form has twice the rows in flight
-  constexpr int RO = GLU ? R / 2 : R;
+  constexpr int U = F::kSteps;
+  constexpr int RO = GLU ? R / 2 : R;  // outputs per warp
+  __shared__ XSlab<M> xs;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int outs = GLU ? n / 2 : n;
-  const int row0 = blockIdx.x * RO;
-  const int rows = min(RO, outs - row0);
-  const int chunks = k / F::kVals;
+  const int row0 = (blockIdx.x * (kGemvThreads / 32) + warp) * RO;
   typename F::Row wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
-    wr[r] = F::row(w, d, row0 + min(r % RO, rows - 1) + (GLU && r >= RO ? outs : 0), k);
+    wr[r] = F::row(w, d, min(row0 + r % RO, outs - 1) + (GLU && r >= RO ? outs : 0), k);
+  const int chunks = k / F::kVals;
+  typename F::Raw raw[U][R];
+  auto fetch = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + 32 * u, chunks - 1);
+#pragma unroll
+      for (int r = 0; r < R; ++r) raw[u][r] = F::load(wr[r], c);
+    }
+  };
   float acc[R][M];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  bool waited = false;
-  for (int c0 = threadIdx.x; c0 < chunks; c0 += NT * U) {
-    typename F::Raw raw[U][R];
+  if (lane < chunks) fetch(lane);
+  pdl_wait();
+  for (int s0 = 0; s0 < k; s0 += XSlab<M>::kLen) {
+    const int len = min(XSlab<M>::kLen, k - s0);
+    if (s0 > 0) __syncthreads();  // every warp is done with the last slab
+    quantize_slab<T, M>(xs, x + s0, m, k, len);
+    __syncthreads();
+    const int cb = s0 / F::kVals, ce = cb + len / F::kVals;
+    for (int c0 = cb + lane; c0 < ce; c0 += 32 * U) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + NT * u, chunks - 1);
-#pragma unroll
-      for (int r = 0; r < R; ++r) raw[u][r] = F::load(wr[r], c);
-    }
-    if (!waited) {
-      pdl_wait();
-      waited = true;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + NT * u;
-      if (c >= chunks) break;
-      // each run of 8 values: x converted once, then every row's levels against it
-#pragma unroll
-      for (int run = 0; run < F::kVals / 8; ++run) {
-        float xf[M][8], xs[M];
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + 32 * u;
+        if (c >= ce) break;
 #pragma unroll
         for (int i = 0; i < M; ++i) {
           if (i < m) {
-            Vec16<T>::unpack(ldg16(x + (size_t)i * k + F::run(c, run)), xf[i]);
-            xs[i] = ((xf[i][0] + xf[i][1]) + (xf[i][2] + xf[i][3])) + ((xf[i][4] + xf[i][5]) + (xf[i][6] + xf[i][7]));
-          }
-        }
+            const typename F::X xv = F::xload(xs.q[i], xs.ds[i], c - cb);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float f[8];
-          F::mant(raw[u][r], c, run, f);
-          const float2 co = F::coef(raw[u][r], c, run);
-#pragma unroll
-          for (int i = 0; i < M; ++i) {
-            if (i < m) {
-              float sum = f[0] * xf[i][0];
-#pragma unroll
-              for (int e = 1; e < 8; ++e) sum = fmaf(f[e], xf[i][e], sum);
-              acc[r][i] = fmaf(co.x, sum, fmaf(co.y, xs[i], acc[r][i]));
-            }
+            for (int r = 0; r < R; ++r) acc[r][i] += F::dot(raw[u][r], xv, c);
           }
         }
       }
+      // the next step's chunks: on in this slab, else the next slab's first
+      const int next = c0 + 32 * U < ce ? c0 + 32 * U : ce + lane;
+      if (next < chunks) fetch(next);
     }
   }
-  if (!waited) pdl_wait();
-  gemv_store<T, M, R, NT, GLU>(y, acc, nullptr, m, outs, row0, rows);
+  // each (row, x row) sum lands in lane r * M + i
+  float mine = 0.f, up = 0.f;
+#pragma unroll
+  for (int r = 0; r < RO; ++r)
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+      const float v = warp_sum(acc[r][i]);
+      if (lane == r * M + i) mine = v;
+      if (GLU) {
+        const float u = warp_sum(acc[RO + r][i]);
+        if (lane == r * M + i) up = u;
+      }
+    }
+  const int r = lane / M, i = lane % M;
+  if (lane < RO * M && i < m && row0 + r < outs) {
+    float s = mine;
+    if (GLU) {
+      const float g = to_f32(from_f32<T>(s));
+      s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(up));
+    }
+    y[(size_t)i * outs + row0 + r] = from_f32<T>(s);
+  }
 }
 
 // ---- the weight in T [n, k] (products over more rows dequantize, then multiply on tensor
@@ -697,20 +776,20 @@ template <typename T> __device__ void quantize_q6k(uint8_t* q, __half* dd, const
 
 }  // namespace
 
-// ggml_gemv[_glu]_<fmt>_m<M>_<dtype>(y, x, w, d, m, n, k): ceil(n / 4) CTAs (GLU: ceil(n / 2 / 4)
-// with 4 gate + 4 up rows each) of NT threads. d is the block scales (null for q4k).
-#define GGML_GEMV_M(T, NAME, F, FNAME, M, NT)                                                       \
-  extern "C" __global__ void __launch_bounds__(NT) ggml_gemv_##FNAME##_m##M##_##NAME(               \
+// ggml_gemv[_glu]_<fmt>_m<M>_<dtype>(y, x, w, d, m, n, k): ceil(n / 16) CTAs (GLU: ceil(n / 2 / 8),
+// each warp 2 gate + 2 up rows) of kGemvThreads threads. d is the block scales (null for q4k).
+#define GGML_GEMV_M(T, NAME, F, FNAME, M)                                                           \
+  extern "C" __global__ void __launch_bounds__(kGemvThreads) ggml_gemv_##FNAME##_m##M##_##NAME(     \
       T* y, const T* x, const void* w, const void* d, int m, int n, int k) {                       \
-    ggml_gemv_impl<T, F, M, 4, NT, false>(y, x, w, d, m, n, k);                                     \
+    ggml_gemv_impl<T, F, M, 4, false>(y, x, w, d, m, n, k);                                         \
   }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(NT) ggml_gemv_glu_##FNAME##_m##M##_##NAME(           \
+  extern "C" __global__ void __launch_bounds__(kGemvThreads) ggml_gemv_glu_##FNAME##_m##M##_##NAME( \
       T* y, const T* x, const void* w, const void* d, int m, int n, int k) {                       \
-    ggml_gemv_impl<T, F, M, 8, NT, true>(y, x, w, d, m, n, k);                                      \
+    ggml_gemv_impl<T, F, M, 4, true>(y, x, w, d, m, n, k);                                          \
   }
 #define GGML_GEMV(T, NAME, F, FNAME)                                                                \
-  GGML_GEMV_M(T, NAME, F, FNAME, 1, 128) GGML_GEMV_M(T, NAME, F, FNAME, 2, 128)                     \
-  GGML_GEMV_M(T, NAME, F, FNAME, 4, 128) GGML_GEMV_M(T, NAME, F, FNAME, 8, 128)
+  GGML_GEMV_M(T, NAME, F, FNAME, 1) GGML_GEMV_M(T, NAME, F, FNAME, 2)                               \
+  GGML_GEMV_M(T, NAME, F, FNAME, 4) GGML_GEMV_M(T, NAME, F, FNAME, 8)
 // ggml_dequantize_<fmt>_<dtype>(out, w, d, n, k): a grid-stride loop over the chunks.
 #define GGML_DEQUANTIZE(T, NAME, F, FNAME)                                                          \
   extern "C" __global__ void ggml_dequantize_##FNAME##_##NAME(T* out, const void* w, const void* d, \

@@ -1,7 +1,8 @@
 //! GGML block weights on the GPU against the CPU references: the GPU quantizers write the bytes
 //! of llama.cpp's reference quantizers (`rserve_kernels::quantize`, itself checked against
 //! llama.cpp's goldens), the dequantizer matches ggml's dequantization, and the products match
-//! an f32 product with the dequantized weight for every row count and both 16-bit types.
+//! an f32 product with the dequantized weight for every row count and both 16-bit types (up to
+//! 8 rows of x, x rounded to 8 bits per block of 32 first, as the streaming products take it).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
@@ -38,6 +39,21 @@ fn max_abs(t: &Tensor) -> f32 {
         .and_then(|a| a.max(0))
         .and_then(|m| m.to_scalar::<f32>())
         .unwrap()
+}
+
+/// `x` `[m, k]` rounded as the streaming products take it: per block of 32, levels
+/// round-to-nearest-even of x * 127 / max |x| (the product exact), times max |x| / 127.
+fn q8_rounded(x: &Tensor) -> Result<Tensor> {
+    let mut v = x.flatten_all()?.to_vec1::<f32>()?;
+    for b in v.chunks_mut(32) {
+        let amax = b.iter().fold(0f32, |a, &e| a.max(e.abs()));
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let d = amax / 127.0;
+        for e in b.iter_mut() {
+            *e = (f64::from(*e) * f64::from(id)).round_ties_even() as f32 * d;
+        }
+    }
+    Tensor::from_vec(v, x.dims2()?, x.device())
 }
 
 mod cuda {
@@ -113,6 +129,13 @@ mod cuda {
                     for m in [1, 2, 3, 4, 5, 8, GEMV_MAX_ROWS + 1, 33] {
                         let x = Tensor::randn(0f32, 1., (m, k), &cpu)?.to_dtype(dtype)?;
                         let xf = x.to_dtype(DType::F32)?;
+                        // the streaming products take x quantized to int8 per block of 32, as
+                        // ggml's q8_0 does it; the dense path takes x as it is
+                        let xf = if m <= GEMV_MAX_ROWS {
+                            q8_rounded(&xf)?
+                        } else {
+                            xf
+                        };
                         let want = xf.matmul(&wf.t()?)?;
                         let got = q.linear(&x.to_device(&dev)?)?;
                         assert_eq!(got.dims(), &[m, n]);

@@ -212,12 +212,13 @@ fn gemv_as<T: crate::cuda::KernelElem>(
                 (&raw mut ni).cast::<c_void>(),
                 (&raw mut ki).cast::<c_void>(),
             ];
-            // four outputs per CTA (the GLU form: 4 gate + 4 up rows of W)
-            let grid = n.div_ceil(4) as u32;
+            // 4 warps of 4 rows of W per CTA: 16 outputs, or in the GLU form 8 (2 gate and the
+            // 2 matching up rows a warp)
+            let grid = n.div_ceil(if glu { 8 } else { 16 }) as u32;
             // SAFETY: `ggml_gemv[_glu]_<fmt>_m<M>_<dtype>(y, x, w, d, m, n, k)` (csrc/ggml.cu): x
             // [m, k] contiguous of T with m <= M, w and d the weight's data and scales for [n, k]
             // in the device layout (d null for q4k), k a multiple of the block (checked when the
-            // weight was made), y [m, n or n / 2]; 128 threads per CTA; the kernel waits before it
+            // weight was made), y [m, n or n / 2]; 128 threads per CTA (kGemvThreads); the kernel waits before it
             // reads x or writes y.
             unsafe { launch_dependent(&func, &stream, grid, 128, &mut params) }
         })?;
