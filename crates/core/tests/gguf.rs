@@ -172,6 +172,34 @@ fn the_metadata_tokenizer_and_template_are_the_models() {
     }
 }
 
+/// A SentencePiece vocabulary (`tokenizer.ggml.model` = `llama`, a file of metadata only from
+/// `tests/fixtures/make_gguf_spm.py`) tokenizes and decodes as transformers' tokenizer for the
+/// same file: byte fallback, the `▁` prefix, merges recovered from the scores, added tokens.
+#[test]
+fn a_sentencepiece_vocabulary_tokenizes_as_transformers() {
+    let g = rserve_core::gguf::GgufFile::open(&gguf_path("spm-vocab")).unwrap();
+    let tok = rserve_core::gguf::tokenizer::load(&g).unwrap();
+    let p = repo().join("tests/fixtures/goldens/gguf-spm-vocab.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    assert_eq!(tok.vocab_size() as u64, v["vocab_size"].as_u64().unwrap());
+    for case in v["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        let ids = tok.encode(text, true).unwrap();
+        assert_eq!(ids, want, "{text:?}");
+        assert_eq!(
+            tok.decode(&ids, true).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "{text:?}"
+        );
+    }
+}
+
 /// `--tokenizer DIR`: the directory's tokenizer and chat template replace the metadata's.
 #[test]
 fn a_tokenizer_directory_replaces_the_metadata_tokenizer() {

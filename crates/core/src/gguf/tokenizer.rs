@@ -1,9 +1,19 @@
-//! A Hugging Face tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata, for the
-//! byte-level BPE tokenizers (`tokenizer.ggml.model` = `gpt2`) of Llama 3 and Qwen: the vocabulary
-//! and merges as stored, the pre-tokenizer that `tokenizer.ggml.pre` names, control tokens as
-//! special added tokens, and a BOS prepended when `tokenizer.ggml.add_bos_token` says so.
-//! SentencePiece vocabularies (`llama`) and unknown pre-tokenizers are refused with a pointer to
-//! `--tokenizer DIR`, rather than tokenizing differently from the model's own tokenizer.
+//! A Hugging Face tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata, as
+//! transformers rebuilds it when it loads the file:
+//! - byte-level BPE (`tokenizer.ggml.model` = `gpt2`, Llama 3 and Qwen): the vocabulary and merges
+//!   as stored and the pre-tokenizer that `tokenizer.ggml.pre` names;
+//! - SentencePiece BPE (`llama`, Llama 2 and Mistral): the vocabulary with byte fallback, a `▁`
+//!   for each space and one before the text (`tokenizer.ggml.add_space_prefix`, on by default),
+//!   and merges recovered from the scores: every split of a token into two tokens, the best
+//!   score first, as transformers' `generate_merges` orders them. Text that starts with a space
+//!   gets no second `▁`, and none follows an added token, as in transformers (llama.cpp and
+//!   SentencePiece add one in both places).
+//!
+//! Both: control and unknown tokens as special added tokens, user-defined ones as plain added
+//! tokens, and a BOS prepended when `tokenizer.ggml.add_bos_token` says so (an EOS appended
+//! with `add_eos_token`); SentencePiece vocabularies prepend a BOS unless told not to. Unknown
+//! tokenizer models and pre-tokenizers are refused with a pointer to `--tokenizer DIR`, rather
+//! than tokenizing differently from the model's own tokenizer.
 
 use super::file::{GgufFile, Value};
 use crate::tokenizer::Tokenizer;
@@ -15,8 +25,12 @@ const REGEX_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const REGEX_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
+const UNKNOWN: i64 = 2;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
+
+/// SentencePiece's word boundary.
+const SPACE: &str = "\u{2581}";
 
 fn strs<'a>(g: &'a GgufFile, key: &str) -> Result<&'a [String], String> {
     match g.meta(key) {
@@ -39,13 +53,99 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json, String> {
         .meta("tokenizer.ggml.model")
         .and_then(Value::as_str)
         .ok_or("no `tokenizer.ggml.model`")?;
-    if model != "gpt2" {
-        return Err(format!(
-            "tokenizer model `{model}` is not rebuilt from GGUF metadata (byte-level BPE, \
-             `gpt2`, is); pass the model's own tokenizer with --tokenizer DIR"
-        ));
-    }
     let tokens = strs(g, "tokenizer.ggml.tokens")?;
+    let flag = |key: &str| g.meta(key).and_then(Value::as_bool);
+    let (mut doc, bos_default) = match model {
+        "gpt2" => (byte_level(g, tokens)?, false),
+        "llama" => (
+            sentencepiece(
+                g,
+                tokens,
+                flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+            )?,
+            true,
+        ),
+        other => {
+            return Err(format!(
+                "tokenizer model `{other}` is not rebuilt from GGUF metadata (byte-level BPE, \
+                 `gpt2`, and SentencePiece, `llama`, are); pass the model's own tokenizer with \
+                 --tokenizer DIR"
+            ))
+        }
+    };
+    doc["added_tokens"] = Json::Array(added_tokens(g, tokens));
+    let token = |key: &str| {
+        let id = g.meta(key).and_then(Value::as_u64)?;
+        Some((id, tokens.get(usize::try_from(id).ok()?)?.as_str()))
+    };
+    let bos = token("tokenizer.ggml.bos_token_id")
+        .filter(|_| flag("tokenizer.ggml.add_bos_token").unwrap_or(bos_default));
+    let eos = token("tokenizer.ggml.eos_token_id")
+        .filter(|_| flag("tokenizer.ggml.add_eos_token").unwrap_or(false));
+    if bos.is_some() || eos.is_some() {
+        doc["post_processor"] = template(bos, eos);
+    }
+    Ok(doc)
+}
+
+/// Control and unknown tokens as special added tokens, user-defined ones as plain ones.
+fn added_tokens(g: &GgufFile, tokens: &[String]) -> Vec<Json> {
+    let types: &[i64] = match g.meta("tokenizer.ggml.token_type") {
+        Some(Value::Ints(t)) => t,
+        _ => &[],
+    };
+    let mut added = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        let ty = types.get(id).copied().unwrap_or(1);
+        if ty == UNKNOWN || ty == CONTROL || ty == USER_DEFINED {
+            added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty != USER_DEFINED,
+            }));
+        }
+    }
+    added
+}
+
+/// BOS before each sequence and EOS after it, where given.
+fn template(bos: Option<(u64, &str)>, eos: Option<(u64, &str)>) -> Json {
+    let special = |t: &str, type_id: u32| json!({"SpecialToken": {"id": t, "type_id": type_id}});
+    let seq = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let wrap = |id: &str, type_id: u32| {
+        let mut v = Vec::new();
+        v.extend(bos.map(|(_, t)| special(t, type_id)));
+        v.push(seq(id, type_id));
+        v.extend(eos.map(|(_, t)| special(t, type_id)));
+        v
+    };
+    let mut specials = serde_json::Map::new();
+    for (id, t) in bos.into_iter().chain(eos) {
+        specials.insert(t.to_owned(), json!({"id": t, "ids": [id], "tokens": [t]}));
+    }
+    let pair = [wrap("A", 0), wrap("B", 1)].concat();
+    json!({
+        "type": "TemplateProcessing",
+        "single": wrap("A", 0),
+        "pair": pair,
+        "special_tokens": specials,
+    })
+}
+
+fn document(normalizer: Json, pre_tokenizer: Json, decoder: Json, model: Json) -> Json {
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": decoder,
+        "model": model,
+    })
+}
+
+fn byte_level(g: &GgufFile, tokens: &[String]) -> Result<Json, String> {
     let merges = strs(g, "tokenizer.ggml.merges")?;
     let pre = g
         .meta("tokenizer.ggml.pre")
@@ -70,57 +170,99 @@ pub fn tokenizer_json(g: &GgufFile) -> Result<Json, String> {
         .meta("tokenizer.ggml.ignore_merges")
         .and_then(Value::as_bool)
         .unwrap_or(ignore_merges);
-    let types: &[i64] = match g.meta("tokenizer.ggml.token_type") {
-        Some(Value::Ints(t)) => t,
-        _ => &[],
-    };
-    let mut vocab = serde_json::Map::with_capacity(tokens.len());
-    let mut added = Vec::new();
-    for (id, tok) in tokens.iter().enumerate() {
-        vocab.insert(tok.clone(), json!(id));
-        let ty = types.get(id).copied().unwrap_or(1);
-        if ty == CONTROL || ty == USER_DEFINED {
-            added.push(json!({
-                "id": id, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": ty == CONTROL,
-            }));
-        }
-    }
-    let add_bos = g
-        .meta("tokenizer.ggml.add_bos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let bos = g
-        .meta("tokenizer.ggml.bos_token_id")
-        .and_then(Value::as_u64)
-        .and_then(|id| Some((id, tokens.get(usize::try_from(id).ok()?)?)));
-    let post_processor = match (add_bos, bos) {
-        (true, Some((id, tok))) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"SpecialToken": {"id": tok, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {tok.as_str(): {"id": tok, "ids": [id], "tokens": [tok]}},
-        }),
-        _ => {
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false})
-        }
-    };
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
+    let mut doc = document(
+        normalizer,
+        pre_tokenizer,
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        json!({
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
-        },
-    }))
+            "ignore_merges": ignore_merges, "vocab": vocab(tokens), "merges": merges,
+        }),
+    );
+    doc["post_processor"] = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    Ok(doc)
+}
+
+fn vocab(tokens: &[String]) -> Json {
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.clone(), json!(id));
+    }
+    Json::Object(vocab)
+}
+
+fn sentencepiece(g: &GgufFile, tokens: &[String], prefix: bool) -> Result<Json, String> {
+    let scores: &[f64] = match g.meta("tokenizer.ggml.scores") {
+        Some(Value::Floats(s)) if s.len() == tokens.len() => s,
+        Some(_) => return Err("`tokenizer.ggml.scores` is not one float per token".into()),
+        None => {
+            return Err("no `tokenizer.ggml.scores` (a SentencePiece vocabulary needs them)".into())
+        }
+    };
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": SPACE}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    Ok(document(
+        Json::Null,
+        json!({"type": "Metaspace", "replacement": SPACE,
+               "prepend_scheme": if prefix { "first" } else { "never" }, "split": false}),
+        json!({"type": "Sequence", "decoders": decoders}),
+        json!({
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false, "vocab": vocab(tokens),
+            "merges": merges_from_scores(tokens, scores),
+        }),
+    ))
+}
+
+/// The merges a SentencePiece BPE vocabulary implies: each token cut in two at every character
+/// where both halves are tokens, ordered by the token's score (best first), then by the halves'
+/// lengths (longer first); ties keep the vocabulary's order, each token's cuts ordered by their
+/// halves' ids. (transformers' `generate_merges`.)
+pub fn merges_from_scores(tokens: &[String], scores: &[f64]) -> Vec<[String; 2]> {
+    use std::collections::HashMap;
+    let ids: HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    // (left id, right id, score, left chars, right chars)
+    let mut merges: Vec<(usize, usize, f64, usize, usize)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (tok, &score) in tokens.iter().zip(scores) {
+        if !seen.insert(tok.as_str()) {
+            continue; // a repeated token counts once, at its first place
+        }
+        let score = ids.get(tok.as_str()).map_or(score, |&i| scores[i]);
+        let mut local: Vec<_> = tok
+            .char_indices()
+            .skip(1)
+            .filter_map(|(at, _)| {
+                let (l, r) = tok.split_at(at);
+                Some((
+                    *ids.get(l)?,
+                    *ids.get(r)?,
+                    score,
+                    l.chars().count(),
+                    r.chars().count(),
+                ))
+            })
+            .collect();
+        local.sort_by_key(|&(l, r, ..)| (l, r));
+        merges.extend(local);
+    }
+    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
+    merges
+        .into_iter()
+        .map(|(l, r, ..)| [tokens[l].clone(), tokens[r].clone()])
+        .collect()
 }
 
 /// The tokenizer the metadata describes.
@@ -128,4 +270,23 @@ pub fn load(g: &GgufFile) -> Result<Tokenizer, String> {
     let doc = tokenizer_json(g)?;
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     Tokenizer::from_bytes(&bytes).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merges_from_scores;
+
+    /// The order transformers' `generate_merges` gives for the same vocabulary (a repeated token
+    /// takes its last score and id, at its first place).
+    #[test]
+    fn merges_follow_the_scores_then_the_halves_lengths() {
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc", "bc"]
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -0.5, -3.0];
+        let got = merges_from_scores(&tokens, &scores);
+        let want = [["ab", "c"], ["a", "bc"], ["a", "b"], ["b", "c"]];
+        assert_eq!(got, want.map(|[l, r]| [l.to_string(), r.to_string()]));
+    }
 }
