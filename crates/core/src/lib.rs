@@ -14,6 +14,7 @@ pub mod hub;
 pub mod kv_cache;
 pub mod load_error;
 pub mod loader;
+pub mod lora;
 pub mod model_runner;
 pub mod models;
 mod output;

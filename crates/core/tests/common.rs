@@ -1,7 +1,9 @@
 //! Helpers shared by the engine's integration tests: fixture paths, goldens and engine start-up.
 #![allow(dead_code)]
 
-use rserve_core::{Engine, EngineConfig, EngineHandle, EngineRequest, KvBudget, SamplingParams};
+use rserve_core::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, KvBudget, RequestOutput, SamplingParams,
+};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -91,4 +93,18 @@ pub fn teacher_forced(h: &EngineHandle, ids: &[u32]) -> Vec<f32> {
         .skip(1)
         .map(|l| l.expect("a logprob").logprob)
         .collect()
+}
+
+/// `n` greedy tokens after `prompt` (end tokens ignored) with `logprobs` alternatives each.
+pub fn greedy(h: &EngineHandle, prompt: &[u32], n: usize, logprobs: usize) -> RequestOutput {
+    let mut p = SamplingParams::greedy(n);
+    p.ignore_eos = true;
+    p.logprobs = Some(logprobs);
+    h.submit(EngineRequest {
+        prompt_token_ids: prompt.to_vec(),
+        params: p,
+    })
+    .expect("submitted")
+    .wait()
+    .expect("finished")
 }

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use rserve_core::loader::{load_model, LoadError};
-use rserve_core::{Engine, EngineConfig, EngineError, EngineRequest, KvBudget, SamplingParams};
+use rserve_core::{Engine, EngineConfig, EngineError, KvBudget};
 use std::path::{Path, PathBuf};
 
 fn copy_fixture(name: &str, tag: &str) -> PathBuf {
@@ -110,17 +110,7 @@ fn half_precision_dtypes_load_and_generate_close_to_float32() {
             format!("{:?}", h.info().dtype),
             if dtype == "bfloat16" { "BF16" } else { "F16" }
         );
-        let mut p = SamplingParams::greedy(4);
-        p.ignore_eos = true;
-        p.logprobs = Some(0);
-        let out = h
-            .submit(EngineRequest {
-                prompt_token_ids: case.prompt.clone(),
-                params: p,
-            })
-            .unwrap()
-            .wait()
-            .unwrap();
+        let out = greedy(&h, &case.prompt, 4, 0);
         let lps = out.outputs[0].logprobs.clone().unwrap();
         // the first token has a clear margin in the golden: it must agree, with a loose logprob
         assert_eq!(out.outputs[0].token_ids[0], case.tokens[0], "{dtype}");
