@@ -318,7 +318,11 @@ fn parse_config(name: &str, text: &str) -> Result<AdapterConfig, LoraError> {
         Some(Value::Array(list)) => {
             let mut ts = Vec::new();
             for v in list {
-                let s = v.as_str().unwrap_or_default();
+                let Some(s) = v.as_str() else {
+                    return Err(bad(format!(
+                        "`target_modules` holds {v}, not a module name"
+                    )));
+                };
                 // a module name, or a path ending in one
                 let last = s.rsplit('.').next().unwrap_or(s);
                 match Target::from_module(last) {
@@ -364,7 +368,10 @@ fn parse_name(name: &str) -> Option<(usize, Target, bool)> {
         "lora_B" => true,
         _ => return None,
     };
-    rest.ends_with("weight").then_some((layer, target, is_b))
+    // `lora_X.weight`, or `lora_X.<adapter name>.weight`
+    let parts: Vec<&str> = rest.split('.').collect();
+    (matches!(parts.len(), 2 | 3) && parts.last() == Some(&"weight"))
+        .then_some((layer, target, is_b))
 }
 
 fn modules(
@@ -413,7 +420,11 @@ fn modules(
         let t = t
             .to_dtype(DType::F32)
             .map_err(|e| tensor_err(&tname, e.to_string()))?;
-        pairs.entry((layer, target)).or_default()[usize::from(is_b)] = Some((tname, t));
+        let slot = &mut pairs.entry((layer, target)).or_default()[usize::from(is_b)];
+        if let Some((first, _)) = slot {
+            return Err(tensor_err(&tname, format!("a second copy of `{first}`")));
+        }
+        *slot = Some((tname, t));
     }
     let mut out = BTreeMap::new();
     for ((layer, target), [a, b]) in pairs {
@@ -442,6 +453,9 @@ fn modules(
                 &bn,
                 format!("shape [{bout}, {br}], but the base projection has {fan_out} outputs"),
             ));
+        }
+        if ar == 0 {
+            return Err(tensor_err(&an, "rank 0".into()));
         }
         if ar != br {
             return Err(tensor_err(
@@ -504,6 +518,10 @@ mod tests {
             (r#"{"peft_type": "IA3", "r": 8, "lora_alpha": 8}"#, "IA3"),
             (r#"{"r": 0, "lora_alpha": 8}"#, "`r` is 0"),
             (r#"{"lora_alpha": 8}"#, "missing field `r`"),
+            (
+                r#"{"r": 8, "lora_alpha": 8, "target_modules": [3]}"#,
+                "not a module name",
+            ),
         ] {
             let e = parse_config("bad-one", json)
                 .map(|_| ())
@@ -528,5 +546,9 @@ mod tests {
             None
         );
         assert_eq!(parse_name("base_model.model.lm_head.lora_A.weight"), None);
+        assert_eq!(
+            parse_name("base_model.model.model.layers.0.mlp.up_proj.lora_A.a.b.weight"),
+            None
+        );
     }
 }
