@@ -184,12 +184,8 @@ fn gemv_as<T: crate::cuda::KernelElem>(
     // SAFETY: every element of y is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(m * n) }?;
     if n > 0 {
-        let bucket = match m {
-            1 => 1,
-            2 => 2,
-            3 | 4 => 4,
-            _ => 8,
-        };
+        // the kernels are built for 1, 2, 4 and 8 rows (m <= GEMV_MAX_ROWS = 8)
+        let bucket = m.next_power_of_two();
         let form = if glu { "ggml_gemv_glu" } else { "ggml_gemv" };
         let name = format!(
             "{form}_{}_m{bucket}_{}",
@@ -218,8 +214,8 @@ fn gemv_as<T: crate::cuda::KernelElem>(
             // SAFETY: `ggml_gemv[_glu]_<fmt>_m<M>_<dtype>(y, x, w, d, m, n, k)` (csrc/ggml.cu): x
             // [m, k] contiguous of T with m <= M, w and d the weight's data and scales for [n, k]
             // in the device layout (d null for q4k), k a multiple of the block (checked when the
-            // weight was made), y [m, n or n / 2]; 128 threads per CTA (kGemvThreads); the kernel waits before it
-            // reads x or writes y.
+            // weight was made), y [m, n or n / 2]; 128 threads per CTA (kGemvThreads); the
+            // kernel waits before it reads x or writes y.
             unsafe { launch_dependent(&func, &stream, grid, 128, &mut params) }
         })?;
     }
