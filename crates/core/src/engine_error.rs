@@ -20,6 +20,12 @@ pub enum EngineError {
         prompt: usize,
         completion: usize,
     },
+    /// A LoRA adapter that cannot be used or loaded as asked (HTTP 400).
+    #[error("{0}")]
+    Lora(String),
+    /// A model or adapter name that is not served (HTTP 404).
+    #[error("{0}")]
+    NotFound(String),
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
     #[error("failed to load the model: {0}")]
@@ -53,6 +59,8 @@ impl EngineError {
             EngineError::InvalidRequest(_)
                 | EngineError::InvalidParam { .. }
                 | EngineError::ContextLength { .. }
+                | EngineError::Lora(_)
+                | EngineError::NotFound(_)
         )
     }
 }

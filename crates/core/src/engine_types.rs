@@ -9,6 +9,7 @@
 use crate::chat_template::ChatTemplate;
 pub use crate::engine_error::EngineError;
 use crate::loader::GenerationDefaults;
+use crate::lora::{AdapterId, LoraRegistry, ResolvedLora};
 use crate::models::DecoderConfig;
 use crate::request::{EngineRequest, FinishReason, RequestId};
 use crate::stream::{OutputStream, Sink};
@@ -64,6 +65,10 @@ pub struct EngineConfig {
     /// pass anyway; it exists so that tests run the async bookkeeping (placeholders, tokens fed
     /// to the next step, rows computed past a stop) without a GPU.
     pub lookahead_on_host: bool,
+    /// Serve LoRA adapters with these limits (`--enable-lora`); `None`: no adapters.
+    pub lora: Option<crate::lora::LoraOptions>,
+    /// Adapters registered at start: (name, directory or hub id) (`--lora-modules`).
+    pub lora_modules: Vec<(String, PathBuf)>,
 }
 
 impl EngineConfig {
@@ -87,6 +92,8 @@ impl EngineConfig {
             enforce_eager: false,
             async_scheduling: true,
             lookahead_on_host: false,
+            lora: None,
+            lora_modules: Vec::new(),
         }
     }
 }
@@ -111,6 +118,8 @@ pub struct EngineInfo {
     pub kv_cache_dtype: crate::kv_cache::KvCacheDtype,
     /// `cpu` or `cuda:N`.
     pub device: String,
+    /// The LoRA adapters callers can name, when adapters are enabled.
+    pub lora: Option<Arc<LoraRegistry>>,
 }
 
 /// Live counters the engine thread publishes after each step.
@@ -146,6 +155,7 @@ pub(crate) enum Command {
     Submit {
         id: RequestId,
         req: Box<EngineRequest>,
+        lora: Option<ResolvedLora>,
         sink: Sink,
     },
     Abort(RequestId),
@@ -220,9 +230,41 @@ impl EngineHandle {
         Ok(())
     }
 
+    /// The adapter a request names, ready for the engine (read again from disk if it left host
+    /// memory). An unknown name is [`EngineError::NotFound`].
+    pub fn resolve_lora(&self, name: &str) -> Result<ResolvedLora, EngineError> {
+        match &self.info.lora {
+            Some(reg) => reg.resolve(name),
+            None => Err(EngineError::NotFound(format!(
+                "The model `{name}` does not exist."
+            ))),
+        }
+    }
+
+    /// The adapter registry, or an error saying adapters are off.
+    pub fn lora_registry(&self) -> Result<&Arc<LoraRegistry>, EngineError> {
+        self.info.lora.as_ref().ok_or_else(|| {
+            EngineError::Lora("LoRA adapters are not enabled (start with --enable-lora)".into())
+        })
+    }
+
+    /// Registers adapter `name` from `path` (a PEFT directory or a hub id), read and checked now.
+    pub fn load_lora(&self, name: &str, path: &std::path::Path) -> Result<AdapterId, EngineError> {
+        self.lora_registry()?.load(name, path)
+    }
+
+    /// Unregisters adapter `name`; requests already using it finish with it.
+    pub fn unload_lora(&self, name: &str) -> Result<AdapterId, EngineError> {
+        self.lora_registry()?.unload(name)
+    }
+
     /// Validates and queues a request; its outputs arrive on the returned stream.
     pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
         self.validate(&req)?;
+        let lora = match &req.lora {
+            Some(name) => Some(self.resolve_lora(name)?),
+            None => None,
+        };
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let commands = self.tx.clone();
         let abort = move |id| {
@@ -233,6 +275,7 @@ impl EngineHandle {
             .send(Command::Submit {
                 id,
                 req: Box::new(req),
+                lora,
                 sink,
             })
             .map_err(|_| EngineError::Stopped)?;

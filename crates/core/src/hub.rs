@@ -91,17 +91,19 @@ pub fn parse_repo_id(spec: &str) -> Option<(String, String)> {
     Some((format!("{org}/{name}"), rev))
 }
 
-/// The snapshot directory of `repo` at `revision` in `cache`, if present with a `config.json`.
+/// The snapshot directory of `repo` at `revision` in `cache`, if present with a `config.json`
+/// (a model) or an `adapter_config.json` (a LoRA adapter).
 pub fn cached_snapshot(cache: &Path, repo: &str, revision: &str) -> Option<PathBuf> {
     let root = cache.join(format!("models--{}", repo.replace('/', "--")));
     let commit = std::fs::read_to_string(root.join("refs").join(revision))
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| revision.to_string());
     let snap = root.join("snapshots").join(commit);
-    snap.join("config.json").is_file().then_some(snap)
+    (snap.join("config.json").is_file() || snap.join("adapter_config.json").is_file())
+        .then_some(snap)
 }
 
-/// A local directory as is, or a hub id from the local cache, downloaded first when missing (with
+/// A local directory as is (a model or a LoRA adapter), or a hub id from the local cache, downloaded first when missing (with
 /// the `download` feature and not offline). Settings come from the environment.
 pub fn resolve_model(spec: &str) -> Result<PathBuf, HubError> {
     resolve_model_with(spec, &HubSettings::from_env())
@@ -138,6 +140,7 @@ pub fn is_needed_file(file: &str) -> bool {
         || matches!(
             file,
             "config.json"
+                | "adapter_config.json"
                 | "generation_config.json"
                 | "tokenizer.json"
                 | "tokenizer_config.json"

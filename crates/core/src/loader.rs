@@ -7,6 +7,7 @@
 
 use crate::chat_template::{load_chat_template, ChatTemplate};
 use crate::gguf::{self, GgufFile};
+use crate::lora::{LoraOptions, LoraSlots};
 use crate::models::{decoder_config, HfConfig, Model};
 use crate::quant::isq::{Isq, IsqReport};
 use crate::quant::IsqFormat;
@@ -15,6 +16,7 @@ use crate::weights::Weights;
 use candle_core::{DType, Device};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use crate::load_error::LoadError;
 
@@ -190,6 +192,8 @@ pub struct LoadedModel {
     pub isq: Option<IsqReport>,
     /// For a GGUF file: the GGML types its tensors are stored in, with their sizes.
     pub stored: Option<String>,
+    /// The device slots of LoRA adapters, when enabled.
+    pub lora: Option<Arc<LoraSlots>>,
 }
 
 /// How to load a model directory.
@@ -206,6 +210,8 @@ pub struct LoadOptions {
     /// A directory with `tokenizer.json` (and `tokenizer_config.json`) to use instead of the
     /// checkpoint's own (a GGUF file's metadata tokenizer).
     pub tokenizer: Option<PathBuf>,
+    /// Give the decoder's projections LoRA slots (`--enable-lora`).
+    pub lora: Option<LoraOptions>,
 }
 
 impl LoadOptions {
@@ -217,6 +223,7 @@ impl LoadOptions {
             isq: None,
             isq_lm_head: false,
             tokenizer: None,
+            lora: None,
         }
     }
 }
@@ -277,7 +284,8 @@ pub fn load_model_with(
     }
     let files = weight_files(dir)?;
     let isq = opts.isq.map(|f| Isq::new(f, opts.isq_lm_head));
-    let weights = Weights::open_with(&files, dtype, device, isq.clone())?;
+    let lora = lora_slots(opts, dtype, device);
+    let weights = Weights::open_with(&files, dtype, device, isq.clone())?.with_lora(lora.clone());
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
@@ -298,7 +306,14 @@ pub fn load_model_with(
         eos_token,
         isq: isq.map(|q| q.report()),
         stored: None,
+        lora,
     })
+}
+
+/// The (empty) LoRA slots the options ask for.
+fn lora_slots(opts: &LoadOptions, dtype: DType, device: &Device) -> Option<Arc<LoraSlots>> {
+    opts.lora
+        .map(|l| Arc::new(LoraSlots::new(l.max_loras, l.max_rank, dtype, device)))
 }
 
 fn compile_template(
@@ -359,7 +374,8 @@ fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedM
     let chat_template = compile_template(&template, &bos_token, &eos_token)?;
     let stored = stored_types(&file);
     let isq = opts.isq.map(|f| Isq::new(f, opts.isq_lm_head));
-    let weights = Weights::from_gguf(file, dtype, device, isq.clone());
+    let lora = lora_slots(opts, dtype, device);
+    let weights = Weights::from_gguf(file, dtype, device, isq.clone()).with_lora(lora.clone());
     let positions = opts
         .max_positions
         .unwrap_or(dcfg.max_position_embeddings)
@@ -377,6 +393,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedM
         eos_token,
         isq: isq.map(|q| q.report()),
         stored: Some(stored),
+        lora,
     })
 }
 

@@ -14,12 +14,15 @@ pub mod graphs;
 
 pub use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCache;
+use crate::lora::AdapterId;
 use crate::models::Model;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
 use graphs::{DecodeGraphs, GraphPlan};
+use rserve_kernels::lora::NO_ADAPTER;
 use rserve_kernels::AttentionMetadata;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// One step's inputs as host arrays, before they go to the device.
@@ -37,6 +40,9 @@ pub struct HostBatch {
     /// Rows whose token is still being sampled on the device ([`PENDING_TOKEN`] in `input_ids`):
     /// the row, its sequence and the token's position.
     pub pending: Vec<(u32, SeqId, usize)>,
+    /// The adapter slot of each token ([`NO_ADAPTER`] for base rows); empty when no row of the
+    /// step uses an adapter.
+    pub adapter_slots: Vec<u32>,
 }
 
 impl HostBatch {
@@ -59,6 +65,11 @@ impl HostBatch {
     fn upload(self, device: &Device) -> Result<ForwardBatch> {
         let t = self.input_ids.len();
         let rows = self.logits_indices.len();
+        let adapter_slots = if self.adapter_slots.is_empty() {
+            None
+        } else {
+            Some(Tensor::from_vec(self.adapter_slots, t, device)?)
+        };
         Ok(ForwardBatch {
             input_ids: Tensor::from_vec(self.input_ids, t, device)?,
             positions: Tensor::from_vec(self.positions, t, device)?,
@@ -77,7 +88,7 @@ impl HostBatch {
                 self.query_start_loc,
                 device,
             )?),
-            adapter_slots: None,
+            adapter_slots,
         })
     }
 }
@@ -183,6 +194,7 @@ impl ModelRunner {
             query_start_loc: Vec::with_capacity(n + 1),
             logits_indices: Vec::new(),
             pending: Vec::new(),
+            adapter_slots: Vec::new(),
         };
         h.query_start_loc.push(0);
         let mut rows = Vec::new();
@@ -244,11 +256,26 @@ impl ModelRunner {
     /// uploaded for an eager pass (see [`ModelRunner::host_batch`]). Also returns
     /// [`HostBatch::pending`]: the rows whose token the caller writes on the device into
     /// [`ModelRunner::token_ids`] before [`ModelRunner::execute`].
-    pub fn prepare(&mut self, sched: &Scheduler, out: &SchedulerOutput) -> Result<Prepared> {
+    ///
+    /// `adapters` gives the device slot of each adapter the step's sequences use (`None`: none
+    /// does); such a step runs eagerly.
+    pub fn prepare(
+        &mut self,
+        sched: &Scheduler,
+        out: &SchedulerOutput,
+        adapters: Option<&HashMap<AdapterId, u32>>,
+    ) -> Result<Prepared> {
         let max_positions = self.model.max_positions();
         let (mut host, rows) = Self::host_batch(sched, out, max_positions)?;
+        if let Some(slot_of) = adapters {
+            host.adapter_slots = Self::adapter_slots(sched, out, slot_of)?;
+        }
         let pending = std::mem::take(&mut host.pending);
-        if let Some(g) = self.graphs.as_mut() {
+        if let Some(g) = self
+            .graphs
+            .as_mut()
+            .filter(|_| host.adapter_slots.is_empty())
+        {
             if let Some(bucket) = g.bucket_for(&host) {
                 let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
                 let n = host.seq_lens.len();
@@ -262,6 +289,29 @@ impl ModelRunner {
             rows,
             pending,
         ))
+    }
+
+    /// The adapter slot of each token of the step: its sequence's adapter's slot in `slot_of`,
+    /// or [`NO_ADAPTER`].
+    fn adapter_slots(
+        sched: &Scheduler,
+        out: &SchedulerOutput,
+        slot_of: &HashMap<AdapterId, u32>,
+    ) -> Result<Vec<u32>> {
+        let mut v = Vec::with_capacity(out.num_batched_tokens);
+        for s in &out.scheduled {
+            let seq = sched.seq(s.seq_id).ok_or_else(|| {
+                candle_core::Error::Msg(format!("scheduled unknown sequence {}", s.seq_id))
+            })?;
+            let slot = match seq.meta.adapter_id() {
+                Some(a) => *slot_of.get(&a).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("adapter {a} has no device slot"))
+                })?,
+                None => NO_ADAPTER,
+            };
+            v.extend(std::iter::repeat_n(slot, s.num_new));
+        }
+        Ok(v)
     }
 
     /// The token ids a prepared step reads (a graph bucket's input or the eager batch's).

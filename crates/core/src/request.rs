@@ -292,6 +292,9 @@ pub struct TokenLogprob {
 pub struct EngineRequest {
     pub prompt_token_ids: Vec<u32>,
     pub params: SamplingParams,
+    /// The LoRA adapter to apply, by its registered name (`None`: the base model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<String>,
 }
 
 /// One completion's state, as reported in a [`RequestOutput`].

@@ -25,7 +25,14 @@ pub struct SchedulerConfig {
     /// Most prompt-logprob rows one step may produce (each is a full row of logits read back):
     /// prompt chunks of requests that ask for prompt logprobs are cut to fit.
     pub max_prompt_logprob_rows: usize,
+    /// Most distinct LoRA adapters among the running sequences (`--max-loras`; `usize::MAX`
+    /// without adapters).
+    pub max_loras: usize,
 }
+
+/// Steps a waiting sequence held back by the adapter limit lets later sequences of adapters
+/// already running pass it; after that admission waits for it (so it is never starved).
+pub const LORA_PASS_STEPS: usize = 64;
 
 /// `max_prompt_logprob_rows` for a vocabulary: 64 MiB of f32 logits a step, at least one row.
 pub fn prompt_logprob_rows_for(vocab_size: usize) -> usize {
@@ -87,6 +94,8 @@ pub struct Scheduler {
     waiting: VecDeque<SeqId>,
     running: Vec<SeqId>,
     kv: KvCacheManager,
+    /// The waiting sequence held back by the adapter limit, and for how many steps.
+    lora_blocked: Option<(SeqId, usize)>,
 }
 
 impl Scheduler {
@@ -97,6 +106,7 @@ impl Scheduler {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            lora_blocked: None,
         }
     }
 
@@ -176,14 +186,33 @@ impl Scheduler {
             i += 1;
         }
         if out.preempted.is_empty() {
+            let mut adapters = self.running_adapters();
+            // position in the queue: sequences held back by the adapter limit stay in place
+            let mut pos = 0;
+            let mut blocked: Option<SeqId> = None;
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&id) = self.waiting.front() else {
+                let Some(&id) = self.waiting.get(pos) else {
                     break;
                 };
                 let Some(seq) = self.seqs.get(&id) else {
-                    self.waiting.pop_front();
+                    self.waiting.remove(pos);
                     continue;
                 };
+                let adapter = seq.meta.adapter_id();
+                if let Some(a) = adapter {
+                    if !adapters.contains(&a) && adapters.len() >= self.cfg.max_loras {
+                        // the first one held back may be passed, for a while, by sequences of
+                        // adapters already running (or of none)
+                        if blocked.is_none() {
+                            if !self.may_pass(id) {
+                                break;
+                            }
+                            blocked = Some(id);
+                        }
+                        pos += 1;
+                        continue;
+                    }
+                }
                 let num_computed = seq.num_computed_tokens;
                 let remaining = seq.num_uncomputed();
                 let mut left = rows;
@@ -195,7 +224,13 @@ impl Scheduler {
                     break;
                 };
                 rows = left;
-                self.waiting.pop_front();
+                self.waiting.remove(pos);
+                if let Some(a) = adapter.filter(|a| !adapters.contains(a)) {
+                    adapters.push(a);
+                }
+                if self.lora_blocked.is_some_and(|(b, _)| b == id) {
+                    self.lora_blocked = None;
+                }
                 self.running.push(id);
                 if let Some(s) = self.seqs.get_mut(&id) {
                     s.status = SeqStatus::Running;
@@ -206,6 +241,29 @@ impl Scheduler {
         }
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget;
         out
+    }
+
+    /// The distinct adapters of the running sequences.
+    fn running_adapters(&self) -> Vec<crate::lora::AdapterId> {
+        let mut v: Vec<_> = self
+            .running
+            .iter()
+            .filter_map(|id| self.seqs.get(id)?.meta.adapter_id())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Whether sequences behind `id`, held back by the adapter limit, may still pass it: for
+    /// [`LORA_PASS_STEPS`] steps after it was first held back.
+    fn may_pass(&mut self, id: SeqId) -> bool {
+        let steps = match self.lora_blocked {
+            Some((b, n)) if b == id => n + 1,
+            _ => 1,
+        };
+        self.lora_blocked = Some((id, steps));
+        steps <= LORA_PASS_STEPS
     }
 
     /// Cuts `num_new` so that the prompt-logprob rows it produces fit in `rows` (taking them).

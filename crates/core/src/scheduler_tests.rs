@@ -11,6 +11,7 @@ fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerCon
         block_size: bs,
         num_blocks: blocks,
         max_prompt_logprob_rows: 1 << 20,
+        max_loras: usize::MAX,
     }
 }
 
@@ -294,4 +295,80 @@ fn positions_past_the_rotary_table_are_errors_when_the_batch_is_built() {
     assert!(crate::model_runner::ModelRunner::host_batch(&s, &o, 10).is_ok());
     let err = crate::model_runner::ModelRunner::host_batch(&s, &o, 9).expect_err("position 9");
     assert!(err.to_string().contains("position 9"), "{err}");
+}
+
+/// A sequence of request `id` using adapter `adapter` (a stand-in with no matrices).
+fn add_with_adapter(s: &mut Scheduler, id: u64, prompt_len: usize, adapter: u32) {
+    use crate::lora::{AdapterId, LoraAdapter, ResolvedLora};
+    use crate::sequence::RequestMeta;
+    let lora = ResolvedLora {
+        id: AdapterId(adapter),
+        adapter: std::sync::Arc::new(LoraAdapter::empty(&format!("a{adapter}"))),
+    };
+    let meta = RequestMeta {
+        adapter: Some(lora),
+        ..RequestMeta::default()
+    };
+    let prompt = vec![1; prompt_len];
+    s.add(Sequence::new(SeqId(id), RequestId(id), prompt, 1).with_meta(std::sync::Arc::new(meta)));
+}
+
+#[test]
+fn at_most_max_loras_adapters_run_and_later_sequences_of_running_ones_pass() {
+    let mut c = cfg(100, 8, 64, 4);
+    c.max_loras = 2;
+    let mut s = Scheduler::new(c);
+    add_with_adapter(&mut s, 1, 4, 10);
+    add_with_adapter(&mut s, 2, 4, 20);
+    add_with_adapter(&mut s, 3, 4, 30); // a third adapter: held back
+    add_with_adapter(&mut s, 4, 4, 10); // passes it: adapter 10 runs
+    add(&mut s, 5, 4); // no adapter: passes too
+    let out = s.schedule();
+    assert_eq!(
+        plan(&out).iter().map(|p| p.0).collect::<Vec<_>>(),
+        vec![1, 2, 4, 5]
+    );
+    finish_step(&mut s, &out);
+    // 3 waits until an adapter's sequences are all done
+    let out = s.schedule();
+    assert_eq!(out.scheduled.len(), 4);
+    finish_step(&mut s, &out);
+    s.finish(SeqId(2));
+    let out = s.schedule();
+    assert!(out.scheduled.iter().any(|x| x.seq_id == SeqId(3)));
+    finish_step(&mut s, &out);
+}
+
+#[test]
+fn a_sequence_held_back_by_the_adapter_limit_is_not_starved() {
+    let mut c = cfg(1000, 64, 512, 4);
+    c.max_loras = 1;
+    let mut s = Scheduler::new(c);
+    add_with_adapter(&mut s, 1, 4, 10);
+    add_with_adapter(&mut s, 2, 4, 20);
+    let mut admitted_2 = false;
+    let mut started: Vec<(SeqId, usize)> = Vec::new();
+    for step in 0..(LORA_PASS_STEPS + 40) {
+        // a steady stream of requests for the running adapter, each running for two steps, so
+        // that adapter never stops running
+        add_with_adapter(&mut s, 3 + step as u64, 4, 10);
+        let out = s.schedule();
+        if out.scheduled.iter().any(|x| x.seq_id == SeqId(2)) {
+            admitted_2 = true;
+            assert!(step >= LORA_PASS_STEPS, "admitted at step {step}");
+            break;
+        }
+        finish_step(&mut s, &out);
+        for x in &out.scheduled {
+            if !started.iter().any(|(id, _)| *id == x.seq_id) {
+                started.push((x.seq_id, step));
+            }
+        }
+        for &(id, at) in &started {
+            if at + 1 == step {
+                s.finish(id);
+            }
+        }
+    }
+    assert!(admitted_2, "the held-back sequence never ran");
 }

@@ -5,6 +5,7 @@
 //! `num_computed_tokens <= tokens.len()`, and the tokens not yet computed are exactly the ones the
 //! scheduler still has to feed through the model.
 
+use crate::lora::{AdapterId, ResolvedLora};
 use crate::request::{RequestId, SamplingParams};
 use std::fmt;
 use std::sync::Arc;
@@ -33,7 +34,7 @@ pub enum SeqStatus {
 
 /// Facts fixed for a request's whole life, shared by its sequences and read by the scheduler and
 /// the model runner (so neither asks the engine's request maps). Later features add theirs here:
-/// the adapter, image spans, the grammar.
+/// image spans, the grammar.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestMeta {
     /// Top alternatives per prompt position when prompt logprobs are asked for: every prompt
@@ -44,6 +45,9 @@ pub struct RequestMeta {
     /// Whether sampling reads the values of earlier output tokens (repetition, presence and
     /// frequency penalties), so no step may be planned before they are known.
     pub penalized: bool,
+    /// The LoRA adapter of every row of the request (held until the request ends, so an
+    /// adapter unloaded meanwhile stays usable by it).
+    pub adapter: Option<ResolvedLora>,
 }
 
 impl RequestMeta {
@@ -54,7 +58,13 @@ impl RequestMeta {
             penalized: params.repetition_penalty != 1.0
                 || params.presence_penalty != 0.0
                 || params.frequency_penalty != 0.0,
+            adapter: None,
         }
+    }
+
+    /// The adapter's id, if the request uses one.
+    pub fn adapter_id(&self) -> Option<AdapterId> {
+        self.adapter.as_ref().map(|a| a.id)
     }
 }
 

@@ -259,6 +259,7 @@ mod tests {
         let req = EngineRequest {
             prompt_token_ids: vec![1, 2],
             params: SamplingParams::default(),
+            lora: None,
         };
         let abort: AbortFn = Arc::new(move |id| {
             let _ = tx.send(id);

@@ -6,6 +6,7 @@
 
 use crate::gguf::{self, GgufFile};
 use crate::load_error::LoadError;
+use crate::lora::LoraSlots;
 use crate::quant::ggml::GgmlLinear;
 use crate::quant::isq::Isq;
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -27,6 +28,8 @@ struct Inner {
     files: Vec<PathBuf>,
     /// Quantizes the decoder's projections as they load (`--isq`).
     isq: Option<Arc<Isq>>,
+    /// Device slots for LoRA adapters: each decoder projection that loads registers its stacks.
+    lora: Option<Arc<LoraSlots>>,
 }
 
 /// A view of the checkpoint under a name prefix.
@@ -68,6 +71,7 @@ impl Weights {
                 device: device.clone(),
                 files: files.to_vec(),
                 isq,
+                lora: None,
             }),
             prefix: String::new(),
         })
@@ -82,6 +86,7 @@ impl Weights {
                 dtype,
                 device: device.clone(),
                 isq,
+                lora: None,
             }),
             prefix: String::new(),
         }
@@ -106,6 +111,24 @@ impl Weights {
         } else {
             format!("{}.{name}", self.prefix)
         }
+    }
+
+    /// The same checkpoint whose decoder projections get LoRA slots (before any view is taken).
+    pub fn with_lora(mut self, slots: Option<Arc<LoraSlots>>) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.lora = slots;
+        }
+        self
+    }
+
+    /// The LoRA slots of the decoder's projections, when adapters are enabled.
+    pub fn lora(&self) -> Option<&Arc<LoraSlots>> {
+        self.inner.lora.as_ref()
+    }
+
+    /// The prefix these weights are under.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// The in-situ quantizer of the decoder's projections, when asked for.

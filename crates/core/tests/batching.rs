@@ -32,6 +32,7 @@ fn run_alone(h: &EngineHandle, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
         .submit(EngineRequest {
             prompt_token_ids: prompt.to_vec(),
             params: p.clone(),
+            lora: None,
         })
         .expect("submit");
     s.wait().expect("done").outputs[0].token_ids.clone()
@@ -53,6 +54,7 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
             .submit(EngineRequest {
                 prompt_token_ids: p,
                 params: greedy(12),
+                lora: None,
             })
             .expect("submit");
         // let the previous ones run a little before the next arrives
@@ -99,6 +101,7 @@ fn submit_all(
             h.submit(EngineRequest {
                 prompt_token_ids: q.clone(),
                 params: params(i),
+                lora: None,
             })
             .expect("submit")
         })
@@ -171,6 +174,7 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
             h.submit(EngineRequest {
                 prompt_token_ids: p,
                 params: greedy(16),
+                lora: None,
             })
             .expect("submit")
         })
@@ -212,6 +216,7 @@ fn seeded_sampling_is_reproducible_and_independent_of_the_batch() {
             h.submit(EngineRequest {
                 prompt_token_ids: q,
                 params: np,
+                lora: None,
             })
             .expect("submit")
         })
@@ -233,6 +238,7 @@ fn run_batch(h: &EngineHandle, reqs: Vec<(Vec<u32>, SamplingParams)>) -> Vec<Vec
             h.submit(EngineRequest {
                 prompt_token_ids,
                 params,
+                lora: None,
             })
             .expect("submit")
         })
@@ -314,6 +320,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
         h.submit(EngineRequest {
             prompt_token_ids: prompt.clone(),
             params: p.clone(),
+            lora: None,
         })
         .expect("submit")
         .wait()
@@ -340,6 +347,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
         .submit(EngineRequest {
             prompt_token_ids: prompt.clone(),
             params: g,
+            lora: None,
         })
         .expect("submit")
         .wait()
@@ -358,6 +366,7 @@ fn stop_tokens_stop_strings_and_min_tokens() {
         .submit(EngineRequest {
             prompt_token_ids: prompt.clone(),
             params: greedy(12),
+            lora: None,
         })
         .expect("submit")
         .wait()
@@ -409,6 +418,7 @@ fn run_req(
         .submit(EngineRequest {
             prompt_token_ids: prompt.to_vec(),
             params: p,
+            lora: None,
         })
         .expect("submit")
         .wait()
@@ -423,6 +433,7 @@ fn streaming_deltas_concatenate_to_the_text() {
         .submit(EngineRequest {
             prompt_token_ids: prompts()[5].clone(),
             params: greedy(20),
+            lora: None,
         })
         .expect("submit");
     let mut acc = String::new();
@@ -461,6 +472,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
         .submit(EngineRequest {
             prompt_token_ids: prompts()[1].clone(),
             params: p,
+            lora: None,
         })
         .expect("submit");
     for _ in 0..3 {
@@ -480,6 +492,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
         .submit(EngineRequest {
             prompt_token_ids: vec![0, 5, 9],
             params: greedy(300),
+            lora: None,
         })
         .expect("submit");
     h.abort(s.request_id());
@@ -495,6 +508,7 @@ fn bad_requests_are_errors_not_panics() {
         h.submit(EngineRequest {
             prompt_token_ids: prompt,
             params: p,
+            lora: None,
         })
         .err()
     };

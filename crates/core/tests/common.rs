@@ -83,6 +83,7 @@ pub fn teacher_forced(h: &EngineHandle, ids: &[u32]) -> Vec<f32> {
         .submit(EngineRequest {
             prompt_token_ids: ids.to_vec(),
             params: p,
+            lora: None,
         })
         .expect("submitted")
         .wait()
@@ -103,6 +104,7 @@ pub fn greedy(h: &EngineHandle, prompt: &[u32], n: usize, logprobs: usize) -> Re
     h.submit(EngineRequest {
         prompt_token_ids: prompt.to_vec(),
         params: p,
+        lora: None,
     })
     .expect("submitted")
     .wait()

@@ -89,6 +89,7 @@ fn check(name: &str, tol: f32, exact: bool) -> f32 {
             .submit(EngineRequest {
                 prompt_token_ids: c.prompt.clone(),
                 params: p,
+                lora: None,
             })
             .unwrap()
             .wait()

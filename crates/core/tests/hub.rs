@@ -189,6 +189,7 @@ fn downloads_into_the_cache_then_resolves_offline_and_runs() {
         .submit(rserve_core::EngineRequest {
             prompt_token_ids: case.prompt.clone(),
             params,
+            lora: None,
         })
         .unwrap()
         .wait()

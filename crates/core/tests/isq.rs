@@ -30,6 +30,7 @@ fn every_format_loads_reports_and_stays_close_to_f32() {
             .submit(EngineRequest {
                 prompt_token_ids: prompt.clone(),
                 params: p,
+                lora: None,
             })
             .unwrap()
             .wait()

@@ -24,6 +24,7 @@ fn check_model(name: &str) {
             h.submit(EngineRequest {
                 prompt_token_ids: c.prompt.clone(),
                 params: p,
+                lora: None,
             })
             .expect("submit")
         })

@@ -8,3 +8,4 @@
 #include "sampling.cu"
 #include "fp8.cu"
 #include "ggml.cu"
+#include "lora.cu"

@@ -28,6 +28,7 @@ pub mod gemv;
 pub mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
+pub mod lora;
 pub mod metadata;
 pub mod paged_attention;
 pub mod quantize;

@@ -33,6 +33,7 @@ fn prefill(h: &EngineHandle, len: usize, salt: usize) -> Result<f64> {
     h.submit(EngineRequest {
         prompt_token_ids: prompt(len, salt, vocab),
         params: params(1),
+        lora: None,
     })?
     .wait()?;
     Ok(t.elapsed().as_secs_f64())
@@ -52,6 +53,7 @@ fn decode(
         streams.push(h.submit(EngineRequest {
             prompt_token_ids: prompt(prompt_len, salt * 1000 + b, vocab),
             params: params(out_len),
+            lora: None,
         })?);
     }
     let mut first = Vec::new();

@@ -86,6 +86,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let mut stream = handle.submit(EngineRequest {
         prompt_token_ids: prompt_ids,
         params,
+        lora: None,
     })?;
     let mut stdout = std::io::stdout();
     while let Some(delta) = stream.blocking_next() {

@@ -218,6 +218,7 @@ impl PyEngine {
             .submit(EngineRequest {
                 prompt_token_ids: ids,
                 params,
+                lora: None,
             })
             .map_err(engine_err)?;
         Ok(PyRequestStream {

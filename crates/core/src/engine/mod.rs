@@ -24,6 +24,7 @@ pub use crate::engine_types::EngineHandle;
 pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget};
 use crate::kv_cache::KvCache;
 use crate::loader::{load_model_with, LoadOptions, LoadedModel};
+use crate::lora::{BaseShape, LoraRegistry, LoraSlots, ResolvedLora, SlotTable};
 use crate::model_runner::graphs::GraphPlan;
 use crate::model_runner::ModelRunner;
 use crate::output::OutputProcessor;
@@ -62,11 +63,23 @@ pub struct Engine {
     async_scheduling: bool,
     /// See [`EngineConfig::lookahead_on_host`].
     host_lookahead: bool,
+    /// The device slots of LoRA adapters and which adapter holds each (adapters enabled).
+    adapters: Option<DeviceAdapters>,
+}
+
+/// The LoRA adapters on the device.
+struct DeviceAdapters {
+    slots: Arc<LoraSlots>,
+    table: SlotTable,
 }
 
 impl Engine {
     /// Loads the model, sizes the KV cache and starts the engine thread.
-    pub fn start(cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+    pub fn start(mut cfg: EngineConfig) -> Result<EngineHandle, EngineError> {
+        cfg.lora = cfg
+            .lora
+            .map(|l| l.validated().map_err(EngineError::InvalidConfig))
+            .transpose()?;
         let device = parse_device(&cfg.device)?;
         let hf = crate::loader::read_config(&cfg.model)?;
         let dcfg = crate::models::decoder_config(&hf)?;
@@ -84,6 +97,7 @@ impl Engine {
             isq: cfg.isq,
             isq_lm_head: cfg.isq_lm_head,
             tokenizer: cfg.tokenizer.clone(),
+            lora: cfg.lora,
             ..LoadOptions::new(&cfg.dtype)
         };
         let loaded = load_model_with(&cfg.model, &opts, &device)?;
@@ -152,6 +166,32 @@ impl Engine {
             block_size: cfg.block_size,
             num_blocks,
             max_prompt_logprob_rows: prompt_logprob_rows_for(mc.vocab_size),
+            max_loras: cfg.lora.map_or(usize::MAX, |l| l.max_loras),
+        };
+        let lora = match (cfg.lora, &loaded.lora) {
+            (Some(opts), Some(slots)) => {
+                let base = BaseShape::from_config(&loaded.hf_config)
+                    .map_err(|e| EngineError::InvalidConfig(format!("LoRA: {e}")))?;
+                let registry = Arc::new(LoraRegistry::new(opts, base));
+                for (name, path) in &cfg.lora_modules {
+                    registry.load(name, path)?;
+                }
+                tracing::info!(
+                    "LoRA: {} slots of rank {} over {} projections ({:.1} MiB), {} adapters registered",
+                    slots.num_slots(),
+                    slots.rank(),
+                    slots.num_projections(),
+                    slots.bytes() as f64 / (1 << 20) as f64,
+                    cfg.lora_modules.len()
+                );
+                Some((registry, slots.clone()))
+            }
+            _ if !cfg.lora_modules.is_empty() => {
+                return Err(EngineError::InvalidConfig(
+                    "LoRA modules were given but LoRA is not enabled (--enable-lora)".into(),
+                ))
+            }
+            _ => None,
         };
         let info = Arc::new(EngineInfo {
             model_dir: loaded.dir.clone(),
@@ -181,6 +221,7 @@ impl Engine {
                 candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
                 candle_core::DeviceLocation::Cpu => "cpu".into(),
             },
+            lora: lora.as_ref().map(|(r, _)| r.clone()),
         });
         let stats = Arc::new(EngineStats::default());
         // the engine thread runs on its own stream: everything queued here must be done first
@@ -204,6 +245,10 @@ impl Engine {
             readback: ReadbackPool::default(),
             async_scheduling: cfg.async_scheduling,
             host_lookahead: cfg.lookahead_on_host,
+            adapters: lora.map(|(_, slots)| DeviceAdapters {
+                table: SlotTable::new(slots.num_slots()),
+                slots,
+            }),
         };
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -292,7 +337,12 @@ impl Engine {
     /// Handles one command; false means shut down.
     fn handle(&mut self, c: Command) -> bool {
         match c {
-            Command::Submit { id, req, sink } => self.admit(id, *req, sink),
+            Command::Submit {
+                id,
+                req,
+                lora,
+                sink,
+            } => self.admit(id, *req, lora, sink),
             Command::Abort(id) => self.abort(id),
             Command::Shutdown => return false,
             Command::Check(reply) => {
@@ -302,7 +352,7 @@ impl Engine {
         true
     }
 
-    fn admit(&mut self, id: RequestId, req: EngineRequest, sink: Sink) {
+    fn admit(&mut self, id: RequestId, req: EngineRequest, lora: Option<ResolvedLora>, sink: Sink) {
         let prompt_len = req.prompt_token_ids.len();
         let seed = req.params.seed.unwrap_or_else(|| self.seed_rng.next_u64());
         self.stats
@@ -315,7 +365,7 @@ impl Engine {
         let prompt = req.prompt_token_ids.clone();
         let st = self
             .requests
-            .admit(id, req, sid, seed, self.info.max_model_len);
+            .admit(id, req, sid, seed, self.info.max_model_len, lora);
         let seq = Sequence::new(sid, id, prompt, n).with_meta(st.meta.clone());
         self.scheduler.add(seq);
     }

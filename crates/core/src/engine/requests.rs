@@ -6,6 +6,7 @@
 //! ([`crate::output`]). A request leaves this registry once every completion is done (by EOS, a
 //! stop token or string, length, or abort); it may still have text to send then.
 
+use crate::lora::ResolvedLora;
 use crate::output::Counted;
 use crate::request::{EngineRequest, FinishReason, RequestId, SamplingParams, StopReason};
 use crate::sampler::SeqRng;
@@ -67,6 +68,7 @@ impl Requests {
         seq: SeqId,
         seed: u64,
         max_model_len: usize,
+        lora: Option<ResolvedLora>,
     ) -> &RequestState {
         let p = req.params;
         let prompt_len = req.prompt_token_ids.len();
@@ -84,7 +86,10 @@ impl Requests {
             .collect();
         self.owner.insert(seq, (id, 0));
         let state = RequestState {
-            meta: Arc::new(RequestMeta::of(&p)),
+            meta: Arc::new(RequestMeta {
+                adapter: lora,
+                ..RequestMeta::of(&p)
+            }),
             prompt_logprobs_done: usize::from(p.prompt_logprobs.is_some()),
             params: p,
             prompt_len,

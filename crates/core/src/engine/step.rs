@@ -11,11 +11,14 @@
 
 use super::in_flight::{InFlight, Sampled};
 use super::{Engine, EngineError};
+use crate::lora::{AdapterId, ResolvedLora};
 use crate::model_runner::LogitRow;
 use crate::request::TokenLogprob;
 use crate::sampler::{self, RowSampling};
+use crate::scheduler::SchedulerOutput;
 use crate::sequence::SeqId;
 use candle_core::{Tensor, D};
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -75,7 +78,15 @@ impl Engine {
                 }
             }
         }
-        let prepared = self.runner.prepare(&self.scheduler, &out);
+        let placed = match self.place_adapters(&out) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!("placing LoRA adapters failed: {e}");
+                self.fail_all(EngineError::Model(e.to_string()));
+                return;
+            }
+        };
+        let prepared = self.runner.prepare(&self.scheduler, &out, placed.as_ref());
         self.timing.prepared = Some(Instant::now());
         let result = prepared.and_then(|(step, rows, pending)| {
             self.feed_pending(&step, &pending)?;
@@ -101,6 +112,39 @@ impl Engine {
             tracing::error!("sampling failed: {e}");
             self.fail_all(EngineError::Model(e.to_string()));
         }
+    }
+
+    /// Puts the adapters of the step's sequences into device slots (writing those not resident);
+    /// each one's slot, or `None` when no sequence of the step uses an adapter.
+    fn place_adapters(
+        &mut self,
+        out: &SchedulerOutput,
+    ) -> candle_core::Result<Option<HashMap<AdapterId, u32>>> {
+        let Some(dev) = self.adapters.as_mut() else {
+            return Ok(None);
+        };
+        let mut used: Vec<ResolvedLora> = Vec::new();
+        for s in &out.scheduled {
+            if let Some(a) = self
+                .scheduler
+                .seq(s.seq_id)
+                .and_then(|q| q.meta.adapter.as_ref())
+            {
+                if !used.iter().any(|u| u.id == a.id) {
+                    used.push(a.clone());
+                }
+            }
+        }
+        if used.is_empty() {
+            return Ok(None);
+        }
+        let ids: Vec<AdapterId> = used.iter().map(|u| u.id).collect();
+        let placement = dev.table.assign(&ids).map_err(candle_core::Error::Msg)?;
+        for (slot, id) in &placement.writes {
+            let adapter = used.iter().find(|u| u.id == *id).map(|u| &*u.adapter);
+            dev.slots.write(*slot, adapter)?;
+        }
+        Ok(Some(placement.slot_of))
     }
 
     /// Samples a step's rows and accepts the tokens (or, planning ahead, leaves them in flight).

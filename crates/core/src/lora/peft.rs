@@ -249,6 +249,21 @@ impl LoraAdapter {
         })
     }
 
+    /// An adapter named `name` that changes nothing (no modules).
+    pub fn empty(name: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            config: AdapterConfig {
+                rank: 0,
+                alpha: 0.0,
+                rslora: false,
+                targets: Vec::new(),
+                base_model: None,
+            },
+            modules: BTreeMap::new(),
+        }
+    }
+
     /// The size of its matrices in bytes as stored here (f32).
     pub fn bytes(&self) -> usize {
         self.modules

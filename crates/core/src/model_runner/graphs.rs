@@ -389,6 +389,7 @@ mod tests {
             query_start_loc: (0..=n as u32).collect(),
             logits_indices: (0..n as u32).collect(),
             pending: Vec::new(),
+            adapter_slots: Vec::new(),
         }
     }
 

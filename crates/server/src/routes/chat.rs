@@ -235,6 +235,7 @@ pub async fn chat_completions(
     let tracked = st.submit(EngineRequest {
         prompt_token_ids: prompt_ids,
         params,
+        lora: None,
     })?;
     if stream {
         return Ok(sse_response(

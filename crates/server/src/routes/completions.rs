@@ -171,6 +171,7 @@ pub async fn completions(
         reqs.push(EngineRequest {
             prompt_token_ids: p,
             params: params.clone(),
+            lora: None,
         });
     }
     let tracked: Vec<(Tracked, usize, usize)> = st

@@ -292,6 +292,7 @@ pub async fn responses(
     let tracked = st.submit(EngineRequest {
         prompt_token_ids: prompt_ids,
         params,
+        lora: None,
     })?;
     let head = Head {
         id: format!("resp_{}", super::misc::random_id()),

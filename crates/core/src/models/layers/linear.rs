@@ -2,11 +2,14 @@
 //! a weight is applied to activations, the LM head and the fused gate-up projection included.
 //!
 //! How the weight is stored and multiplied is a [`LinearMethod`]: [`Dense`] today; a quantized
-//! format is another method, and a LoRA adapter wraps one (reading the rows' adapter slots from
-//! the [`LayerCtx`]). Model code only ever sees [`Linear`], so no model file changes for either.
+//! format is another method, and a LoRA adapter wraps one ([`LoraLinear`], reading the rows'
+//! adapter slots from the [`LayerCtx`]; every decoder projection is wrapped when the checkpoint
+//! loads with LoRA slots). Model code only ever sees [`Linear`], so no model file changes for either.
 
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
+use crate::lora::slots::target_of;
+use crate::lora::LoraLinear;
 use crate::quant::ggml::GgmlLinear;
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
@@ -108,12 +111,51 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
-        if let Some(q) = w.quantized(&[out_dim, in_dim], "weight")? {
+        let layer = if let Some(q) = w.quantized(&[out_dim, in_dim], "weight")? {
             let bias = Self::load_bias(w, out_dim, bias)?;
-            return Ok(Self::with_method(Arc::new(q), bias));
+            Self::with_method(Arc::new(q), bias)
+        } else {
+            let (weight, bias) = Self::load_parts(w, in_dim, out_dim, bias)?;
+            Self::build(w, &w.name_of("weight"), weight, bias)?
+        };
+        layer.with_lora(&[(w, out_dim)], in_dim)
+    }
+
+    /// The layer wrapped in a [`LoraLinear`] when the checkpoint is loaded with LoRA slots and
+    /// every part (`parts`: prefix and output width) is a projection adapters can target.
+    fn with_lora(
+        self,
+        parts: &[(&Weights, usize)],
+        in_dim: usize,
+    ) -> std::result::Result<Self, LoadError> {
+        let Some(slots) = parts.first().and_then(|(w, _)| w.lora().cloned()) else {
+            return Ok(self);
+        };
+        let mut layer = None;
+        let mut targets = Vec::with_capacity(parts.len());
+        for (w, out) in parts {
+            let Some((l, t)) = target_of(w.prefix()) else {
+                return Ok(self);
+            };
+            if layer.is_some_and(|x| x != l) {
+                return Ok(self);
+            }
+            layer = Some(l);
+            targets.push((t, *out));
         }
-        let (weight, bias) = Self::load_parts(w, in_dim, out_dim, bias)?;
-        Self::build(w, &w.name_of("weight"), weight, bias)
+        let Some(layer) = layer else {
+            return Ok(self);
+        };
+        let proj = slots
+            .register(layer, &targets, in_dim)
+            .map_err(|e| LoadError::Tensor {
+                name: format!("LoRA slots of {}", parts[0].0.prefix()),
+                reason: e.to_string(),
+            })?;
+        Ok(Self::with_method(
+            Arc::new(LoraLinear::new(self.method, proj)),
+            self.bias,
+        ))
     }
 
     /// The output head `[vocab, hidden]`: `lm_head.weight`, or the input embeddings when tied
@@ -194,7 +236,7 @@ impl Linear {
             .map(|(w, out)| w.quantized(&[*out, in_dim], "weight"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         if quantized.iter().any(Option::is_some) {
-            return Self::fuse_stored(parts, quantized, in_dim, bias);
+            return Self::fuse_stored(parts, quantized, in_dim, bias)?.with_lora(parts, in_dim);
         }
         let loaded = parts
             .iter()
@@ -221,7 +263,7 @@ impl Linear {
             name: "fused projection".into(),
             reason: "no parts".into(),
         })?;
-        Self::build(first, &first.name_of("weight (fused)"), weight, bias)
+        Self::build(first, &first.name_of("weight (fused)"), weight, bias)?.with_lora(parts, in_dim)
     }
 
     /// [`Linear::load_fused`] of weights a checkpoint stores quantized: one packed weight when

@@ -1,0 +1,192 @@
+//! The device side of multi-adapter serving: for every adapted projection, the matrices of all
+//! resident adapters stacked over a fixed number of slots (`--max-loras`), allocated once at load
+//! time so that their addresses never change (a captured graph reads them as they are), and
+//! written in place when an adapter moves into a slot.
+//!
+//! A projection is one linear layer of the model, possibly fused: q, k and v share an input and
+//! one stack whose `A` holds the three parts' rows one after the other (`[slots, 3 * rank, in]`)
+//! and whose `B` rows follow the fused output columns (`[slots, q + k + v, rank]`). Ranks below
+//! the slot rank are zero-padded, and the adapter's scale is folded into `B`, so the kernels
+//! ([`rserve_kernels::lora`]) need no per-adapter metadata. A slot written for an adapter that
+//! does not target a projection (or one of its layers) holds zeros there.
+
+use super::peft::{LoraAdapter, Target};
+use candle_core::{DType, Device, Result, Tensor};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+/// One adapted projection's stacks.
+#[derive(Debug)]
+pub struct ProjectionSlots {
+    pub layer: usize,
+    /// The projection's parts, in output order, with their output widths.
+    pub parts: Vec<(Target, usize)>,
+    /// The widths alone (for the kernels).
+    pub widths: Vec<usize>,
+    pub in_dim: usize,
+    pub rank: usize,
+    pub a: Tensor, // [slots, parts * rank, in]
+    pub b: Tensor, // [slots, out, rank]
+}
+
+impl ProjectionSlots {
+    /// Writes `adapter`'s matrices for this projection into `slot` (zeros where it has none).
+    fn write(&self, slot: usize, adapter: Option<&LoraAdapter>) -> Result<()> {
+        let (p, r, k) = (self.parts.len(), self.rank, self.in_dim);
+        let n: usize = self.widths.iter().sum();
+        let mut a = vec![0f32; p * r * k];
+        let mut b = vec![0f32; n * r];
+        let mut col = 0;
+        for (i, &(t, w)) in self.parts.iter().enumerate() {
+            if let Some(m) = adapter.and_then(|ad| ad.modules.get(&(self.layer, t))) {
+                let mr = m.rank();
+                if mr > r {
+                    candle_core::bail!("rank {mr} exceeds the slots' rank {r}");
+                }
+                let ma = m.a.to_vec2::<f32>()?; // [mr, in]
+                for (q, row) in ma.iter().enumerate() {
+                    a[(i * r + q) * k..(i * r + q + 1) * k].copy_from_slice(row);
+                }
+                let mb = m.b.to_vec2::<f32>()?; // [w, mr]
+                for (o, row) in mb.iter().enumerate() {
+                    for (q, v) in row.iter().enumerate() {
+                        b[(col + o) * r + q] = (*v as f64 * m.scale) as f32;
+                    }
+                }
+            }
+            col += w;
+        }
+        let (dt, dev) = (self.a.dtype(), self.a.device());
+        let a = Tensor::from_vec(a, (1, p * r, k), &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        let b = Tensor::from_vec(b, (1, n, r), &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        self.a.slice_set(&a, 0, slot)?;
+        self.b.slice_set(&b, 0, slot)
+    }
+}
+
+/// Every adapted projection of a model, registered while its layers load.
+#[derive(Debug)]
+pub struct LoraSlots {
+    num_slots: usize,
+    rank: usize,
+    dtype: DType,
+    device: Device,
+    projections: Mutex<BTreeMap<(usize, Target), Arc<ProjectionSlots>>>,
+}
+
+impl LoraSlots {
+    /// `num_slots` adapters of ranks up to `rank` at once, in `dtype` on `device`.
+    pub fn new(num_slots: usize, rank: usize, dtype: DType, device: &Device) -> Self {
+        Self {
+            num_slots,
+            rank,
+            dtype,
+            device: device.clone(),
+            projections: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Allocates the (zeroed) stacks of the projection of `layer` made of `parts` over an input
+    /// of `in_dim`.
+    pub fn register(
+        &self,
+        layer: usize,
+        parts: &[(Target, usize)],
+        in_dim: usize,
+    ) -> Result<Arc<ProjectionSlots>> {
+        let (s, r) = (self.num_slots, self.rank);
+        let n: usize = parts.iter().map(|(_, w)| w).sum();
+        let first = parts
+            .first()
+            .ok_or_else(|| candle_core::Error::Msg("a projection without parts".into()))?
+            .0;
+        let proj = Arc::new(ProjectionSlots {
+            layer,
+            parts: parts.to_vec(),
+            widths: parts.iter().map(|(_, w)| *w).collect(),
+            in_dim,
+            rank: r,
+            a: Tensor::zeros((s, parts.len() * r, in_dim), self.dtype, &self.device)?,
+            b: Tensor::zeros((s, n, r), self.dtype, &self.device)?,
+        });
+        self.projections
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("LoRA slots poisoned".into()))?
+            .insert((layer, first), proj.clone());
+        Ok(proj)
+    }
+
+    /// Writes `adapter` into `slot` of every projection (`None`: clears the slot).
+    pub fn write(&self, slot: usize, adapter: Option<&LoraAdapter>) -> Result<()> {
+        if slot >= self.num_slots {
+            candle_core::bail!("LoRA slot {slot} of {}", self.num_slots);
+        }
+        let projections = self
+            .projections
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("LoRA slots poisoned".into()))?;
+        for p in projections.values() {
+            p.write(slot, adapter)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the stacks on the device.
+    pub fn bytes(&self) -> usize {
+        self.projections.lock().map_or(0, |ps| {
+            ps.values()
+                .map(|p| (p.a.elem_count() + p.b.elem_count()) * self.dtype.size_in_bytes())
+                .sum()
+        })
+    }
+
+    /// The projections registered so far.
+    pub fn num_projections(&self) -> usize {
+        self.projections.lock().map_or(0, |ps| ps.len())
+    }
+}
+
+/// The layer and projection a weight prefix names (`model.layers.3.self_attn.q_proj` -> (3, Q)).
+pub fn target_of(prefix: &str) -> Option<(usize, Target)> {
+    let mut segs = prefix.rsplit('.');
+    let module = segs.next()?;
+    let parent = segs.next()?;
+    let layer = segs.next()?.parse().ok()?;
+    if segs.next()? != "layers" {
+        return None;
+    }
+    let t = Target::ALL.into_iter().find(|t| t.module() == module)?;
+    (t.parent() == parent).then_some((layer, t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_name_their_layer_and_projection() {
+        assert_eq!(
+            target_of("model.layers.3.self_attn.q_proj"),
+            Some((3, Target::Q))
+        );
+        assert_eq!(
+            target_of("model.layers.12.mlp.down_proj"),
+            Some((12, Target::Down))
+        );
+        assert_eq!(target_of("model.layers.3.mlp.q_proj"), None);
+        assert_eq!(target_of("lm_head"), None);
+        assert_eq!(target_of("model.layers.x.mlp.up_proj"), None);
+    }
+}
