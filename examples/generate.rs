@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut stream = engine.submit(EngineRequest {
         prompt_token_ids,
         params,
+        lora: None,
     })?;
     // each item is a delta: the text and tokens that are new since the last one
     while let Some(delta) = stream.blocking_next() {

@@ -18,9 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rserve.llm import LLM
-    from rserve.types import CompletionOutput, Logprob, RequestOutput, SamplingParams
+    from rserve.types import CompletionOutput, Logprob, LoRARequest, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "LoRARequest",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "rserve.llm",
@@ -28,6 +36,7 @@ _LAZY = {
     "RequestOutput": "rserve.types",
     "CompletionOutput": "rserve.types",
     "Logprob": "rserve.types",
+    "LoRARequest": "rserve.types",
 }
 
 

@@ -37,6 +37,10 @@ class Engine:
         tokenizer: str | None = None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""
@@ -57,9 +61,23 @@ class Engine:
         """Token ids of a conversation (JSON list of {"role", "content"}) rendered with the chat
         template; ValueError on bad messages or template errors."""
 
-    def submit(self, prompt: str | list[int], params_json: str) -> RequestStream:
-        """Starts a request. Text prompts are tokenized with special tokens. ValueError for invalid
-        parameters, an empty prompt or one over the context length."""
+    def submit(
+        self, prompt: str | list[int], params_json: str, lora: str | None = None
+    ) -> RequestStream:
+        """Starts a request, with the LoRA adapter registered as `lora` when given. Text prompts
+        are tokenized with special tokens. ValueError for invalid parameters, an empty prompt,
+        one over the context length, or an adapter name that is not registered."""
+
+    def load_lora(self, name: str, path: str) -> int:
+        """Registers a LoRA adapter (a PEFT directory or hub id), read and checked now; returns
+        its engine id. ValueError when the name is taken, adapters are off or the adapter cannot
+        be used (the message names the adapter and the reason)."""
+
+    def unload_lora(self, name: str) -> int:
+        """Unregisters an adapter (requests using it finish with it); ValueError when unknown."""
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """The registered adapters: (name, path)."""
 
     def shutdown(self) -> None: ...
 

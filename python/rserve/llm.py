@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Generator, Union, cast
 
-from rserve.types import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from rserve.types import CompletionOutput, Logprob, LoRARequest, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from rserve._core import Engine, RequestStream
@@ -29,6 +29,7 @@ Prompt = Union[str, Sequence[int]]
 #: One chat conversation: a list of {"role", "content"} messages.
 Conversation = Sequence[Mapping[str, Any]]
 ParamsArg = Union[SamplingParams, Mapping[str, Any], None]
+LoraArg = Union[LoRARequest, None]
 
 #: Files fetched from the hub: configs, weights, tokenizer files and chat templates.
 HUB_ALLOW_PATTERNS: list[str] = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
@@ -51,6 +52,10 @@ _ENGINE_KWARGS = frozenset(
         "tokenizer",
         "quantization",
         "kv_cache_dtype",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
     }
 )
 
@@ -270,7 +275,10 @@ class LLM:
     `isq` (quantize the decoder's projections while loading: `q8_0`, `q4_0`, `q4k`, `q6k`,
     `fp8`), `quantization` (vLLM's spelling of `isq="fp8"`), `isq_lm_head` (with `isq`, the
     output head too), `tokenizer` (a directory whose `tokenizer.json` replaces the model's),
-    `kv_cache_dtype` (`"auto"` or `"fp8"`: an FP8 E4M3 KV cache holding twice the tokens).
+    `kv_cache_dtype` (`"auto"` or `"fp8"`: an FP8 E4M3 KV cache holding twice the tokens),
+    `enable_lora` (serve LoRA adapters: pass `lora_request=LoRARequest(name, int_id, path)` to
+    `generate`, `chat`, `stream` and `astream`), `max_loras` (adapters on the device at once),
+    `max_lora_rank`, `max_cpu_loras` (adapters kept in host memory).
     """
 
     def __init__(
@@ -302,6 +310,8 @@ class LLM:
         from rserve._core import Engine
 
         self.model = os.fspath(model)
+        self._loras: dict[str, tuple[int, str]] = {}
+        self._lora_lock = threading.Lock()
         self._engine: Engine = Engine(
             model_dir,
             dtype=dtype,
@@ -359,24 +369,28 @@ class LLM:
         self,
         prompts: Prompt | Mapping[str, Any] | Sequence[Prompt | Mapping[str, Any]],
         sampling_params: ParamsArg | Sequence[ParamsArg] = None,
+        lora_request: LoraArg | Sequence[LoraArg] = None,
     ) -> list[RequestOutput]:
         """Completes each prompt; returns one `RequestOutput` per prompt, in input order.
 
         `prompts` is a string, a list of strings, a list of token ids (one prompt), a list of
         token-id lists, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dicts.
         `sampling_params` is one `SamplingParams` for all or a list with one per prompt; without
-        it the model's generation defaults apply. All prompts are submitted before any result is
-        awaited, so they are batched together.
+        it the model's generation defaults apply. `lora_request` is one `LoRARequest` for all
+        prompts or a list with one (or None) per prompt. All prompts are submitted before any
+        result is awaited, so they are batched together.
         """
         items = _normalize_prompts(prompts)
         params = _per_prompt(sampling_params, len(items))
-        return self._run([(p, p if isinstance(p, str) else None) for p in items], params)
+        loras = self._per_prompt_lora(lora_request, len(items))
+        return self._run([(p, p if isinstance(p, str) else None) for p in items], params, loras)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: ParamsArg | Sequence[ParamsArg] = None,
         add_generation_prompt: bool = True,
+        lora_request: LoraArg | Sequence[LoraArg] = None,
     ) -> list[RequestOutput]:
         """Answers one conversation (a list of messages) or each of a list of conversations.
 
@@ -388,21 +402,69 @@ class LLM:
         else:
             conversations = list(cast(Sequence[Conversation], messages))
         params = _per_prompt(sampling_params, len(conversations))
+        loras = self._per_prompt_lora(lora_request, len(conversations))
         jobs: list[tuple[Prompt, str | None]] = []
         for conv in conversations:
             ids = self.apply_chat_template(conv, add_generation_prompt)
             jobs.append((ids, self._engine.decode(ids, False)))
-        return self._run(jobs, params)
+        return self._run(jobs, params, loras)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def _lora_name(self, req: LoRARequest | None) -> str | None:
+        """The engine's name for a request's adapter, loading it the first time it is named."""
+        if req is None:
+            return None
+        if not isinstance(req, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
+        with self._lora_lock:
+            known = self._loras.get(req.lora_name)
+            if known is not None:
+                if known[0] != req.lora_int_id or (req.lora_path and known[1] != req.lora_path):
+                    raise ValueError(
+                        f"lora_request: adapter `{req.lora_name}` is already loaded as "
+                        f"id {known[0]} from {known[1]!r}"
+                    )
+                return req.lora_name
+            registered = dict(self._engine.lora_adapters())
+            if req.lora_name not in registered:
+                if not req.lora_path:
+                    raise ValueError(f"lora_request: adapter `{req.lora_name}` needs a lora_path")
+                self._engine.load_lora(req.lora_name, req.lora_path)
+            self._loras[req.lora_name] = (req.lora_int_id, req.lora_path or registered[req.lora_name])
+            return req.lora_name
+
+    def _per_prompt_lora(
+        self, lora: LoraArg | Sequence[LoraArg], count: int
+    ) -> list[str | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            name = self._lora_name(lora)
+            return [name] * count
+        items = list(lora)
+        if len(items) != count:
+            raise ValueError(
+                f"lora_request: {len(items)} given for {count} prompts; give one for all or one per prompt"
+            )
+        return [self._lora_name(r) for r in items]
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Unregisters an adapter; requests already running with it finish with it."""
+        with self._lora_lock:
+            self._engine.unload_lora(lora_name)
+            self._loras.pop(lora_name, None)
 
     def _run(
-        self, jobs: list[tuple[Prompt, str | None]], params: list[SamplingParams | None]
+        self,
+        jobs: list[tuple[Prompt, str | None]],
+        params: list[SamplingParams | None],
+        loras: list[str | None],
     ) -> list[RequestOutput]:
         """Submits every job, then collects each to its end (aborting the rest on any error)."""
         started: list[tuple[RequestStream, _Assembler]] = []
         done = 0
         try:
-            for (prompt, text), p in zip(jobs, params):
-                started.append(self._submit(prompt, text, p))
+            for (prompt, text), p, lora in zip(jobs, params, loras):
+                started.append(self._submit(prompt, text, p, lora))
             results = []
             for stream, asm in started:
                 results.append(asm.final(stream.result()))
@@ -413,7 +475,11 @@ class LLM:
                 _abort_quietly(stream)
 
     def _submit(
-        self, prompt: Prompt, text: str | None, params: SamplingParams | None
+        self,
+        prompt: Prompt,
+        text: str | None,
+        params: SamplingParams | None,
+        lora: str | None = None,
     ) -> tuple[RequestStream, _Assembler]:
         """Starts one request; returns its native stream and an assembler for its outputs."""
         if isinstance(prompt, str):
@@ -433,32 +499,34 @@ class LLM:
                 ids = native if isinstance(native, list) else self.encode(native)
                 fill = max(1, self.max_model_len - len(ids))
             params_json, n = params.to_engine_json(fill), params.n
-        stream = self._engine.submit(native, params_json)
+        stream = self._engine.submit(native, params_json, lora)
         return stream, _Assembler(text, n, stream.prompt_token_ids, logprobs)
 
     # -- streaming -------------------------------------------------------------------------------
 
     def stream(
-        self, prompt: Prompt, sampling_params: ParamsArg = None
+        self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoraArg = None
     ) -> Generator[RequestOutput, None, None]:
         """Streams one prompt: yields `RequestOutput`s whose `outputs[i].text` grows (with the new
         part in `delta`); the last has `finished=True`. The request is submitted at once (so bad
         input raises here); leaving the loop early aborts it.
         """
         params = _as_params(sampling_params)
-        stream, asm = self._submit(_normalize_one(prompt), _text_of(prompt), params)
+        lora = self._lora_name(lora_request)
+        stream, asm = self._submit(_normalize_one(prompt), _text_of(prompt), params, lora)
         return _iterate(stream, asm)
 
     async def astream(
-        self, prompt: Prompt, sampling_params: ParamsArg = None
+        self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoraArg = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """`stream` for asyncio: never blocks the event loop (waits happen in worker threads);
         cancelling the consuming task, or closing the iterator early, aborts the request.
         """
         params = _as_params(sampling_params)
         loop = asyncio.get_running_loop()
+        lora = await loop.run_in_executor(_executor(), self._lora_name, lora_request)
         submitted: Future[tuple[RequestStream, _Assembler]] = _executor().submit(
-            self._submit, _normalize_one(prompt), _text_of(prompt), params
+            self._submit, _normalize_one(prompt), _text_of(prompt), params, lora
         )
         try:
             stream, asm = await asyncio.wrap_future(submitted, loop=loop)
@@ -487,10 +555,12 @@ class LLM:
                 else:
                     _abort_quietly(stream)
 
-    async def agenerate(self, prompt: Prompt, sampling_params: ParamsArg = None) -> RequestOutput:
+    async def agenerate(
+        self, prompt: Prompt, sampling_params: ParamsArg = None, lora_request: LoraArg = None
+    ) -> RequestOutput:
         """Completes one prompt without blocking the event loop; returns the final output."""
         last: RequestOutput | None = None
-        async for out in self.astream(prompt, sampling_params):
+        async for out in self.astream(prompt, sampling_params, lora_request):
             last = out
         if last is None:
             raise RuntimeError("the engine ended the request without an output")

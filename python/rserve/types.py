@@ -12,7 +12,7 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SamplingParams", "Logprob", "CompletionOutput", "RequestOutput"]
+__all__ = ["SamplingParams", "Logprob", "CompletionOutput", "RequestOutput", "LoRARequest"]
 
 
 def _check_params_natively(params_json: str) -> None:
@@ -119,3 +119,33 @@ class RequestOutput(_Output):
     outputs: List[CompletionOutput] = Field(default_factory=list)
     finished: bool = False
     queue_time: Optional[float] = None
+
+
+class LoRARequest(BaseModel):
+    """A LoRA adapter for a request (vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`).
+
+    The adapter is loaded (read and checked against the base) the first time a request names
+    it, and stays registered under `lora_name`; the engine must be built with
+    `enable_lora=True`. `lora_path` is a PEFT adapter directory or a hub id.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int = Field(ge=1, description="vLLM's numeric id; positive.")
+    lora_path: str = ""
+
+    def __init__(
+        self, lora_name: str, lora_int_id: int, lora_path: str = "", **kwargs: Any
+    ) -> None:
+        super().__init__(
+            lora_name=lora_name, lora_int_id=lora_int_id, lora_path=lora_path, **kwargs
+        )
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path

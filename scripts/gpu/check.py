@@ -17,6 +17,8 @@ Parts (choose with --parts, comma-separated):
            startup ISQ line, teacher-forced log-prob error against the bf16 model, batch-1 decode,
            and 256 concurrent requests for the formats in RSERVE_QUANT_C256 (default bf16,fp8); a
            format FORMAT+kv8 adds --kv-cache-dtype fp8 (bf16+kv8: the FP8 cache alone)
+  lora     the first --big shape with 64 rank-16 adapters: 64 concurrent requests over 1, 8 and 64
+           adapters against the base, batch-1 decode with one adapter, a runtime adapter load
 
 RSERVE_SERVE_ARGS (e.g. `--enforce-eager`) is appended to every `rserve serve` command line.
 RSERVE_PROFILE_SCENARIOS (e.g. `c256-mixed,c256-decode`) picks the `profile` part's scenarios, and
@@ -88,6 +90,13 @@ class Server:
         )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
+
+    def post_text(self, path: str, body: dict, timeout: float = 600) -> str:
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode()
 
     def model_name(self) -> str:
         with urllib.request.urlopen(self.url + "/v1/models") as r:
@@ -658,6 +667,118 @@ def part_quant(a, out: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def make_adapters(base: Path, root: Path, count: int, rank: int = 16) -> list[Path]:
+    """`count` PEFT-layout adapters of `rank` on all seven projections of `base` (random bf16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((base / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim") or h // heads
+    dims = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd),
+            "o_proj": (heads * hd, h), "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    parent = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in dims}
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dirs = []
+    for i in range(count):
+        d = root / f"lora-{i}"
+        dirs.append(d)
+        if (d / "adapter_model.safetensors").exists():
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in range(layers):
+            for m, (fin, fout) in dims.items():
+                key = f"base_model.model.model.layers.{layer}.{parent[m]}.{m}"
+                a_ = torch.randn(rank, fin, generator=g, device="cuda") / fin ** 0.5
+                b_ = torch.randn(fout, rank, generator=g, device="cuda") * 0.01
+                tensors[f"{key}.lora_A.weight"] = a_.to(torch.bfloat16).cpu()
+                tensors[f"{key}.lora_B.weight"] = b_.to(torch.bfloat16).cpu()
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+            "target_modules": list(dims), "use_rslora": False, "base_model_name_or_path": str(base)}))
+    return dirs
+
+
+def bench_mix(a, srv: Server, names: list[str], conc: int, prompts: int, inp: int, outp: int) -> dict:
+    """`rserve bench serve` with requests spread evenly over `names` (adapters or the base)."""
+    r = subprocess.run(
+        [str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", names[0],
+         "--lora-modules", ",".join(names), "--num-prompts", str(prompts), "--max-concurrency",
+         str(conc), "--random-input-len", str(inp), "--random-output-len", str(outp), "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def part_lora(a, out: Path) -> None:
+    """Multi-adapter serving on the 8B shape: 64 concurrent 1024 in / 256 out over 1, 8 and 64
+    rank-16 adapters (all seven projections) against the base in the same server; batch-1 decode
+    with one adapter; loading one adapter at runtime. RSERVE_LORA_ISQ=q4k repeats the mix on an
+    ISQ base. RSERVE_LORA_COUNTS (default 1,8,64) picks the mixes."""
+    kind = a.big.split(",")[0]
+    root = Path(a.scratch)
+    _, path = fresh_checkpoint(kind, root)
+    counts = [int(c) for c in os.environ.get("RSERVE_LORA_COUNTS", "1,8,64").split(",")]
+    t0 = time.time()
+    dirs = make_adapters(path, root / "adapters", max(counts) + 1)
+    emit(out, {"part": "lora-setup", "adapters": len(dirs), "made_s": time.time() - t0})
+    served, extra_dir = dirs[:-1], dirs[-1]
+    modules = [f"a{i}={d}" for i, d in enumerate(served)]
+    for isq in [""] + [f for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]:
+        rec: dict = {"part": "lora", "model": kind, "isq": isq or "none"}
+        args = ["--max-model-len", "4096", "--enable-lora", "--max-loras", str(len(served)),
+                "--max-cpu-loras", str(len(served) + 1), "--max-lora-rank", "16",
+                "--lora-modules", *modules]
+        if isq:
+            args += ["--isq", isq]
+        try:
+            srv = Server(a.binary, str(path), a.port, out, *args, tag=f"-lora{isq}",
+                         env={"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
+                              "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"})
+        except Exception as e:
+            rec["error"] = repr(e)[-2000:]
+            emit(out, rec)
+            continue
+        rec["ready_s"] = srv.ready_s
+        try:
+            lines = srv.log_path.read_text().splitlines()
+            rec["startup"] = [ln.strip()[-300:] for ln in lines if "LoRA" in ln or "rserve: serving" in ln][-3:]
+            base = srv.model_name()
+            runs = {"base": bench_mix(a, srv, [base], 64, 128, 1024, 256)}
+            for c in counts:
+                runs[f"{c}-adapters"] = bench_mix(a, srv, [f"a{i}" for i in range(c)], 64, 128, 1024, 256)
+            for k, r in runs.items():
+                rec[f"c64_{k}_output_tok_s"] = r["output_throughput"]
+                rec[f"c64_{k}_tpot_ms"] = r["tpot_ms"]["median"]
+                rec[f"c64_{k}_ttft_ms"] = r["ttft_ms"]["median"]
+                if k != "base":
+                    rec[f"c64_{k}_vs_base"] = r["output_throughput"] / runs["base"]["output_throughput"]
+            b1b = bench_mix(a, srv, [base], 1, 4, 512, 256)
+            b1l = bench_mix(a, srv, ["a0"], 1, 4, 512, 256)
+            rec["b1_base_tok_s"] = 1000.0 / b1b["tpot_ms"]["median"]
+            rec["b1_adapter_tok_s"] = 1000.0 / b1l["tpot_ms"]["median"]
+            rec["b1_adapter_vs_base"] = rec["b1_adapter_tok_s"] / rec["b1_base_tok_s"]
+            loads = []
+            for i in range(3):
+                t = time.time()
+                srv.post_text("/v1/load_lora_adapter", {"lora_name": f"rt{i}", "lora_path": str(extra_dir)})
+                loads.append((time.time() - t) * 1000)
+                srv.post_text("/v1/unload_lora_adapter", {"lora_name": f"rt{i}"})
+            rec["runtime_load_ms"] = loads
+            steps = [ln.strip()[-160:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln]
+            rec["steps"] = steps[-6:]
+        except Exception as e:  # keep what was measured
+            rec["error"] = repr(e)[-2000:]
+        finally:
+            srv.stop()
+        emit(out, rec)
+
+
 def part_coldstart(a, out: Path) -> None:
     d = FIXTURES / "models" / "llama3"
     cache = Path(os.environ.get("CUDA_CACHE_PATH", "/tmp/rserve-cuda-cache"))
@@ -686,7 +807,7 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
-             "profile": part_profile, "speed": part_speed, "quant": part_quant}
+             "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

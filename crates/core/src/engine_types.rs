@@ -138,6 +138,16 @@ pub struct EngineStats {
     /// Steps planned and issued before the previous step's tokens were taken in (async
     /// scheduling).
     pub steps_ahead: AtomicU64,
+    /// The adapters of running and waiting requests (adapters enabled).
+    pub lora: std::sync::Mutex<Option<LoraActivity>>,
+}
+
+/// Which LoRA adapters requests use now (vLLM's `lora_requests_info`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraActivity {
+    pub max_loras: usize,
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
 }
 
 impl EngineStats {

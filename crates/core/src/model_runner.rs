@@ -97,10 +97,12 @@ impl HostBatch {
 #[derive(Debug)]
 pub enum PreparedStep {
     Eager(ForwardBatch),
-    /// Replay the graph of `bucket` (rows past `rows` are padding).
+    /// Replay the graph of `bucket` (rows past `rows` are padding), of the set of steps with
+    /// adapter rows when `lora`.
     Graph {
         bucket: usize,
         rows: usize,
+        lora: bool,
     },
 }
 
@@ -122,6 +124,8 @@ pub struct ModelRunner {
     kv: KvCache,
     device: Device,
     graphs: Option<DecodeGraphs>,
+    /// The decode graphs of steps with adapter rows (a model with LoRA slots).
+    lora_graphs: Option<DecodeGraphs>,
 }
 
 impl ModelRunner {
@@ -132,24 +136,42 @@ impl ModelRunner {
         kv: KvCache,
         device: Device,
         graphs: Option<GraphPlan>,
+        lora: bool,
     ) -> Self {
-        let graphs = graphs
-            .filter(|_| device.is_cuda())
-            .map(|plan| DecodeGraphs::new(plan, model.config().vocab_size));
+        let plan = graphs.filter(|_| device.is_cuda());
+        let vocab = model.config().vocab_size;
+        let lora_graphs = plan
+            .clone()
+            .filter(|_| lora)
+            .map(|p| DecodeGraphs::new(p, vocab, true));
         Self {
+            graphs: plan.map(|p| DecodeGraphs::new(p, vocab, false)),
+            lora_graphs,
             model,
             kv,
             device,
-            graphs,
         }
     }
 
     /// Captures every decode graph not captured yet (see [`DecodeGraphs::capture_all`]); the
     /// number of graphs ready, 0 without graphs.
     pub fn capture_graphs(&mut self) -> Result<usize> {
-        match self.graphs.as_mut() {
-            Some(g) => g.capture_all(self.model.as_ref(), &self.kv, &self.device),
-            None => Ok(0),
+        let mut n = 0;
+        for g in [self.graphs.as_mut(), self.lora_graphs.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            n += g.capture_all(self.model.as_ref(), &self.kv, &self.device)?;
+        }
+        Ok(n)
+    }
+
+    /// The graph set of steps with (`lora`) or without adapter rows.
+    fn graph_set(&mut self, lora: bool) -> Option<&mut DecodeGraphs> {
+        if lora {
+            self.lora_graphs.as_mut()
+        } else {
+            self.graphs.as_mut()
         }
     }
 
@@ -258,7 +280,7 @@ impl ModelRunner {
     /// [`ModelRunner::token_ids`] before [`ModelRunner::execute`].
     ///
     /// `adapters` gives the device slot of each adapter the step's sequences use (`None`: none
-    /// does); such a step runs eagerly.
+    /// does); such a step replays a graph of the adapter set.
     pub fn prepare(
         &mut self,
         sched: &Scheduler,
@@ -271,16 +293,18 @@ impl ModelRunner {
             host.adapter_slots = Self::adapter_slots(sched, out, slot_of)?;
         }
         let pending = std::mem::take(&mut host.pending);
-        if let Some(g) = self
-            .graphs
-            .as_mut()
-            .filter(|_| host.adapter_slots.is_empty())
-        {
+        let lora = !host.adapter_slots.is_empty();
+        let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
+        let device = self.device.clone();
+        if let Some(g) = self.graph_set(lora) {
             if let Some(bucket) = g.bucket_for(&host) {
-                let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
                 let n = host.seq_lens.len();
-                g.write_inputs(bucket, &host, num_blocks, bs, &self.device)?;
-                let step = PreparedStep::Graph { bucket, rows: n };
+                g.write_inputs(bucket, &host, num_blocks, bs, &device)?;
+                let step = PreparedStep::Graph {
+                    bucket,
+                    rows: n,
+                    lora,
+                };
                 return Ok((step, rows, pending));
             }
         }
@@ -318,11 +342,16 @@ impl ModelRunner {
     pub fn token_ids(&self, step: &PreparedStep) -> Result<Tensor> {
         match step {
             PreparedStep::Eager(batch) => Ok(batch.input_ids.clone()),
-            PreparedStep::Graph { bucket, .. } => self
-                .graphs
-                .as_ref()
-                .and_then(|g| g.input_ids(*bucket))
-                .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
+            PreparedStep::Graph { bucket, lora, .. } => {
+                if *lora {
+                    &self.lora_graphs
+                } else {
+                    &self.graphs
+                }
+            }
+            .as_ref()
+            .and_then(|g| g.input_ids(*bucket))
+            .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
         }
     }
 
@@ -338,8 +367,13 @@ impl ModelRunner {
         }
         match step {
             PreparedStep::Eager(batch) => self.model.forward(batch, &self.kv),
-            PreparedStep::Graph { bucket, rows } => {
-                let g = self.graphs.as_mut().ok_or_else(|| {
+            PreparedStep::Graph { bucket, rows, lora } => {
+                let g = if *lora {
+                    self.lora_graphs.as_mut()
+                } else {
+                    self.graphs.as_mut()
+                };
+                let g = g.ok_or_else(|| {
                     candle_core::Error::Msg("a graph step without decode graphs".into())
                 })?;
                 g.run(*bucket, *rows, self.model.as_ref(), &self.kv, &self.device)

@@ -8,6 +8,11 @@
 //! is preempted by recompute (its blocks freed, its computed count reset, put back at the head of
 //! the queue), so the oldest requests always make progress and nothing deadlocks as long as every
 //! single request fits the cache on its own (checked at admission by the engine).
+//!
+//! LoRA: the running sequences use at most `max_loras` distinct adapters (the device slots). A
+//! waiting sequence whose adapter would exceed that stays in place; sequences behind it whose
+//! adapter already runs (or that use none) may pass it for [`LORA_PASS_STEPS`] steps, after which
+//! nothing is admitted before it.
 
 use crate::kv_cache::{BlockId, KvCacheManager};
 use crate::request::RequestId;
@@ -241,6 +246,34 @@ impl Scheduler {
         }
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget;
         out
+    }
+
+    /// The names of the adapters of the running and of the waiting sequences (each sorted,
+    /// without repeats).
+    pub fn adapter_names(&self) -> (Vec<String>, Vec<String>) {
+        let names = |ids: &mut dyn Iterator<Item = &SeqId>| {
+            let mut v: Vec<String> = ids
+                .filter_map(|id| {
+                    Some(
+                        self.seqs
+                            .get(id)?
+                            .meta
+                            .adapter
+                            .as_ref()?
+                            .adapter
+                            .name
+                            .clone(),
+                    )
+                })
+                .collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        (
+            names(&mut self.running.iter()),
+            names(&mut self.waiting.iter()),
+        )
     }
 
     /// The distinct adapters of the running sequences.

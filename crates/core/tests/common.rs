@@ -77,13 +77,18 @@ pub fn assert_sound(h: &EngineHandle) {
 /// The prompt logprobs of `ids` (one per position after the first): the model's log-probability
 /// of each token given the ones before it.
 pub fn teacher_forced(h: &EngineHandle, ids: &[u32]) -> Vec<f32> {
+    teacher_forced_with(h, ids, None)
+}
+
+/// [`teacher_forced`] with the LoRA adapter registered as `lora`.
+pub fn teacher_forced_with(h: &EngineHandle, ids: &[u32], lora: Option<&str>) -> Vec<f32> {
     let mut p = SamplingParams::greedy(1);
     p.prompt_logprobs = Some(0);
     let out = h
         .submit(EngineRequest {
             prompt_token_ids: ids.to_vec(),
             params: p,
-            lora: None,
+            lora: lora.map(str::to_owned),
         })
         .expect("submitted")
         .wait()

@@ -218,3 +218,31 @@ fn adapters_off_or_misconfigured_are_clear_errors() {
     cfg.lora_modules = vec![("qv".into(), adapter_dir("llama3-r8-qv"))];
     assert!(rserve_core::Engine::start(cfg).is_err());
 }
+
+fn mean_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32
+}
+
+#[test]
+fn adapters_apply_on_a_quantized_base() {
+    let ids: Vec<u32> = golden("lora-llama3-r4-all").cases[4].prompt.clone();
+    let full = start("llama3", with_adapters(&["llama3-r4-all"], 1, 1));
+    let (want, base) = (
+        teacher_forced_with(&full, &ids, Some("llama3-r4-all")),
+        teacher_forced_with(&full, &ids, None),
+    );
+    drop(full);
+    let q = start("llama3", |c| {
+        with_adapters(&["llama3-r4-all"], 1, 1)(c);
+        c.isq = Some(rserve_core::quant::IsqFormat::Q8_0);
+    });
+    assert!(q.info().isq.is_some());
+    let got = teacher_forced_with(&q, &ids, Some("llama3-r4-all"));
+    // the q8_0 base with the adapter is near the f32 base with it, far nearer than either base is
+    let (err, gap) = (mean_abs(&got, &want), mean_abs(&base, &want));
+    assert!(
+        err < 0.05 && err * 5.0 < gap,
+        "q8_0 + adapter {err} vs adapter effect {gap}"
+    );
+    assert_sound(&q);
+}

@@ -123,8 +123,9 @@ mod cuda {
     use candle_core::{DType, Result, Tensor};
     use std::ffi::c_void;
 
-    /// Outputs of the shrink per CTA (`kShrinkWarps * kShrinkOuts` in csrc/lora.cu).
-    const SHRINK_OUTS_PER_CTA: usize = 16;
+    /// Values of k per warp of the shrink (`kShrinkChunk` in csrc/lora.cu), warps per CTA.
+    const SHRINK_CHUNK: usize = 512;
+    const SHRINK_WARPS: usize = 8;
     const EXPAND_THREADS: u32 = 256;
 
     pub fn lora_add(
@@ -162,8 +163,9 @@ mod cuda {
         let pr = stack.parts.len() * r;
         let stream = dev.cuda_stream();
         let sfx = dtype_suffix(T::DTYPE)?;
-        // SAFETY: every element of u and out is written by the kernels.
-        let mut u = unsafe { dev.alloc::<f32>(t * pr) }?;
+        // u is accumulated into (split-K), so it starts at zero; every element of out is written
+        let mut u = dev.alloc_zeros::<f32>(t * pr)?;
+        // SAFETY: every element of out is written by the expand kernel.
         let mut out = unsafe { dev.alloc::<T>(t * n) }?;
         let (xg, xl) = x.storage_and_layout();
         let (yg, yl) = y.storage_and_layout();
@@ -179,7 +181,7 @@ mod cuda {
         let (mut xp, _x) = xv.device_ptr(&stream);
         let (mut ap, _a) = av.device_ptr(&stream);
         let (mut sp, _s) = sv.device_ptr(&stream);
-        let (mut ldx, mut pri, mut ki) = (k as i64, pr as i32, k as i32);
+        let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
         let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
         let mut params = [
             (&raw mut up).cast::<c_void>(),
@@ -187,15 +189,18 @@ mod cuda {
             (&raw mut ldx).cast::<c_void>(),
             (&raw mut ap).cast::<c_void>(),
             (&raw mut sp).cast::<c_void>(),
+            (&raw mut ti).cast::<c_void>(),
             (&raw mut pri).cast::<c_void>(),
             (&raw mut ki).cast::<c_void>(),
         ];
-        let grid = t * pr.div_ceil(SHRINK_OUTS_PER_CTA);
-        // SAFETY: `lora_shrink_<dtype>(u, x, ldx, a, slots, pr, k)` (csrc/lora.cu): u [t, pr]
-        // f32, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t] u32 (each < S or
-        // NO_ADAPTER, as the layer's slots are) contiguous; one CTA of 128 threads per token and
-        // 16 outputs; the kernel waits before it reads.
-        unsafe { launch_dependent(&shrink, &stream, grid as u32, 128, &mut params) }?;
+        let warps = t * pr * k.div_ceil(SHRINK_CHUNK);
+        let grid = warps.div_ceil(SHRINK_WARPS);
+        // SAFETY: `lora_shrink_<dtype>(u, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu): u
+        // [t, pr] f32 zeroed, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t] u32
+        // (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per (token,
+        // output, chunk of k), warps past the last exit; the kernel waits before it reads.
+        let threads = (SHRINK_WARPS * 32) as u32;
+        unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         let (mut op, _o) = out.device_ptr_mut(&stream);
         let (mut yp, _y) = yv.device_ptr(&stream);
         let (mut bp, _b) = bv.device_ptr(&stream);

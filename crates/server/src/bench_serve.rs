@@ -228,14 +228,18 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     let auth: Option<Arc<str>> = args.api_key.as_deref().map(Arc::from);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(prompts.len());
-    for p in prompts {
+    for (i, p) in prompts.into_iter().enumerate() {
         if let Some(rate) = args.request_rate.filter(|r| r.is_finite() && *r > 0.0) {
             let gap = -(1.0 - rng.next_f64()).ln() / rate;
             tokio::time::sleep(Duration::from_secs_f64(gap)).await;
         }
         let permit = sem.clone().acquire_owned().await?;
         let body = json!({
-            "model": args.model, "prompt": p, "max_tokens": args.random_output_len, "ignore_eos": true,
+            "model": match args.lora_modules.len() {
+                0 => args.model.as_str(),
+                k => args.lora_modules[i % k].as_str(),
+            },
+            "prompt": p, "max_tokens": args.random_output_len, "ignore_eos": true,
             "temperature": 0.0, "stream": true, "stream_options": {"include_usage": true},
         });
         let (host, path, auth) = (host.clone(), path.clone(), auth.clone());

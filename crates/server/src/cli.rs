@@ -38,6 +38,31 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Benchmarks: `bench serve` (load against an OpenAI-compatible server) or in-process throughput.
     Bench(BenchCommand),
+    /// LoRA adapter tools.
+    #[command(subcommand)]
+    Adapters(AdaptersCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdaptersCommand {
+    /// Print a PEFT adapter's configuration, targets, ranks and size, and check it against a base.
+    Inspect(InspectArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The adapter: a PEFT directory or a hub id.
+    pub path: String,
+    /// The base model to check it against (a directory, hub id or GGUF file); default: the
+    /// adapter's `base_model_name_or_path` when that resolves.
+    #[arg(long)]
+    pub base: Option<String>,
+    /// The largest rank the server would take (`--max-lora-rank`).
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// How to load and run the engine.
@@ -105,6 +130,49 @@ pub struct EngineArgs {
     /// tokenizer, e.g. for a GGUF file whose vocabulary rserve does not rebuild.
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// Serve LoRA adapters: requests name one by its name as `model`.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters to serve from the start: `name=path` (a PEFT adapter directory or a hub id) or
+    /// vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`; several may follow
+    /// the flag.
+    #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
+    pub lora_modules: Vec<(String, String)>,
+    /// Adapters resident on the device at once (and so the most distinct adapters in one step).
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// The largest LoRA rank served (device slots are sized for it).
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// Adapters kept in host memory (default and minimum: --max-loras); others are read again
+    /// from their directory when a request names them.
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+}
+
+/// One `--lora-modules` value: `name=path` or `{"name": ..., "path": ...}`.
+pub fn parse_lora_module(s: &str) -> Result<(String, String), String> {
+    let s = s.trim();
+    if s.starts_with('{') {
+        #[derive(serde::Deserialize)]
+        struct Module {
+            name: String,
+            path: String,
+            #[allow(dead_code)]
+            #[serde(default)]
+            base_model_name: Option<String>,
+        }
+        let m: Module = serde_json::from_str(s).map_err(|e| format!("--lora-modules: {e}"))?;
+        return Ok((m.name, m.path));
+    }
+    match s.split_once('=') {
+        Some((n, p)) if !n.trim().is_empty() && !p.trim().is_empty() => {
+            Ok((n.trim().to_owned(), p.trim().to_owned()))
+        }
+        _ => Err(format!(
+            "--lora-modules takes name=path or a JSON object with name and path, got `{s}`"
+        )),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -205,6 +273,10 @@ pub struct BenchServeArgs {
     /// The model name to request.
     #[arg(long)]
     pub model: String,
+    /// LoRA adapter names requested in turn instead of --model (a uniform mix, as with vLLM's
+    /// `--lora-modules`).
+    #[arg(long, value_delimiter = ',')]
+    pub lora_modules: Vec<String>,
     #[arg(long, default_value_t = 100)]
     pub num_prompts: usize,
     #[arg(long, default_value_t = 16)]
@@ -262,6 +334,33 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_lora_flags() {
+        let c = Cli::try_parse_from([
+            "rserve",
+            "serve",
+            "m",
+            "--enable-lora",
+            "--lora-modules",
+            "a=/x/a",
+            r#"{"name": "b", "path": "org/b", "base_model_name": "m"}"#,
+            "--max-loras",
+            "4",
+        ])
+        .unwrap();
+        let Command::Serve(s) = c.command else {
+            panic!("wrong subcommand")
+        };
+        assert!(s.engine.enable_lora);
+        assert_eq!(
+            s.engine.lora_modules,
+            vec![("a".into(), "/x/a".into()), ("b".into(), "org/b".into())]
+        );
+        assert_eq!((s.engine.max_loras, s.engine.max_lora_rank), (4, 16));
+        assert!(parse_lora_module("nopath").is_err());
+        assert!(parse_lora_module("{\"name\": 1}").is_err());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! measurements) and, behind the `python` feature, the `rserve._core` Python module. Both run the
 //! same code: the wheel's console script calls [`main_with_args`].
 
+pub mod adapters;
 pub mod bench;
 pub mod bench_serve;
 pub mod cli;
@@ -63,6 +64,21 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
         anyhow::bail!("--isq-lm-head needs --isq FORMAT");
     }
     cfg.tokenizer = args.tokenizer.as_ref().map(PathBuf::from);
+    if !args.enable_lora && !args.lora_modules.is_empty() {
+        anyhow::bail!("--lora-modules needs --enable-lora");
+    }
+    if args.enable_lora {
+        cfg.lora = Some(rserve_core::lora::LoraOptions {
+            max_loras: args.max_loras,
+            max_rank: args.max_lora_rank,
+            max_cpu_loras: args.max_cpu_loras.unwrap_or(args.max_loras),
+        });
+        cfg.lora_modules = args
+            .lora_modules
+            .iter()
+            .map(|(n, p)| (n.clone(), PathBuf::from(p)))
+            .collect();
+    }
     if let Some(b) = args.kv_cache_memory {
         cfg.kv_cache = KvBudget::Bytes(b);
     }
@@ -137,5 +153,6 @@ where
             Some(cli::BenchSub::Serve(a)) => bench_serve::run(a),
             None => bench::run(b.local),
         },
+        Command::Adapters(cli::AdaptersCommand::Inspect(a)) => adapters::inspect(a),
     }
 }

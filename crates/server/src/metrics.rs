@@ -195,6 +195,20 @@ impl Metrics {
         for h in [&self.ttft, &self.itl, &self.tpot, &self.e2e, &self.queue] {
             h.render(&mut out, &labels);
         }
+        if let Some(l) = stats.and_then(|s| s.lora.lock().ok().and_then(|l| l.clone())) {
+            // vLLM's form: the labels carry the state, the value is when it was read
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            let list = |v: &[String]| v.join(",").replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(
+                out,
+                "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}",
+                l.max_loras,
+                list(&l.running),
+                list(&l.waiting)
+            );
+        }
         out
     }
 }
@@ -219,5 +233,24 @@ mod tests {
             .contains("vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 3"));
         assert!(text.contains("vllm:time_to_first_token_seconds_count{model_name=\"m\"} 3"));
         assert!(text.contains("vllm:num_requests_running{model_name=\"m\"} 0"));
+        assert!(!text.contains("lora_requests_info"));
+    }
+
+    #[test]
+    fn lora_activity_is_reported_as_vllm_does() {
+        let stats = EngineStats::default();
+        *stats.lora.lock().unwrap() = Some(rserve_core::engine::LoraActivity {
+            max_loras: 4,
+            running: vec!["a".into(), "b".into()],
+            waiting: vec!["c".into()],
+        });
+        let text = Metrics::default().render("m", Some(&stats));
+        assert!(
+            text.contains("# TYPE vllm:lora_requests_info gauge"),
+            "{text}"
+        );
+        assert!(text.contains(
+            "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"c\"} "
+        ));
     }
 }

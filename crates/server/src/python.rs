@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string()))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,6 +88,10 @@ impl PyEngine {
         tokenizer: Option<String>,
         quantization: Option<String>,
         kv_cache_dtype: String,
+        enable_lora: bool,
+        max_loras: usize,
+        max_lora_rank: usize,
+        max_cpu_loras: Option<usize>,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -132,11 +136,19 @@ impl PyEngine {
         }
         cfg.isq_lm_head = isq_lm_head;
         cfg.tokenizer = tokenizer.map(std::path::PathBuf::from);
+        if enable_lora {
+            cfg.lora = Some(rserve_core::lora::LoraOptions {
+                max_loras,
+                max_rank: max_lora_rank,
+                max_cpu_loras: max_cpu_loras.unwrap_or(max_loras),
+            });
+        }
         if let Some(b) = kv_cache_memory {
             cfg.kv_cache = KvBudget::Bytes(b);
         }
         let handle = py.detach(|| Engine::start(cfg)).map_err(|e| match e {
             EngineError::InvalidConfig(m) => PyValueError::new_err(m),
+            other if other.is_user_error() => PyValueError::new_err(other.to_string()),
             other => PyRuntimeError::new_err(other.to_string()),
         })?;
         Ok(Self { handle })
@@ -199,8 +211,41 @@ impl PyEngine {
         )
     }
 
-    /// Submits a prompt (text or token ids) with sampling parameters (JSON).
-    fn submit(&self, prompt: &Bound<'_, PyAny>, params_json: &str) -> PyResult<PyRequestStream> {
+    /// Registers LoRA adapter `name` from `path` (read and checked now, the GIL released).
+    fn load_lora(&self, py: Python<'_>, name: &str, path: &str) -> PyResult<u32> {
+        let h = self.handle.clone();
+        py.detach(|| h.load_lora(name, std::path::Path::new(path)))
+            .map(|id| id.0)
+            .map_err(engine_err)
+    }
+
+    /// Unregisters LoRA adapter `name` (requests using it finish with it).
+    fn unload_lora(&self, name: &str) -> PyResult<u32> {
+        self.handle
+            .unload_lora(name)
+            .map(|id| id.0)
+            .map_err(engine_err)
+    }
+
+    /// The registered LoRA adapters: (name, path).
+    fn lora_adapters(&self) -> Vec<(String, String)> {
+        self.handle.info().lora.as_ref().map_or_else(Vec::new, |r| {
+            r.list()
+                .into_iter()
+                .map(|a| (a.name, a.path.display().to_string()))
+                .collect()
+        })
+    }
+
+    /// Submits a prompt (text or token ids) with sampling parameters (JSON), with the LoRA
+    /// adapter registered as `lora` when given.
+    #[pyo3(signature = (prompt, params_json, lora = None))]
+    fn submit(
+        &self,
+        prompt: &Bound<'_, PyAny>,
+        params_json: &str,
+        lora: Option<String>,
+    ) -> PyResult<PyRequestStream> {
         let info = self.handle.info();
         let ids: Vec<u32> = if let Ok(text) = prompt.extract::<String>() {
             info.tokenizer
@@ -218,7 +263,7 @@ impl PyEngine {
             .submit(EngineRequest {
                 prompt_token_ids: ids,
                 params,
-                lora: None,
+                lora,
             })
             .map_err(engine_err)?;
         Ok(PyRequestStream {

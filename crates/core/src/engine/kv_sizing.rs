@@ -68,7 +68,13 @@ pub(super) fn gpu_kv_budget(
             .copied()
             .unwrap_or(0);
         let logits = largest * loaded.model.config().vocab_size;
-        logits * (8 + loaded.dtype.size_in_bytes()) + peak * largest / tokens.max(1)
+        let one = logits * (8 + loaded.dtype.size_in_bytes()) + peak * largest / tokens.max(1);
+        // a second set runs the steps with adapter rows
+        if cfg.lora.is_some() {
+            2 * one
+        } else {
+            one
+        }
     };
     let budget = allowed.saturating_sub(in_use + peak + graphs);
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;

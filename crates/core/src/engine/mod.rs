@@ -21,7 +21,9 @@ mod trace;
 
 use crate::engine_types::Command;
 pub use crate::engine_types::EngineHandle;
-pub use crate::engine_types::{EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget};
+pub use crate::engine_types::{
+    EngineConfig, EngineError, EngineInfo, EngineStats, KvBudget, LoraActivity,
+};
 use crate::kv_cache::KvCache;
 use crate::loader::{load_model_with, LoadOptions, LoadedModel};
 use crate::lora::{BaseShape, LoraRegistry, LoraSlots, ResolvedLora, SlotTable};
@@ -230,7 +232,8 @@ impl Engine {
             .map_err(|e| EngineError::Model(e.to_string()))?;
         let graphs = (!cfg.enforce_eager)
             .then(|| GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size));
-        let runner = ModelRunner::new(loaded.model, kv, device, graphs);
+        let has_lora = lora.is_some();
+        let runner = ModelRunner::new(loaded.model, kv, device, graphs, has_lora);
         let engine = Engine {
             output: OutputProcessor::new(info.tokenizer.clone(), stats.clone()),
             info: info.clone(),
@@ -332,6 +335,16 @@ impl Engine {
             .store(self.scheduler.num_waiting(), Ordering::Relaxed);
         let usage = (self.scheduler.kv().usage() * 1e6) as u64;
         self.stats.kv_usage_ppm.store(usage, Ordering::Relaxed);
+        if let Some(dev) = &self.adapters {
+            let (running, waiting) = self.scheduler.adapter_names();
+            if let Ok(mut l) = self.stats.lora.lock() {
+                *l = Some(crate::engine_types::LoraActivity {
+                    max_loras: dev.slots.num_slots(),
+                    running,
+                    waiting,
+                });
+            }
+        }
     }
 
     /// Handles one command; false means shut down.

@@ -282,7 +282,21 @@ impl LoraAdapter {
     }
 }
 
-fn parse_config(name: &str, text: &str) -> Result<AdapterConfig, LoraError> {
+/// The tensors of an adapter directory's `adapter_model.safetensors`: name -> shape, from the
+/// file's header (nothing is checked or converted).
+pub fn tensor_shapes(dir: &Path) -> candle_core::Result<BTreeMap<String, Vec<usize>>> {
+    let file = dir.join("adapter_model.safetensors");
+    // SAFETY: the file is mapped read-only and only its header is read while the map lives.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&file) }?;
+    Ok(st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.shape().to_vec()))
+        .collect())
+}
+
+/// Reads and checks `adapter_config.json` of the adapter `name` (its text).
+pub fn parse_config(name: &str, text: &str) -> Result<AdapterConfig, LoraError> {
     let bad = |reason: String| LoraError::Config {
         adapter: name.to_owned(),
         reason,

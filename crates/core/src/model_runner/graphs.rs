@@ -8,6 +8,10 @@
 //! serves every context length. Logits land in a buffer shared by all buckets, of which the step's
 //! rows are returned.
 //!
+//! With LoRA adapters a second set of graphs runs the steps that have adapter rows: each of its
+//! buckets also owns the rows' adapter slots (padding and base rows [`NO_ADAPTER`]), which the
+//! captured LoRA kernels read on the device.
+//!
 //! Every bucket's graph is captured when the engine starts ([`DecodeGraphs::capture_all`], the
 //! largest first, on inert inputs), so no step pays for a capture; a bucket not captured then is
 //! captured on its first step. A bucket whose capture fails runs eagerly from then on.
@@ -16,6 +20,7 @@ use super::{ForwardBatch, HostBatch};
 use crate::kv_cache::KvCache;
 use crate::models::Model;
 use candle_core::{DType, Device, Result, Tensor};
+use rserve_kernels::lora::NO_ADAPTER;
 use rserve_kernels::{AttentionMetadata, DeviceArrays};
 use std::sync::Arc;
 
@@ -94,13 +99,15 @@ struct Bucket {
     slots: Tensor,
     seq_lens: Tensor,
     block_tables: Tensor,
+    /// The rows' adapter slots (graphs of steps with adapter rows).
+    adapter_slots: Option<Tensor>, // [size] u32
     batch: ForwardBatch,
     #[cfg(feature = "cuda")]
     graph: Option<rserve_kernels::graph::Graph>,
 }
 
 impl Bucket {
-    fn new(size: usize, plan: &GraphPlan, device: &Device) -> Result<Self> {
+    fn new(size: usize, plan: &GraphPlan, lora: bool, device: &Device) -> Result<Self> {
         let w = plan.max_blocks;
         let input_ids = Tensor::zeros(size, DType::U32, device)?;
         let positions = Tensor::zeros(size, DType::U32, device)?;
@@ -128,12 +135,17 @@ impl Bucket {
             Tensor::new(rows.as_slice(), device)?,
             plan.max_context,
         )?;
+        let adapter_slots = if lora {
+            Some(Tensor::from_vec(vec![NO_ADAPTER; size], size, device)?)
+        } else {
+            None
+        };
         let batch = ForwardBatch {
             input_ids: input_ids.clone(),
             positions: positions.clone(),
             logits_indices: Tensor::new(rows.as_slice(), device)?,
             attn: Arc::new(attn),
-            adapter_slots: None,
+            adapter_slots: adapter_slots.clone(),
         };
         Ok(Self {
             size,
@@ -142,6 +154,7 @@ impl Bucket {
             slots,
             seq_lens,
             block_tables,
+            adapter_slots,
             batch,
             #[cfg(feature = "cuda")]
             graph: None,
@@ -153,6 +166,8 @@ impl Bucket {
 pub struct DecodeGraphs {
     plan: GraphPlan,
     vocab: usize,
+    /// Graphs of steps with adapter rows.
+    lora: bool,
     buckets: Vec<Option<Bucket>>,
     /// Buckets whose capture failed (they run eagerly).
     failed: Vec<bool>,
@@ -161,11 +176,13 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    pub fn new(plan: GraphPlan, vocab: usize) -> Self {
+    /// The graphs of `plan` for a vocabulary of `vocab`; with `lora`, of steps with adapter rows.
+    pub fn new(plan: GraphPlan, vocab: usize, lora: bool) -> Self {
         let n = plan.buckets.len();
         Self {
             plan,
             vocab,
+            lora,
             buckets: (0..n).map(|_| None).collect(),
             failed: vec![false; n],
             logits: None,
@@ -207,7 +224,7 @@ impl DecodeGraphs {
         };
         match slot {
             Some(bucket) => Ok(bucket),
-            None => Ok(slot.insert(Bucket::new(size, &self.plan, device)?)),
+            None => Ok(slot.insert(Bucket::new(size, &self.plan, self.lora, device)?)),
         }
     }
 
@@ -296,6 +313,11 @@ fn write(bucket: &Bucket, host: &HostBatch) -> Result<()> {
     write_rows(&bucket.positions, &pos, 1, pos.len())?;
     write_rows(&bucket.slots, &slots, 1, slots.len())?;
     write_rows(&bucket.seq_lens, &lens, 1, lens.len())?;
+    if let Some(t) = &bucket.adapter_slots {
+        let mut s = host.adapter_slots.clone();
+        s.resize(bucket.size, NO_ADAPTER);
+        write_rows(t, &s, 1, s.len())?;
+    }
     write_rows(&bucket.block_tables, &host.block_tables, n, host.width)
 }
 

@@ -79,9 +79,10 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidParam { field, .. } => {
                 ApiError::bad_request(e.to_string()).with_param(field.clone())
             }
-            EngineError::InvalidRequest(_) | EngineError::ContextLength { .. } => {
-                ApiError::bad_request(e.to_string())
-            }
+            EngineError::InvalidRequest(_)
+            | EngineError::ContextLength { .. }
+            | EngineError::Lora(_) => ApiError::bad_request(e.to_string()),
+            EngineError::NotFound(m) => ApiError::new(StatusCode::NOT_FOUND, m.clone()),
             EngineError::Stopped => ApiError::unavailable("the engine is shutting down"),
             _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }

@@ -177,7 +177,7 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
-    st.check_model(req.common.model.as_deref())?;
+    let adapter = st.check_model(req.common.model.as_deref())?;
     let engine = st.engine()?;
     let info = engine.info().clone();
     refuse_unserved(&req)?;
@@ -213,7 +213,7 @@ pub async fn chat_completions(
     let fmt = ChatFormat {
         id: format!("chatcmpl-{}", super::misc::random_id()),
         created: super::misc::now(),
-        model: st.served_model_name.clone(),
+        model: st.response_model(&adapter),
         tokenizer: info.tokenizer.clone(),
         want_logprobs,
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
@@ -235,7 +235,7 @@ pub async fn chat_completions(
     let tracked = st.submit(EngineRequest {
         prompt_token_ids: prompt_ids,
         params,
-        lora: None,
+        lora: adapter.clone(),
     })?;
     if stream {
         return Ok(sse_response(

@@ -121,7 +121,7 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    st.check_model(req.common.model.as_deref())?;
+    let adapter = st.check_model(req.common.model.as_deref())?;
     let engine = st.engine()?;
     let info = engine.info().clone();
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
@@ -171,7 +171,7 @@ pub async fn completions(
         reqs.push(EngineRequest {
             prompt_token_ids: p,
             params: params.clone(),
-            lora: None,
+            lora: adapter.clone(),
         });
     }
     let tracked: Vec<(Tracked, usize, usize)> = st
@@ -184,7 +184,7 @@ pub async fn completions(
     let fmt = CompletionFormat {
         id: format!("cmpl-{}", super::misc::random_id()),
         created: super::misc::now(),
-        model: st.served_model_name.clone(),
+        model: st.response_model(&adapter),
         tokenizer: info.tokenizer.clone(),
         logprobs: params.logprobs.is_some(),
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),

@@ -53,10 +53,35 @@ fn model_card(st: &Shared) -> Result<Value, ApiError> {
     }))
 }
 
-/// `GET /v1/models`.
+/// The cards of the registered LoRA adapters (`parent`: the base model), by name.
+fn adapter_cards(st: &Shared) -> Result<Vec<Value>, ApiError> {
+    let engine = st.engine()?;
+    let Some(registry) = &engine.info().lora else {
+        return Ok(Vec::new());
+    };
+    Ok(registry
+        .list()
+        .into_iter()
+        .map(|a| {
+            json!({
+                "id": a.name,
+                "object": "model",
+                "created": a.created,
+                "owned_by": "rserve",
+                "root": a.path.display().to_string(),
+                "parent": st.served_model_name,
+                "max_model_len": engine.info().max_model_len,
+            })
+        })
+        .collect())
+}
+
+/// `GET /v1/models`: the base model, then each LoRA adapter.
 #[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "The served models")))]
 pub async fn models(State(st): State<Shared>) -> Result<Json<Value>, ApiError> {
-    Ok(Json(json!({"object": "list", "data": [model_card(&st)?]})))
+    let mut data = vec![model_card(&st)?];
+    data.extend(adapter_cards(&st)?);
+    Ok(Json(json!({"object": "list", "data": data})))
 }
 
 /// `GET /v1/models/{model}`: one model's card, or a 404.
@@ -70,8 +95,14 @@ pub async fn model(
     State(st): State<Shared>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    st.check_model(Some(&model))?;
-    Ok(Json(model_card(&st)?))
+    match st.check_model(Some(&model))? {
+        None => Ok(Json(model_card(&st)?)),
+        Some(name) => adapter_cards(&st)?
+            .into_iter()
+            .find(|c| c["id"] == name.as_str())
+            .map(Json)
+            .ok_or_else(|| ApiError::not_found_model(&model)),
+    }
 }
 
 /// `GET /tokenizer_info` (with `--enable-tokenizer-info-endpoint`): the tokenizer's

@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod choices;
 pub mod completions;
+pub mod lora;
 pub mod misc;
 pub mod openapi;
 pub mod responses;
@@ -133,13 +134,27 @@ impl AppState {
             .ok_or_else(|| ApiError::unavailable("the model is still loading"))
     }
 
-    /// Checks `model` against the served name (absent means the served model).
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+    /// Checks `model` against the served name (absent means the served model) and the
+    /// registered LoRA adapters; the adapter's name when it names one.
+    pub fn check_model(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
         match model {
-            None => Ok(()),
-            Some(m) if m == self.served_model_name => Ok(()),
-            Some(m) => Err(ApiError::not_found_model(m)),
+            None => Ok(None),
+            Some(m) if m == self.served_model_name => Ok(None),
+            Some(m) => {
+                let registry = self.engine()?.info().lora.clone();
+                match registry {
+                    Some(r) if r.list().iter().any(|a| a.name == m) => Ok(Some(m.to_owned())),
+                    _ => Err(ApiError::not_found_model(m)),
+                }
+            }
         }
+    }
+
+    /// The name responses report for a request of `adapter` (the adapter's, else the model's).
+    pub fn response_model(&self, adapter: &Option<String>) -> String {
+        adapter
+            .clone()
+            .unwrap_or_else(|| self.served_model_name.clone())
     }
 
     /// Refuses a request for more than `max_choices` completions; `param` names the field
@@ -348,6 +363,8 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(misc::models))
+        .route("/v1/load_lora_adapter", post(lora::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(lora::unload_lora_adapter))
         .route("/v1/models/{*model}", get(misc::model))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))

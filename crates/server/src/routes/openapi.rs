@@ -21,6 +21,8 @@ use utoipa::OpenApi;
         super::responses::responses,
         super::misc::models,
         super::misc::model,
+        super::lora::load_lora_adapter,
+        super::lora::unload_lora_adapter,
         super::misc::tokenize,
         super::misc::detokenize,
         super::misc::tokenizer_info,

@@ -266,7 +266,7 @@ pub async fn responses(
 ) -> Result<Response, ApiError> {
     let raw: Value = parse_body(body)?;
     let req: ResponsesRequest = parse_value(raw.clone())?;
-    st.check_model(req.model.as_deref())?;
+    let adapter = st.check_model(req.model.as_deref())?;
     let info = st.engine()?.info().clone();
     refuse_unserved(&req)?;
     if let Some(m) = req.max_output_tokens.filter(|&m| m < 1) {
@@ -292,13 +292,13 @@ pub async fn responses(
     let tracked = st.submit(EngineRequest {
         prompt_token_ids: prompt_ids,
         params,
-        lora: None,
+        lora: adapter.clone(),
     })?;
     let head = Head {
         id: format!("resp_{}", super::misc::random_id()),
         msg_id: format!("msg_{}", super::misc::random_id()),
         created: super::misc::now(),
-        model: st.served_model_name.clone(),
+        model: st.response_model(&adapter),
         request: raw,
     };
     if req.stream.unwrap_or(false) {
