@@ -112,8 +112,8 @@ class SpyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit(self, prompt: Any, params_json: str) -> SpyStream:
-        s = SpyStream(self.inner.submit(prompt, params_json))
+    def submit(self, prompt: Any, params_json: str, lora: str | None = None) -> SpyStream:
+        s = SpyStream(self.inner.submit(prompt, params_json, lora))
         self.streams.append(s)
         return s
 

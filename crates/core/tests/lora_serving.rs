@@ -246,3 +246,32 @@ fn adapters_apply_on_a_quantized_base() {
     );
     assert_sound(&q);
 }
+
+#[test]
+fn an_adapter_named_by_hub_id_is_found_in_the_local_cache() {
+    // a hub cache laid out as huggingface-hub writes it, offline
+    let cache = std::env::temp_dir().join(format!("rserve-lora-hub-{}", std::process::id()));
+    let snap = cache.join("models--acme--tiny-qv/snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(cache.join("models--acme--tiny-qv/refs")).unwrap();
+    std::fs::write(cache.join("models--acme--tiny-qv/refs/main"), "0123abcd").unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(adapter_dir("llama3-r8-qv").join(f), snap.join(f)).unwrap();
+    }
+    // only hub ids read these variables; the other tests name directories
+    std::env::set_var("HF_HUB_CACHE", &cache);
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let h = start("llama3", with_adapters(&[], 1, 1));
+    h.load_lora("qv", std::path::Path::new("acme/tiny-qv"))
+        .unwrap();
+    check(submit_cases(&h, "lora-llama3-r8-qv", Some("qv")));
+    let e = h
+        .load_lora("other", std::path::Path::new("acme/missing"))
+        .unwrap_err();
+    assert!(
+        matches!(e, EngineError::Lora(_)) && e.to_string().contains("HF_HUB_OFFLINE"),
+        "{e}"
+    );
+    assert_sound(&h);
+    let _ = std::fs::remove_dir_all(&cache);
+}
