@@ -191,7 +191,12 @@ impl Scheduler {
             i += 1;
         }
         if out.preempted.is_empty() {
-            let mut adapters = self.running_adapters();
+            let limited = self.cfg.max_loras < usize::MAX;
+            let mut adapters = if limited {
+                self.running_adapters()
+            } else {
+                Vec::new()
+            };
             // position in the queue: sequences held back by the adapter limit stay in place
             let mut pos = 0;
             let mut blocked: Option<SeqId> = None;
@@ -203,7 +208,7 @@ impl Scheduler {
                     self.waiting.remove(pos);
                     continue;
                 };
-                let adapter = seq.meta.adapter_id();
+                let adapter = seq.meta.adapter_id().filter(|_| limited);
                 if let Some(a) = adapter {
                     if !adapters.contains(&a) && adapters.len() >= self.cfg.max_loras {
                         // the first one held back may be passed, for a while, by sequences of

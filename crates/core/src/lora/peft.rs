@@ -82,7 +82,8 @@ impl Target {
         }
     }
 
-    fn from_module(name: &str) -> Option<Self> {
+    /// The projection of a PEFT module name.
+    pub fn from_module(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.module() == name)
     }
 

@@ -194,6 +194,11 @@ impl LoraRegistry {
         }
     }
 
+    /// Whether `name` is registered.
+    pub fn contains(&self, name: &str) -> bool {
+        self.lock().is_ok_and(|g| g.by_name.contains_key(name))
+    }
+
     /// Every registered adapter, by name.
     pub fn list(&self) -> Vec<AdapterInfo> {
         let Ok(g) = self.lock() else {

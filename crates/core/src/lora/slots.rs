@@ -167,7 +167,7 @@ pub fn target_of(prefix: &str) -> Option<(usize, Target)> {
     if segs.next()? != "layers" {
         return None;
     }
-    let t = Target::ALL.into_iter().find(|t| t.module() == module)?;
+    let t = Target::from_module(module)?;
     (t.parent() == parent).then_some((layer, t))
 }
 

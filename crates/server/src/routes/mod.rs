@@ -143,7 +143,7 @@ impl AppState {
             Some(m) => {
                 let registry = self.engine()?.info().lora.clone();
                 match registry {
-                    Some(r) if r.list().iter().any(|a| a.name == m) => Ok(Some(m.to_owned())),
+                    Some(r) if r.contains(m) => Ok(Some(m.to_owned())),
                     _ => Err(ApiError::not_found_model(m)),
                 }
             }
