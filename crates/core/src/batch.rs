@@ -3,6 +3,7 @@
 //! module so that models and the runner depend on it and not on each other.
 
 use candle_core::Tensor;
+use rserve_kernels::lora::{LoraRows, LoraRun};
 use rserve_kernels::AttentionMetadata;
 use std::sync::Arc;
 
@@ -14,23 +15,28 @@ pub struct ForwardBatch {
     pub logits_indices: Tensor, // [num_logit_rows] u32
     /// Slot mapping, block tables, sequence lengths and query starts, shared by every layer.
     pub attn: Arc<AttentionMetadata>,
-    /// The adapter slot of each token (`None`: no adapters in this batch).
+    /// The adapter slot of each token left to the gathered LoRA kernels (`None`: none is).
     pub adapter_slots: Option<Tensor>, // [num_tokens] u32
+    /// Runs of prompt rows sharing an adapter, multiplied as a whole (empty without adapters).
+    pub adapter_runs: Vec<LoraRun>,
 }
 
 impl ForwardBatch {
     /// The context of this batch's token rows, for the layers.
     pub fn layer_ctx(&self) -> LayerCtx<'_> {
         LayerCtx {
-            adapter_slots: self.adapter_slots.as_ref(),
+            lora: LoraRows {
+                slots: self.adapter_slots.as_ref(),
+                runs: &self.adapter_runs,
+            },
         }
     }
 }
 
 /// What a layer may need of the rows it transforms beyond the rows themselves: which adapter each
-/// row uses (a LoRA wrapper of a [`crate::models::layers::linear::Linear`] reads it; `None`
+/// row uses (a LoRA wrapper of a [`crate::models::layers::linear::Linear`] reads it; empty
 /// when the batch uses no adapter). Image spans join it with vision models.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LayerCtx<'a> {
-    pub adapter_slots: Option<&'a Tensor>, // [rows] u32, one per row of the layer's input
+    pub lora: LoraRows<'a>,
 }

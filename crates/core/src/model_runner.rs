@@ -20,7 +20,7 @@ use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
 use graphs::{DecodeGraphs, GraphPlan};
-use rserve_kernels::lora::NO_ADAPTER;
+use rserve_kernels::lora::{min_run, split_runs, NO_ADAPTER};
 use rserve_kernels::AttentionMetadata;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -65,10 +65,13 @@ impl HostBatch {
     fn upload(self, device: &Device) -> Result<ForwardBatch> {
         let t = self.input_ids.len();
         let rows = self.logits_indices.len();
-        let adapter_slots = if self.adapter_slots.is_empty() {
+        // prompt chunks of one adapter go to the run products, the rest to the gathered kernels
+        let mut slots = self.adapter_slots;
+        let adapter_runs = split_runs(&mut slots, min_run());
+        let adapter_slots = if slots.iter().all(|&s| s == NO_ADAPTER) {
             None
         } else {
-            Some(Tensor::from_vec(self.adapter_slots, t, device)?)
+            Some(Tensor::from_vec(slots, t, device)?)
         };
         Ok(ForwardBatch {
             input_ids: Tensor::from_vec(self.input_ids, t, device)?,
@@ -89,6 +92,7 @@ impl HostBatch {
                 device,
             )?),
             adapter_slots,
+            adapter_runs,
         })
     }
 }
@@ -424,6 +428,7 @@ pub fn profile_forward(
             device,
         )?),
         adapter_slots: None,
+        adapter_runs: Vec::new(),
     };
     let logits = model.forward(&batch, &kv)?;
     drop(logits);

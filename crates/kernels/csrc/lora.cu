@@ -1,6 +1,7 @@
 // The LoRA term of one projection for a batch whose rows use different adapters: each row gathers
 // its adapter's matrices by its slot index (the BGMV form of Punica), so one launch serves every
 // adapter in the step and a step's slots are device data (a captured graph replays with new ones).
+// Long runs of rows that share an adapter (prompt chunks) go through cuBLAS instead (src/lora.rs).
 //
 // The adapters of a projection are stacked over slots: A [S, P * R, K] and B [S, N, R], where the
 // projection's output columns are split into P <= 3 parts (q, k, v of a fused qkv; gate, up of a
@@ -10,15 +11,17 @@
 
 constexpr uint32_t kNoAdapter = 0xffffffffu;
 // Values of k one warp of the shrink covers: a decode row's few outputs are spread over many
-// warps (split-K), each adding its part into u.
+// warps (split-K), each writing its partial sum; the expand adds the partials.
 constexpr int kShrinkChunk = 512;
+// Most values of u one row has (3 parts of rank 512), kept in shared memory by the expand.
+constexpr int kMaxPr = 1536;
 
-// u[t, j] += A[slots[t], j, k0:k1] . x[t, k0:k1] in f32, one warp per (token, output, chunk of
-// kShrinkChunk values); u: [tokens, pr] zeroed before; rows without an adapter add nothing.
-// x: [tokens, k] rows ldx apart. Warps are numbered token-major, then output, then chunk, so
-// neighbouring warps read neighbouring parts of one row of A.
+// part[c, t, j] = A[slots[t], j, c * kShrinkChunk ..] . x[t, same] in f32, one warp per (token,
+// output, chunk); part: [chunks, tokens, pr]; rows without an adapter write nothing (the expand
+// does not read them). x: [tokens, k] rows ldx apart. Warps are numbered token-major, then
+// output, then chunk, so neighbouring warps read neighbouring parts of one row of A.
 template <typename T>
-__device__ void lora_shrink_impl(float* __restrict__ u, const T* __restrict__ x, long ldx,
+__device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__ x, long ldx,
                                  const T* __restrict__ a, const uint32_t* __restrict__ slots,
                                  int tokens, int pr, int k) {
   pdl_wait();
@@ -49,50 +52,92 @@ __device__ void lora_shrink_impl(float* __restrict__ u, const T* __restrict__ x,
     for (int i = k0 + lane; i < k1; i += 32) acc += to_f32(xr[i]) * to_f32(ar[i]);
   }
   acc = warp_sum(acc);
-  if (lane == 0) atomicAdd(u + t * pr + j, acc);
+  if (lane == 0) part[((long)c * tokens + t) * pr + j] = acc;
 }
 
-// out[t, o] = y[t, o] + sum_q u[t, p(o) * r + q] * B[slots[t], o, q], p(o) the part of column o.
-// y, out: [tokens, n] contiguous (out may be y); one thread per element.
+// u_p . B[s, o] for the rank-r slice ut of u and column o of B.
 template <typename T>
-__device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ u,
-                                 const T* __restrict__ b, const uint32_t* __restrict__ slots,
-                                 long total, int n, int r, int pr, int e0, int e1) {
-  pdl_wait();
-  const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= total) return;
-  const long t = idx / n;
-  const int o = (int)(idx - t * n);
-  const uint32_t s = slots[t];
+__device__ __forceinline__ float lora_dot(const float* ut, const T* br, int r, bool vec) {
+  constexpr int VN = Vec16<T>::N;
   float acc = 0.f;
-  if (s != kNoAdapter) {
-    const int p = o < e0 ? 0 : (o < e1 ? 1 : 2);
-    const float* ut = u + t * pr + p * r;
-    const T* br = b + ((size_t)s * n + o) * r;
-    constexpr int VN = Vec16<T>::N;
-    if (r % VN == 0 && aligned16(b)) {
-      for (int q = 0; q < r; q += VN) {
-        float bv[VN];
-        load16(br + q, bv);
+  if (vec) {
+    for (int q = 0; q < r; q += VN) {
+      float bv[VN];
+      load16(br + q, bv);
 #pragma unroll
-        for (int e = 0; e < VN; ++e) acc += ut[q + e] * bv[e];
-      }
-    } else {
-      for (int q = 0; q < r; ++q) acc += ut[q] * to_f32(br[q]);
+      for (int e = 0; e < VN; ++e) acc += ut[q + e] * bv[e];
     }
+  } else {
+    for (int q = 0; q < r; ++q) acc += ut[q] * to_f32(br[q]);
   }
-  out[idx] = from_f32<T>(to_f32(y[idx]) + acc);
+  return acc;
+}
+
+// One CTA per (token, tile of blockDim.x output columns). The CTA adds the shrink's partials of
+// its token into u (shared memory), then each thread writes one output:
+//   kGlu = false: out[t, o] = y[t, o] + u_{p(o)} . B[s, o]  (out may be y: rows without an
+//                 adapter are then left alone), out and y [tokens, n];
+//   kGlu = true:  with g = y[t, o] + u_0 . B[s, o] and v = y[t, h + o] + u_1 . B[s, h + o], each
+//                 rounded to T as an unfused add would, out[t, o] = silu(g) * v; y [tokens, n],
+//                 out [tokens, h], h = n / 2 (a fused gate-up); every row is written.
+template <typename T, bool kGlu>
+__device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ part,
+                                 const T* __restrict__ b, const uint32_t* __restrict__ slots,
+                                 int tokens, int n, int r, int pr, int chunks, int e0, int e1) {
+  pdl_wait();
+  __shared__ float u[kMaxPr];
+  const int width = kGlu ? n / 2 : n;
+  const int tiles = (width + blockDim.x - 1) / blockDim.x;
+  const long t = blockIdx.x / tiles;
+  const int o = (int)(blockIdx.x - t * tiles) * blockDim.x + threadIdx.x;
+  const uint32_t s = slots[t];
+  const T* yr = y + t * n;
+  T* orow = out + t * width;
+  if (s == kNoAdapter) {
+    if (o >= width) return;
+    if constexpr (kGlu) {
+      const float g = to_f32(yr[o]);
+      orow[o] = from_f32<T>(g / (1.f + __expf(-g)) * to_f32(yr[width + o]));
+    } else if (orow != yr) {
+      orow[o] = yr[o];
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < pr; i += blockDim.x) {
+    float acc = 0.f;
+    for (int c = 0; c < chunks; ++c) acc += part[((long)c * tokens + t) * pr + i];
+    u[i] = acc;
+  }
+  __syncthreads();
+  if (o >= width) return;
+  const bool vec = r % Vec16<T>::N == 0 && aligned16(b);
+  const T* bs = b + (size_t)s * n * r;
+  if constexpr (kGlu) {
+    const float g = to_f32(from_f32<T>(to_f32(yr[o]) + lora_dot(u, bs + (size_t)o * r, r, vec)));
+    const float v = to_f32(
+        from_f32<T>(to_f32(yr[width + o]) + lora_dot(u + r, bs + (size_t)(width + o) * r, r, vec)));
+    orow[o] = from_f32<T>(g / (1.f + __expf(-g)) * v);
+  } else {
+    const int p = o < e0 ? 0 : (o < e1 ? 1 : 2);
+    orow[o] = from_f32<T>(to_f32(yr[o]) + lora_dot(u + p * r, bs + (size_t)o * r, r, vec));
+  }
 }
 
 #define RSERVE_LORA(T, S)                                                                          \
-  extern "C" __global__ void lora_shrink_##S(float* u, const T* x, long ldx, const T* a,         \
+  extern "C" __global__ void lora_shrink_##S(float* part, const T* x, long ldx, const T* a,      \
                                              const uint32_t* slots, int tokens, int pr, int k) { \
-    lora_shrink_impl<T>(u, x, ldx, a, slots, tokens, pr, k);                                     \
+    lora_shrink_impl<T>(part, x, ldx, a, slots, tokens, pr, k);                                  \
   }                                                                                                \
-  extern "C" __global__ void lora_expand_##S(T* out, const T* y, const float* u, const T* b,     \
-                                             const uint32_t* slots, long total, int n, int r,    \
-                                             int pr, int e0, int e1) {                           \
-    lora_expand_impl<T>(out, y, u, b, slots, total, n, r, pr, e0, e1);                           \
+  extern "C" __global__ void lora_expand_##S(T* out, const T* y, const float* part, const T* b,  \
+                                             const uint32_t* slots, int tokens, int n, int r,    \
+                                             int pr, int chunks, int e0, int e1) {               \
+    lora_expand_impl<T, false>(out, y, part, b, slots, tokens, n, r, pr, chunks, e0, e1);        \
+  }                                                                                                \
+  extern "C" __global__ void lora_expand_glu_##S(T* out, const T* y, const float* part,          \
+                                                 const T* b, const uint32_t* slots, int tokens,  \
+                                                 int n, int r, int pr, int chunks, int e0,       \
+                                                 int e1) {                                       \
+    lora_expand_impl<T, true>(out, y, part, b, slots, tokens, n, r, pr, chunks, e0, e1);         \
   }
 RSERVE_FOR_DTYPES(RSERVE_LORA)
 #undef RSERVE_LORA

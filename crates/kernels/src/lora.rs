@@ -1,12 +1,19 @@
 //! The LoRA term of a projection for a batch whose rows use different adapters: `y + (x A_s^T)
 //! B_s^T` per row, `s` the row's adapter slot, every adapter of a projection stacked over slots.
-//! On CUDA two kernels (`csrc/lora.cu`, Punica's BGMV form: shrink to `u`, then expand into `y`)
-//! read each row's slot on the device, so a step's slots are data and a captured graph replays
-//! with new ones; elsewhere rows are grouped by slot and multiplied with candle's matmul, which is
-//! also the reference.
+//!
+//! On CUDA, rows reach the term two ways ([`LoraRows`]):
+//! - gathered: two kernels (`csrc/lora.cu`, Punica's BGMV form: shrink to `u`, then expand into
+//!   `y`) read each row's slot on the device, so a step's slots are data and a captured decode
+//!   graph replays with new ones;
+//! - runs: consecutive rows that share an adapter (a prompt chunk) multiplied as a whole by
+//!   cuBLAS (the SGMV form: tensor cores, `A` and `B` read once per run instead of once per
+//!   row), the expand accumulating into `y` in place.
+//!
+//! Elsewhere rows are grouped by slot and multiplied with candle's matmul, which is also the
+//! reference.
 //!
 //! Shapes: `x` `[tokens, in]`, `y` `[tokens, out]`, `a` `[slots, parts * rank, in]`, `b`
-//! `[slots, out, rank]`, `slots` `[tokens]` u32 ([`NO_ADAPTER`]: the row is left alone). The
+//! `[slots, out, rank]`, slots `[tokens]` u32 ([`NO_ADAPTER`]: the row is left alone). The
 //! projection's output columns form up to [`MAX_PARTS`] parts (q, k, v of a fused qkv; gate and up
 //! of a fused gate-up), part `p` applying rows `p * rank .. (p + 1) * rank` of `A`'s output.
 
@@ -17,6 +24,23 @@ use std::collections::BTreeMap;
 pub const NO_ADAPTER: u32 = u32::MAX;
 /// Most parts of one projection.
 pub const MAX_PARTS: usize = 3;
+/// The largest rank the kernels take (`kMaxPr` in csrc/lora.cu is `MAX_PARTS` times it).
+pub const MAX_RANK: usize = 512;
+/// The shortest run of rows sharing an adapter that [`split_runs`] takes out of the gathered
+/// kernels: below it the per-run products cost more than they save.
+pub const MIN_RUN: usize = 16;
+
+/// The shortest run the step builder takes out of the gathered kernels: [`MIN_RUN`], or
+/// `RSERVE_LORA_MIN_RUN` (`0` keeps every row in the gathered kernels, for comparisons).
+pub fn min_run() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("RSERVE_LORA_MIN_RUN")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map_or(MIN_RUN, |v: usize| if v == 0 { usize::MAX } else { v })
+    })
+}
 
 /// Every adapter of one projection, stacked over slots.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +49,49 @@ pub struct LoraStack<'a> {
     pub b: &'a Tensor, // [slots, out, rank]
     /// The widths of the output's parts, in order (summing to `out`).
     pub parts: &'a [usize],
+}
+
+/// Rows `start .. start + len`, all of adapter `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoraRun {
+    pub start: usize,
+    pub len: usize,
+    pub slot: u32,
+}
+
+/// Which adapter each row of a step uses.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoraRows<'a> {
+    /// `[tokens]` u32 on the step's device: each row's slot for the gathered kernels,
+    /// [`NO_ADAPTER`] for rows without an adapter and rows of `runs`; `None` when no row is left
+    /// to them.
+    pub slots: Option<&'a Tensor>,
+    /// Runs of rows sharing an adapter, in row order, not overlapping (host data).
+    pub runs: &'a [LoraRun],
+}
+
+impl LoraRows<'_> {
+    /// Whether any row has an adapter.
+    pub fn any(&self) -> bool {
+        self.slots.is_some() || !self.runs.is_empty()
+    }
+}
+
+/// Takes the runs of at least `min_len` consecutive rows of one adapter out of `slots`
+/// (they become [`NO_ADAPTER`] there) and returns them in row order.
+pub fn split_runs(slots: &mut [u32], min_len: usize) -> Vec<LoraRun> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    while start < slots.len() {
+        let slot = slots[start];
+        let len = slots[start..].iter().take_while(|&&s| s == slot).count();
+        if slot != NO_ADAPTER && len >= min_len.max(1) {
+            slots[start..start + len].fill(NO_ADAPTER);
+            runs.push(LoraRun { start, len, slot });
+        }
+        start += len;
+    }
+    runs
 }
 
 impl LoraStack<'_> {
@@ -37,6 +104,7 @@ impl LoraStack<'_> {
             || p == 0
             || p > MAX_PARTS
             || pr != p * r
+            || r > MAX_RANK
             || self.parts.iter().sum::<usize>() != n
         {
             candle_core::bail!(
@@ -48,29 +116,95 @@ impl LoraStack<'_> {
         }
         Ok((s, r, k, n))
     }
+
+    /// Checks `x` and `y` against the stack and `rows`; `(rank, in, out)`.
+    fn check(&self, y: &Tensor, x: &Tensor, rows: &LoraRows<'_>) -> Result<(usize, usize, usize)> {
+        let (num_slots, r, k, n) = self.dims()?;
+        let (t, xk) = x.dims2()?;
+        let slots_fit = match rows.slots {
+            Some(s) => s.dims1()? == t && s.dtype() == DType::U32,
+            None => true,
+        };
+        let mut end = 0;
+        for run in rows.runs {
+            if run.start < end || run.start + run.len > t || run.slot as usize >= num_slots {
+                candle_core::bail!("lora: run {run:?} does not fit {t} rows and {num_slots} slots");
+            }
+            end = run.start + run.len;
+        }
+        if xk != k || y.dims2()? != (t, n) || !slots_fit || y.dtype() != x.dtype() {
+            candle_core::bail!(
+                "lora: x {:?}, y {:?} and slots {:?} do not fit A {:?}",
+                x.shape(),
+                y.shape(),
+                rows.slots.map(Tensor::shape),
+                self.a.shape()
+            );
+        }
+        Ok((r, k, n))
+    }
 }
 
-/// `y` plus each row's LoRA term (see the module's shapes); `y` in `x`'s dtype.
-pub fn lora_add(y: &Tensor, x: &Tensor, stack: &LoraStack<'_>, slots: &Tensor) -> Result<Tensor> {
-    let (_, r, k, n) = stack.dims()?;
-    let (t, xk) = x.dims2()?;
-    if xk != k || y.dims2()? != (t, n) || slots.dims1()? != t || slots.dtype() != DType::U32 {
+/// `y` plus each row's LoRA term (see the module's shapes), in `x`'s dtype. On CUDA `y` is
+/// written in place when it is contiguous: the caller hands over a product it holds alone.
+pub fn lora_add(
+    y: &Tensor,
+    x: &Tensor,
+    stack: &LoraStack<'_>,
+    rows: &LoraRows<'_>,
+) -> Result<Tensor> {
+    apply(y, x, stack, rows, false)
+}
+
+/// `silu(g) * v` of a fused gate-up product `y` `[tokens, 2 h]` plus each row's LoRA term (`g`
+/// the first `h` columns, `v` the rest): `[tokens, h]`. The stack has the two parts `[h, h]`.
+pub fn lora_add_silu_glu(
+    y: &Tensor,
+    x: &Tensor,
+    stack: &LoraStack<'_>,
+    rows: &LoraRows<'_>,
+) -> Result<Tensor> {
+    if stack.parts.len() != 2 || stack.parts[0] != stack.parts[1] {
         candle_core::bail!(
-            "lora: x {:?}, y {:?} and slots {:?} do not fit A {:?}",
-            x.shape(),
-            y.shape(),
-            slots.shape(),
-            stack.a.shape()
+            "lora: a gate-up stack has two equal parts, not {:?}",
+            stack.parts
         );
     }
-    if t == 0 || r == 0 {
-        return Ok(y.clone());
-    }
+    apply(y, x, stack, rows, true)
+}
+
+fn apply(
+    y: &Tensor,
+    x: &Tensor,
+    stack: &LoraStack<'_>,
+    rows: &LoraRows<'_>,
+    glu: bool,
+) -> Result<Tensor> {
+    let (r, k, n) = stack.check(y, x, rows)?;
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = x.device() {
-        return cuda::lora_add(dev, y, x, stack, slots, (r, k, n));
+        if x.dim(0)? > 0 && r > 0 {
+            return cuda::apply(dev, y, x, stack, rows, glu, (r, k, n));
+        }
     }
-    lora_add_reference(y, x, stack, &slots.to_vec1::<u32>()?)
+    let _ = (k, n);
+    let mut slots = match rows.slots {
+        Some(s) => s.to_vec1::<u32>()?,
+        None => vec![NO_ADAPTER; x.dim(0)?],
+    };
+    for run in rows.runs {
+        slots[run.start..run.start + run.len].fill(run.slot);
+    }
+    let out = if r == 0 {
+        y.clone()
+    } else {
+        lora_add_reference(y, x, stack, &slots)?
+    };
+    if glu {
+        crate::silu_and_mul(&out)
+    } else {
+        Ok(out)
+    }
 }
 
 /// [`lora_add`] with the slots on the host: rows grouped by slot, each group's term through
@@ -114,10 +248,11 @@ pub fn lora_add_reference(
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::LoraStack;
+    use super::{LoraRows, LoraRun, LoraStack};
     use crate::cuda::{
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
+    use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Result, Tensor};
@@ -126,23 +261,24 @@ mod cuda {
     /// Values of k per warp of the shrink (`kShrinkChunk` in csrc/lora.cu), warps per CTA.
     const SHRINK_CHUNK: usize = 512;
     const SHRINK_WARPS: usize = 8;
-    const EXPAND_THREADS: u32 = 256;
+    const EXPAND_THREADS: usize = 256;
 
-    pub fn lora_add(
+    pub fn apply(
         dev: &CudaDevice,
         y: &Tensor,
         x: &Tensor,
         stack: &LoraStack<'_>,
-        slots: &Tensor,
+        rows: &LoraRows<'_>,
+        glu: bool,
         dims: (usize, usize, usize),
     ) -> Result<Tensor> {
-        if stack.a.dtype() != x.dtype() || stack.b.dtype() != x.dtype() || y.dtype() != x.dtype() {
+        if stack.a.dtype() != x.dtype() || stack.b.dtype() != x.dtype() {
             candle_core::bail!("lora: x, y, A and B must share one dtype");
         }
         match x.dtype() {
-            DType::BF16 => run::<half::bf16>(dev, y, x, stack, slots, dims),
-            DType::F16 => run::<half::f16>(dev, y, x, stack, slots, dims),
-            DType::F32 => run::<f32>(dev, y, x, stack, slots, dims),
+            DType::BF16 => run::<half::bf16>(dev, y, x, stack, rows, glu, dims),
+            DType::F16 => run::<half::f16>(dev, y, x, stack, rows, glu, dims),
+            DType::F32 => run::<f32>(dev, y, x, stack, rows, glu, dims),
             dt => candle_core::bail!("lora: unsupported dtype {dt:?}"),
         }
     }
@@ -152,21 +288,173 @@ mod cuda {
         y: &Tensor,
         x: &Tensor,
         stack: &LoraStack<'_>,
-        slots: &Tensor,
-        (r, k, n): (usize, usize, usize),
+        rows: &LoraRows<'_>,
+        glu: bool,
+        dims: (usize, usize, usize),
     ) -> Result<Tensor> {
         let x = x.contiguous()?;
         let y = y.contiguous()?;
         let (a, b) = (stack.a.contiguous()?, stack.b.contiguous()?);
+        if !rows.runs.is_empty() {
+            runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
+        }
+        match rows.slots {
+            Some(slots) => gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, slots, glu, dims),
+            None if glu => crate::silu_and_mul(&y),
+            None => Ok(y),
+        }
+    }
+
+    fn blas_err(e: blas::CublasError) -> candle_core::Error {
+        candle_core::Error::Msg(format!("lora: cuBLAS: {e:?}"))
+    }
+
+    fn cuda_type(dtype: DType) -> Result<blas_sys::cudaDataType> {
+        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
+        Ok(match dtype {
+            DType::BF16 => CUDA_R_16BF,
+            DType::F16 => CUDA_R_16F,
+            DType::F32 => CUDA_R_32F,
+            dt => candle_core::bail!("lora: unsupported dtype {dt:?}"),
+        })
+    }
+
+    /// Each run's term through cuBLAS, added into `y` in place: `u = x_run A_s^T` into a scratch
+    /// `[len, pr]`, then for each part `y_run[:, part] += u_p B_{s,part}^T` (beta = 1).
+    fn runs<T: KernelElem>(
+        dev: &CudaDevice,
+        y: &Tensor,
+        x: &Tensor,
+        (a, b): (&Tensor, &Tensor),
+        parts: &[usize],
+        runs: &[LoraRun],
+        (r, k, n): (usize, usize, usize),
+    ) -> Result<()> {
+        let pr = parts.len() * r;
+        let longest = runs.iter().map(|run| run.len).max().unwrap_or(0);
+        let stream = dev.cuda_stream();
+        // SAFETY: each run's rows of the scratch are written by its shrink before its expands
+        // read them.
+        let mut scratch = unsafe { dev.alloc::<T>(longest * pr) }?;
+        let (xg, xl) = x.storage_and_layout();
+        let (yg, yl) = y.storage_and_layout();
+        let (ag, al) = a.storage_and_layout();
+        let (bg, bl) = b.storage_and_layout();
+        let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
+        let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
+        let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
+        let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
+        let (up, _u) = scratch.device_ptr_mut(&stream);
+        let (xp, _x) = xv.device_ptr(&stream);
+        let (yp, _y) = yv.device_ptr(&stream);
+        let (ap, _a) = av.device_ptr(&stream);
+        let (bp, _b) = bv.device_ptr(&stream);
+        let ty = cuda_type(T::DTYPE)?;
+        let size = std::mem::size_of::<T>() as u64;
+        let at = |ptr: u64, elems: usize| (ptr + elems as u64 * size) as *mut c_void;
+        let blas = dev.cublas_handle();
+        let handle = *blas.handle();
+        let (one, zero) = (1f32, 0f32);
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let int = |v: usize| {
+            i32::try_from(v)
+                .map_err(|_| candle_core::Error::Msg(format!("lora: {v} overflows a cuBLAS size")))
+        };
+        for run in runs {
+            let (s, len) = (run.slot as usize, int(run.len)?);
+            // column-major: u^T [pr, len] = A_s [pr, k] (row-major, so op T) x^T [k, len]
+            // SAFETY: the pointers lie inside x, A and the scratch (run and slot checked against
+            // the shapes by the caller); every buffer is on the handle's stream.
+            unsafe {
+                blas::gemm_ex(
+                    handle,
+                    CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    int(pr)?,
+                    len,
+                    int(k)?,
+                    (&raw const one).cast(),
+                    at(ap, s * pr * k),
+                    ty,
+                    int(k)?,
+                    at(xp, run.start * k),
+                    ty,
+                    int(k)?,
+                    (&raw const zero).cast(),
+                    at(up, 0),
+                    ty,
+                    int(pr)?,
+                    compute,
+                    algo,
+                )
+            }
+            .map_err(blas_err)?;
+            let mut col = 0;
+            for (p, &w) in parts.iter().enumerate() {
+                // y^T[col .. col + w, run] += B_{s, col..} [w, r] (op T) u_p^T [r, len]
+                // SAFETY: as above; the C block is the run's rows and the part's columns of y,
+                // which the caller handed over.
+                unsafe {
+                    blas::gemm_ex(
+                        handle,
+                        CUBLAS_OP_T,
+                        CUBLAS_OP_N,
+                        int(w)?,
+                        len,
+                        int(r)?,
+                        (&raw const one).cast(),
+                        at(bp, (s * n + col) * r),
+                        ty,
+                        int(r)?,
+                        at(up, p * r),
+                        ty,
+                        int(pr)?,
+                        (&raw const one).cast(),
+                        at(yp, run.start * n + col),
+                        ty,
+                        int(n)?,
+                        compute,
+                        algo,
+                    )
+                }
+                .map_err(blas_err)?;
+                col += w;
+            }
+        }
+        drop((_u, _x, _y, _a, _b));
+        Ok(())
+    }
+
+    /// The BGMV kernels over the rows of `slots`: the shrink writes split-K partials, the expand
+    /// adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor).
+    #[allow(clippy::too_many_arguments)]
+    fn gathered<T: KernelElem>(
+        dev: &CudaDevice,
+        y: &Tensor,
+        x: &Tensor,
+        (a, b): (&Tensor, &Tensor),
+        parts: &[usize],
+        slots: &Tensor,
+        glu: bool,
+        (r, k, n): (usize, usize, usize),
+    ) -> Result<Tensor> {
         let slots = slots.contiguous()?;
         let t = x.dim(0)?;
-        let pr = stack.parts.len() * r;
+        let pr = parts.len() * r;
+        let chunks = k.div_ceil(SHRINK_CHUNK);
         let stream = dev.cuda_stream();
         let sfx = dtype_suffix(T::DTYPE)?;
-        // u is accumulated into (split-K), so it starts at zero; every element of out is written
-        let mut u = dev.alloc_zeros::<f32>(t * pr)?;
-        // SAFETY: every element of out is written by the expand kernel.
-        let mut out = unsafe { dev.alloc::<T>(t * n) }?;
+        // SAFETY: the expand reads the partials of adapter rows only, all written by the shrink.
+        let mut part = unsafe { dev.alloc::<f32>(chunks * t * pr) }?;
+        let width = if glu { n / 2 } else { n };
+        // SAFETY: with glu every element of the new output is written by the expand.
+        let mut fresh = if glu {
+            Some(unsafe { dev.alloc::<T>(t * width) }?)
+        } else {
+            None
+        };
         let (xg, xl) = x.storage_and_layout();
         let (yg, yl) = y.storage_and_layout();
         let (ag, al) = a.storage_and_layout();
@@ -177,14 +465,14 @@ mod cuda {
         let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
         let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
         let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
-        let (mut up, _u) = u.device_ptr_mut(&stream);
+        let (mut pp, _p) = part.device_ptr_mut(&stream);
         let (mut xp, _x) = xv.device_ptr(&stream);
         let (mut ap, _a) = av.device_ptr(&stream);
         let (mut sp, _s) = sv.device_ptr(&stream);
         let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
         let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
         let mut params = [
-            (&raw mut up).cast::<c_void>(),
+            (&raw mut pp).cast::<c_void>(),
             (&raw mut xp).cast::<c_void>(),
             (&raw mut ldx).cast::<c_void>(),
             (&raw mut ap).cast::<c_void>(),
@@ -193,47 +481,62 @@ mod cuda {
             (&raw mut pri).cast::<c_void>(),
             (&raw mut ki).cast::<c_void>(),
         ];
-        let warps = t * pr * k.div_ceil(SHRINK_CHUNK);
-        let grid = warps.div_ceil(SHRINK_WARPS);
-        // SAFETY: `lora_shrink_<dtype>(u, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu): u
-        // [t, pr] f32 zeroed, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t] u32
-        // (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per (token,
-        // output, chunk of k), warps past the last exit; the kernel waits before it reads.
+        let grid = (t * pr * chunks).div_ceil(SHRINK_WARPS);
+        // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu):
+        // part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t]
+        // u32 (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per
+        // (token, output, chunk of k), warps past the last exit; the kernel waits before it reads.
         let threads = (SHRINK_WARPS * 32) as u32;
         unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
-        let (mut op, _o) = out.device_ptr_mut(&stream);
         let (mut yp, _y) = yv.device_ptr(&stream);
+        let (mut op, _o) = match fresh.as_mut() {
+            Some(f) => {
+                let (p, g) = f.device_ptr_mut(&stream);
+                (p, Some(g))
+            }
+            None => (yp, None),
+        };
         let (mut bp, _b) = bv.device_ptr(&stream);
-        let total = t * n;
         let mut ends = [n as i32; 2];
         let mut col = 0;
-        for (e, w) in ends.iter_mut().zip(stack.parts) {
+        for (e, w) in ends.iter_mut().zip(parts) {
             col += w;
             *e = col as i32;
         }
-        let (mut tot, mut ni, mut ri) = (total as i64, n as i32, r as i32);
+        let (mut ni, mut ri, mut ci) = (n as i32, r as i32, chunks as i32);
         let (mut e0, mut e1) = (ends[0], ends[1]);
-        let expand = function(dev, &format!("lora_expand_{sfx}"))?;
+        let name = if glu {
+            "lora_expand_glu"
+        } else {
+            "lora_expand"
+        };
+        let expand = function(dev, &format!("{name}_{sfx}"))?;
         let mut params = [
             (&raw mut op).cast::<c_void>(),
             (&raw mut yp).cast::<c_void>(),
-            (&raw mut up).cast::<c_void>(),
+            (&raw mut pp).cast::<c_void>(),
             (&raw mut bp).cast::<c_void>(),
             (&raw mut sp).cast::<c_void>(),
-            (&raw mut tot).cast::<c_void>(),
+            (&raw mut ti).cast::<c_void>(),
             (&raw mut ni).cast::<c_void>(),
             (&raw mut ri).cast::<c_void>(),
             (&raw mut pri).cast::<c_void>(),
+            (&raw mut ci).cast::<c_void>(),
             (&raw mut e0).cast::<c_void>(),
             (&raw mut e1).cast::<c_void>(),
         ];
-        let grid = total.div_ceil(EXPAND_THREADS as usize);
-        // SAFETY: `lora_expand_<dtype>(out, y, u, b, slots, total, n, r, pr, e0, e1)`
-        // (csrc/lora.cu): out and y [t, n] contiguous, u [t, pr] f32 written by the shrink just
-        // before on this stream, b [S, n, r], slots as above; e0 <= e1 <= n the parts' ends; one
-        // thread per element of out.
-        unsafe { launch_dependent(&expand, &stream, grid as u32, EXPAND_THREADS, &mut params) }?;
-        drop((_o, _y, _b, _u, _x, _a, _s));
-        Ok(tensor_from_slice(out, dev, (t, n)))
+        let grid = t * width.div_ceil(EXPAND_THREADS);
+        // SAFETY: `lora_expand[_glu]_<dtype>(out, y, part, b, slots, tokens, n, r, pr, chunks,
+        // e0, e1)` (csrc/lora.cu): y [t, n] contiguous, out y itself (written in place, the
+        // caller's product) or, glu, a fresh [t, n / 2]; part written by the shrink just before on
+        // this stream; b [S, n, r]; slots as above; e0 <= e1 <= n the parts' ends; pr <= kMaxPr
+        // (rank <= MAX_RANK, checked); one CTA per (token, tile of EXPAND_THREADS columns).
+        let threads = EXPAND_THREADS as u32;
+        unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;
+        drop((_o, _y, _b, _p, _x, _a, _s));
+        match fresh {
+            Some(f) => Ok(tensor_from_slice(f, dev, (t, width))),
+            None => Ok(y.clone()),
+        }
     }
 }

@@ -1,11 +1,14 @@
 //! The LoRA term of mixed-adapter batches: the grouped reference against a row-by-row f32
-//! product, and (with CUDA) the BGMV kernels against the reference, for one-part, fused three-part
-//! and two-part projections, rows without an adapter, and ranks that are and are not multiples of
-//! the kernels' vectors.
+//! product, and (with CUDA) the BGMV kernels and the cuBLAS runs against it, for one-part, fused
+//! three-part and two-part projections, rows without an adapter, ranks that are and are not
+//! multiples of the kernels' vectors, and the fused gate-up's SiLU-and-multiply.
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
-use rserve_kernels::lora::{lora_add, lora_add_reference, LoraStack, NO_ADAPTER};
+use rserve_kernels::lora::{
+    lora_add, lora_add_reference, lora_add_silu_glu, split_runs, LoraRows, LoraRun, LoraStack,
+    MIN_RUN, NO_ADAPTER,
+};
 
 struct Case {
     x: Tensor,
@@ -17,14 +20,37 @@ struct Case {
 }
 
 fn case(tokens: usize, k: usize, parts: &[usize], rank: usize, num_slots: usize) -> Result<Case> {
-    let cpu = Device::Cpu;
-    let n: usize = parts.iter().sum();
     let slots = (0..tokens)
         .map(|t| match t % (num_slots + 1) {
             0 => NO_ADAPTER,
             s => (s - 1) as u32,
         })
         .collect();
+    case_with(slots, k, parts, rank, num_slots)
+}
+
+/// Rows in blocks: a prompt chunk of adapter 0, decode rows of mixed adapters, a chunk of
+/// adapter 1, base rows, a chunk of the last adapter.
+fn chunked_slots(num_slots: usize) -> Vec<u32> {
+    let last = num_slots as u32 - 1;
+    let mut v = vec![0; 40];
+    v.extend([1, NO_ADAPTER, 0, last]);
+    v.extend(std::iter::repeat_n(1, MIN_RUN));
+    v.extend([NO_ADAPTER; 3]);
+    v.extend(std::iter::repeat_n(last, 21));
+    v
+}
+
+fn case_with(
+    slots: Vec<u32>,
+    k: usize,
+    parts: &[usize],
+    rank: usize,
+    num_slots: usize,
+) -> Result<Case> {
+    let cpu = Device::Cpu;
+    let n: usize = parts.iter().sum();
+    let tokens = slots.len();
     Ok(Case {
         x: Tensor::randn(0f32, 1., (tokens, k), &cpu)?,
         y: Tensor::randn(0f32, 1., (tokens, n), &cpu)?,
@@ -93,7 +119,11 @@ fn the_reference_adds_each_rows_adapter() -> Result<()> {
         assert!(d < 1e-4, "{t}x{k} {parts:?} r{r}: {d}");
         // through the public op (the slots as a tensor) on the CPU
         let slots = Tensor::new(c.slots.as_slice(), &Device::Cpu)?;
-        let got = lora_add(&c.y, &c.x, &stack, &slots)?.to_vec2::<f32>()?;
+        let rows = LoraRows {
+            slots: Some(&slots),
+            runs: &[],
+        };
+        let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
         assert!(max_diff(&got, &naive(&c)?) < 1e-4);
         // rows without an adapter are left exactly as they were
         let y = c.y.to_vec2::<f32>()?;
@@ -104,6 +134,66 @@ fn the_reference_adds_each_rows_adapter() -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[test]
+fn runs_of_one_adapter_are_split_from_the_gathered_rows() {
+    let mut s = vec![
+        0, 0, 0, 1, NO_ADAPTER, NO_ADAPTER, NO_ADAPTER, 2, 2, 2, 2, 1,
+    ];
+    let runs = split_runs(&mut s, 3);
+    let run = |start, len, slot| LoraRun { start, len, slot };
+    assert_eq!(runs, vec![run(0, 3, 0), run(7, 4, 2)]);
+    let n = NO_ADAPTER;
+    assert_eq!(s, vec![n, n, n, 1, n, n, n, n, n, n, n, 1]);
+    // base rows never form a run; nothing at all is a no-op
+    let mut base = vec![NO_ADAPTER; 40];
+    assert!(split_runs(&mut base, 3).is_empty());
+    assert!(split_runs(&mut [], 3).is_empty());
+}
+
+#[test]
+fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
+    let c = case_with(chunked_slots(3), 24, &[16, 16], 4, 3)?;
+    let stack = LoraStack {
+        a: &c.a,
+        b: &c.b,
+        parts: &c.parts,
+    };
+    let mut gathered = c.slots.clone();
+    let runs = split_runs(&mut gathered, MIN_RUN);
+    assert_eq!(runs.len(), 3);
+    let slots = Tensor::new(gathered.as_slice(), &Device::Cpu)?;
+    let rows = LoraRows {
+        slots: Some(&slots),
+        runs: &runs,
+    };
+    let want = naive(&c)?;
+    let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
+    assert!(max_diff(&got, &want) < 1e-4);
+    // the fused gate-up form is silu(g) * v of the same sums
+    let glu = lora_add_silu_glu(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
+    let want_glu: Vec<Vec<f32>> = want.iter().map(|r| silu_mul(r)).collect();
+    assert!(max_diff(&glu, &want_glu) < 1e-4);
+    // a run past the rows, or overlapping another, is an error
+    let bad = [LoraRun {
+        start: 70,
+        len: 30,
+        slot: 0,
+    }];
+    let rows = LoraRows {
+        slots: None,
+        runs: &bad,
+    };
+    assert!(lora_add(&c.y, &c.x, &stack, &rows).is_err());
+    Ok(())
+}
+
+fn silu_mul(row: &[f32]) -> Vec<f32> {
+    let h = row.len() / 2;
+    (0..h)
+        .map(|o| row[o] / (1. + (-row[o]).exp()) * row[h + o])
+        .collect()
 }
 
 #[test]
@@ -138,36 +228,126 @@ mod cuda {
                     .chain(&[(64, 4096, &[4096, 1024, 1024][..], 16, 8)])
             {
                 let c = case(t, k, parts, r, s)?;
-                let cast = |x: &Tensor| x.to_dtype(dtype);
-                let (x, y, a, b) = (cast(&c.x)?, cast(&c.y)?, cast(&c.a)?, cast(&c.b)?);
-                let want = naive(&Case {
-                    x: x.to_dtype(DType::F32)?,
-                    y: y.to_dtype(DType::F32)?,
-                    a: a.clone(),
-                    b: b.clone(),
-                    parts: c.parts.clone(),
-                    slots: c.slots.clone(),
-                })?;
-                let on = |x: &Tensor| x.to_device(&dev);
-                let (ad, bd) = (on(&a)?, on(&b)?);
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let (x, y, want) = (&d.x, &d.y, &d.want);
                 let stack = LoraStack {
-                    a: &ad,
-                    b: &bd,
+                    a: &d.a,
+                    b: &d.b,
                     parts: &c.parts,
                 };
                 let slots = Tensor::new(c.slots.as_slice(), &dev)?;
-                let got = lora_add(&on(&y)?, &on(&x)?, &stack, &slots)?
-                    .to_dtype(DType::F32)?
-                    .to_device(&Device::Cpu)?
-                    .to_vec2::<f32>()?;
-                let scale = want.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
-                let tol = match dtype {
-                    DType::BF16 => 1e-2,
-                    DType::F16 => 2e-3,
-                    _ => 1e-5,
-                } * scale;
-                let d = max_diff(&got, &want);
+                let rows = LoraRows {
+                    slots: Some(&slots),
+                    runs: &[],
+                };
+                let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;
+                let tol = tolerance(dtype, want);
+                let d = max_diff(&got, want);
                 assert!(d <= tol, "{dtype:?} {t}x{k} {parts:?} r{r}: {d} > {tol}");
+            }
+        }
+        Ok(())
+    }
+
+    /// A case in `dtype`: `x` and `y` on the device, `A` and `B` too, and the f32 product of
+    /// the rounded values.
+    struct OnDevice {
+        x: Tensor,
+        y: Tensor,
+        a: Tensor,
+        b: Tensor,
+        want: Vec<Vec<f32>>,
+    }
+
+    impl OnDevice {
+        fn new(c: &Case, dtype: DType, dev: &Device) -> Result<Self> {
+            let cast = |x: &Tensor| x.to_dtype(dtype);
+            let (x, y, a, b) = (cast(&c.x)?, cast(&c.y)?, cast(&c.a)?, cast(&c.b)?);
+            let want = naive(&Case {
+                x: x.to_dtype(DType::F32)?,
+                y: y.to_dtype(DType::F32)?,
+                a: a.clone(),
+                b: b.clone(),
+                parts: c.parts.clone(),
+                slots: c.slots.clone(),
+            })?;
+            let on = |t: &Tensor| t.to_device(dev);
+            Ok(Self {
+                x: on(&x)?,
+                y: on(&y)?,
+                a: on(&a)?,
+                b: on(&b)?,
+                want,
+            })
+        }
+    }
+
+    fn host(t: &Tensor) -> Result<Vec<Vec<f32>>> {
+        t.to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()
+    }
+
+    fn tolerance(dtype: DType, want: &[Vec<f32>]) -> f32 {
+        let scale = want.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
+        scale
+            * match dtype {
+                DType::BF16 => 1e-2,
+                DType::F16 => 2e-3,
+                _ => 1e-5,
+            }
+    }
+
+    /// Prompt chunks through cuBLAS runs beside gathered decode rows, plain and fused gate-up
+    /// (whose kernel also writes the rows without an adapter).
+    #[test]
+    fn runs_and_the_gated_expand_match_the_reference() -> Result<()> {
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (k, parts, r) in [
+                (64, &[48, 48][..], 8),
+                (4096, &[1024, 1024][..], 16),
+                (72, &[40, 40][..], 3),
+            ] {
+                let c = case_with(chunked_slots(4), k, parts, r, 4)?;
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let (x, y, want) = (&d.x, &d.y, &d.want);
+                let stack = LoraStack {
+                    a: &d.a,
+                    b: &d.b,
+                    parts: &c.parts,
+                };
+                let mut gathered = c.slots.clone();
+                let runs = split_runs(&mut gathered, MIN_RUN);
+                let slots = Tensor::new(gathered.as_slice(), &dev)?;
+                let tol = tolerance(dtype, want);
+                for rows in [
+                    LoraRows {
+                        slots: Some(&slots),
+                        runs: &runs,
+                    },
+                    LoraRows {
+                        slots: None,
+                        runs: &runs[..1],
+                    },
+                ] {
+                    let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;
+                    // with only the first run, rows past it keep y
+                    let want = if rows.slots.is_some() {
+                        want.clone()
+                    } else {
+                        let mut w = host(y)?;
+                        w[..runs[0].len].clone_from_slice(&want[..runs[0].len]);
+                        w
+                    };
+                    let d = max_diff(&got, &want);
+                    assert!(d <= tol, "{dtype:?} k{k} {parts:?} r{r}: {d} > {tol}");
+                    let glu = host(&lora_add_silu_glu(&y.copy()?, x, &stack, &rows)?)?;
+                    let want_glu: Vec<Vec<f32>> = want.iter().map(|r| silu_mul(r)).collect();
+                    let d = max_diff(&glu, &want_glu);
+                    let tol = tolerance(dtype, &want_glu) * 2.;
+                    assert!(d <= tol, "glu {dtype:?} k{k} {parts:?} r{r}: {d} > {tol}");
+                }
             }
         }
         Ok(())

@@ -90,7 +90,7 @@ pub fn report(a: &InspectArgs) -> Result<Value> {
                     out["modules"] = json!(ad.modules.len());
                     out["layers"] = json!(layers.len());
                     out["ranks"] = json!(ranks);
-                    out["bf16_bytes"] = json!(ad.bytes() / 2);
+                    out["bf16_bytes"] = json!(ad.elements() * 2);
                 }
                 Err(e) => {
                     out["usable"] = json!(false);

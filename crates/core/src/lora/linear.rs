@@ -1,13 +1,13 @@
 //! The LoRA linear method: a base method (dense, quantized, FP8: any [`LinearMethod`]) plus the
 //! LoRA term of each row's adapter, read from the projection's device slots. A batch without
-//! adapters (no `adapter_slots` in the [`LayerCtx`]) runs the base method alone, its fused
+//! adapters (no rows in the [`LayerCtx`]'s `lora`) runs the base method alone, its fused
 //! kernels included, so serving without adapters costs nothing.
 
 use super::slots::ProjectionSlots;
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::{Result, Tensor};
-use rserve_kernels::lora::{lora_add, LoraStack};
+use rserve_kernels::lora::{lora_add, lora_add_silu_glu, LoraStack};
 use std::sync::Arc;
 
 /// A projection whose rows may carry an adapter.
@@ -22,30 +22,31 @@ impl LoraLinear {
         Self { base, slots }
     }
 
-    fn with_term(&self, y: Tensor, x: &Tensor, slots: &Tensor) -> Result<Tensor> {
-        let stack = LoraStack {
+    fn stack(&self) -> LoraStack<'_> {
+        LoraStack {
             a: &self.slots.a,
             b: &self.slots.b,
             parts: &self.slots.widths,
-        };
-        lora_add(&y, x, &stack, slots)
+        }
     }
 }
 
 impl LinearMethod for LoraLinear {
     fn matmul(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
         let y = self.base.matmul(x, ctx)?;
-        match ctx.adapter_slots {
-            Some(s) => self.with_term(y, x, s),
-            None => Ok(y),
+        if !ctx.lora.any() {
+            return Ok(y);
         }
+        // y is this call's own product: the term may be added in place
+        lora_add(&y, x, &self.stack(), &ctx.lora)
     }
 
     fn matmul_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
-        match ctx.adapter_slots {
-            None => self.base.matmul_silu_glu(x, ctx),
-            Some(_) => rserve_kernels::silu_and_mul(&self.matmul(x, ctx)?),
+        if !ctx.lora.any() {
+            return self.base.matmul_silu_glu(x, ctx);
         }
+        let y = self.base.matmul(x, ctx)?;
+        lora_add_silu_glu(&y, x, &self.stack(), &ctx.lora)
     }
 
     fn shape(&self) -> (usize, usize) {

@@ -189,8 +189,8 @@ impl AdapterConfig {
 /// One adapted projection: `y += scale * (x A^T) B^T`.
 #[derive(Debug, Clone)]
 pub struct LoraModule {
-    pub a: Tensor, // [r, in] f32
-    pub b: Tensor, // [out, r] f32
+    pub a: Tensor, // [r, in], as stored (f32, f16 or bf16)
+    pub b: Tensor, // [out, r], as stored
     pub scale: f64,
 }
 
@@ -199,9 +199,10 @@ impl LoraModule {
         self.a.dims().first().copied().unwrap_or(0)
     }
 
-    /// `scale * B A`, `[out, in]`: what merging the adapter adds to the weight.
+    /// `scale * B A`, `[out, in]` in f32: what merging the adapter adds to the weight.
     pub fn delta(&self) -> candle_core::Result<Tensor> {
-        self.b.matmul(&self.a)? * self.scale
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        f32(&self.b)?.matmul(&f32(&self.a)?)? * self.scale
     }
 }
 
@@ -210,7 +211,7 @@ impl LoraModule {
 pub struct LoraAdapter {
     pub name: String,
     pub config: AdapterConfig,
-    /// (layer, projection) -> its pair of matrices, f32 on the CPU.
+    /// (layer, projection) -> its pair of matrices, on the CPU as the file stores them.
     pub modules: BTreeMap<(usize, Target), LoraModule>,
 }
 
@@ -265,11 +266,19 @@ impl LoraAdapter {
         }
     }
 
-    /// The size of its matrices in bytes as stored here (f32).
+    /// The size of its matrices in bytes as stored here (the file's dtype).
     pub fn bytes(&self) -> usize {
         self.modules
             .values()
-            .map(|m| 4 * (m.a.elem_count() + m.b.elem_count()))
+            .map(|m| (m.a.elem_count() + m.b.elem_count()) * m.a.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// The number of values in its matrices.
+    pub fn elements(&self) -> usize {
+        self.modules
+            .values()
+            .map(|m| m.a.elem_count() + m.b.elem_count())
             .sum()
     }
 
@@ -447,9 +456,13 @@ fn modules(
                 "a projection `target_modules` does not name".into(),
             ));
         }
-        let t = t
-            .to_dtype(DType::F32)
-            .map_err(|e| tensor_err(&tname, e.to_string()))?;
+        // kept as stored (no conversion on the load path); slot writes convert on the device
+        if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            return Err(tensor_err(
+                &tname,
+                format!("dtype {:?} (LoRA matrices are f32, f16 or bf16)", t.dtype()),
+            ));
+        }
         let slot = &mut pairs.entry((layer, target)).or_default()[usize::from(is_b)];
         if let Some((first, _)) = slot {
             return Err(tensor_err(&tname, format!("a second copy of `{first}`")));

@@ -31,38 +31,39 @@ pub struct ProjectionSlots {
 
 impl ProjectionSlots {
     /// Writes `adapter`'s matrices for this projection into `slot` (zeros where it has none).
+    /// The slot's block is assembled on the device: each part's matrices are copied up as
+    /// stored, `B` scaled in f32 and both rounded once to the slots' dtype, ranks below the
+    /// slot rank padded with zeros.
     fn write(&self, slot: usize, adapter: Option<&LoraAdapter>) -> Result<()> {
-        let (p, r, k) = (self.parts.len(), self.rank, self.in_dim);
-        let n: usize = self.widths.iter().sum();
-        let mut a = vec![0f32; p * r * k];
-        let mut b = vec![0f32; n * r];
-        let mut col = 0;
-        for (i, &(t, w)) in self.parts.iter().enumerate() {
-            if let Some(m) = adapter.and_then(|ad| ad.modules.get(&(self.layer, t))) {
-                let mr = m.rank();
-                if mr > r {
-                    candle_core::bail!("rank {mr} exceeds the slots' rank {r}");
-                }
-                let ma = m.a.to_vec2::<f32>()?; // [mr, in]
-                for (q, row) in ma.iter().enumerate() {
-                    a[(i * r + q) * k..(i * r + q + 1) * k].copy_from_slice(row);
-                }
-                let mb = m.b.to_vec2::<f32>()?; // [w, mr]
-                for (o, row) in mb.iter().enumerate() {
-                    for (q, v) in row.iter().enumerate() {
-                        b[(col + o) * r + q] = (*v as f64 * m.scale) as f32;
+        let (r, k) = (self.rank, self.in_dim);
+        let (dt, dev) = (self.a.dtype(), self.a.device());
+        let mut a_parts = Vec::with_capacity(self.parts.len());
+        let mut b_parts = Vec::with_capacity(self.parts.len());
+        for &(t, w) in &self.parts {
+            match adapter.and_then(|ad| ad.modules.get(&(self.layer, t))) {
+                Some(m) => {
+                    let mr = m.rank();
+                    if mr > r {
+                        candle_core::bail!("rank {mr} exceeds the slots' rank {r}");
+                    }
+                    let a = m.a.to_device(dev)?.to_dtype(dt)?; // [mr, k]
+                    let b = (m.b.to_device(dev)?.to_dtype(DType::F32)? * m.scale)?.to_dtype(dt)?;
+                    if mr < r {
+                        a_parts.push(Tensor::cat(&[a, Tensor::zeros((r - mr, k), dt, dev)?], 0)?);
+                        b_parts.push(Tensor::cat(&[b, Tensor::zeros((w, r - mr), dt, dev)?], 1)?);
+                    } else {
+                        a_parts.push(a);
+                        b_parts.push(b);
                     }
                 }
+                None => {
+                    a_parts.push(Tensor::zeros((r, k), dt, dev)?);
+                    b_parts.push(Tensor::zeros((w, r), dt, dev)?);
+                }
             }
-            col += w;
         }
-        let (dt, dev) = (self.a.dtype(), self.a.device());
-        let a = Tensor::from_vec(a, (1, p * r, k), &Device::Cpu)?
-            .to_dtype(dt)?
-            .to_device(dev)?;
-        let b = Tensor::from_vec(b, (1, n, r), &Device::Cpu)?
-            .to_dtype(dt)?
-            .to_device(dev)?;
+        let a = Tensor::cat(&a_parts, 0)?.unsqueeze(0)?; // [1, parts * r, k]
+        let b = Tensor::cat(&b_parts, 0)?.unsqueeze(0)?; // [1, out, r]
         self.a.slice_set(&a, 0, slot)?;
         self.b.slice_set(&b, 0, slot)
     }

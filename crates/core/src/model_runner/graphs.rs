@@ -146,6 +146,7 @@ impl Bucket {
             logits_indices: Tensor::new(rows.as_slice(), device)?,
             attn: Arc::new(attn),
             adapter_slots: adapter_slots.clone(),
+            adapter_runs: Vec::new(),
         };
         Ok(Self {
             size,
