@@ -22,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prompt_token_ids,
         params,
         lora: None,
+        cache_salt: None,
     })?;
     // each item is a delta: the text and tokens that are new since the last one
     while let Some(delta) = stream.blocking_next() {

@@ -41,6 +41,7 @@ class Engine:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""
@@ -75,6 +76,9 @@ class Engine:
 
     def unload_lora(self, name: str) -> int:
         """Unregisters an adapter (requests using it finish with it); ValueError when unknown."""
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix block; returns how many blocks were cached."""
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """The registered adapters: (name, path)."""

@@ -56,6 +56,7 @@ _ENGINE_KWARGS = frozenset(
         "max_loras",
         "max_lora_rank",
         "max_cpu_loras",
+        "enable_prefix_caching",
     }
 )
 
@@ -132,6 +133,7 @@ class _Assembler:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_logprobs: list[Logprob | None] | None = None
         self.queue_time: float | None = None
+        self.num_cached_tokens: int | None = None
         self.finished = False
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.tokens: list[list[int]] = [[] for _ in range(n)]
@@ -146,6 +148,8 @@ class _Assembler:
         self.request_id = data["request_id"]
         if data.get("queue_time") is not None:
             self.queue_time = data["queue_time"]
+        if data.get("num_cached_tokens") is not None:
+            self.num_cached_tokens = data["num_cached_tokens"]
         for entry in data.get("prompt_logprobs") or []:
             if self.prompt_logprobs is None:
                 self.prompt_logprobs = []
@@ -197,6 +201,7 @@ class _Assembler:
             outputs=outputs,
             finished=self.finished,
             queue_time=self.queue_time,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def final(self, raw: str) -> RequestOutput:
@@ -278,7 +283,9 @@ class LLM:
     `kv_cache_dtype` (`"auto"` or `"fp8"`: an FP8 E4M3 KV cache holding twice the tokens),
     `enable_lora` (serve LoRA adapters: pass `lora_request=LoRARequest(name, int_id, path)` to
     `generate`, `chat`, `stream` and `astream`), `max_loras` (adapters on the device at once),
-    `max_lora_rank`, `max_cpu_loras` (adapters kept in host memory).
+    `max_lora_rank`, `max_cpu_loras` (adapters kept in host memory), `enable_prefix_caching`
+    (default on: prompts start from the longest run of cached KV blocks of earlier requests;
+    `RequestOutput.num_cached_tokens` says how many tokens that skipped).
     """
 
     def __init__(
@@ -446,6 +453,11 @@ class LLM:
                 f"lora_request: {len(items)} given for {count} prompts; give one for all or one per prompt"
             )
         return [self._lora_name(r) for r in items]
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix block (requests in flight keep theirs); returns how many
+        blocks were cached."""
+        return self._engine.reset_prefix_cache()
 
     def unload_lora(self, lora_name: str) -> None:
         """Unregisters an adapter; requests already running with it finish with it."""

@@ -119,6 +119,8 @@ class RequestOutput(_Output):
     outputs: List[CompletionOutput] = Field(default_factory=list)
     finished: bool = False
     queue_time: Optional[float] = None
+    #: Prompt tokens found in the prefix cache instead of computed.
+    num_cached_tokens: Optional[int] = None
 
 
 class LoRARequest(BaseModel):

@@ -719,7 +719,9 @@ def part_lora(a, out: Path) -> None:
     """Multi-adapter serving on the 8B shape: 64 concurrent 1024 in / 256 out over 1, 8 and 64
     rank-16 adapters (all seven projections) against the base in the same server; batch-1 decode
     with one adapter; loading one adapter at runtime. RSERVE_LORA_ISQ=q4k repeats the mix on an
-    ISQ base. RSERVE_LORA_COUNTS (default 1,8,64) picks the mixes."""
+    ISQ base. RSERVE_LORA_COUNTS (default 1,8,64) picks the mixes. RSERVE_LORA_AB=1 adds a server
+    whose prompt chunks stay in the gathered kernels (RSERVE_LORA_MIN_RUN=0): base and one
+    adapter, for the run products' share."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -729,17 +731,25 @@ def part_lora(a, out: Path) -> None:
     emit(out, {"part": "lora-setup", "adapters": len(dirs), "made_s": time.time() - t0})
     served, extra_dir = dirs[:-1], dirs[-1]
     modules = [f"a{i}={d}" for i, d in enumerate(served)]
-    for isq in [""] + [f for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]:
+    variants = [("", False)]
+    if os.environ.get("RSERVE_LORA_AB") == "1":
+        variants.append(("", True))
+    variants += [(f, False) for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
+    for isq, gathered_only in variants:
         rec: dict = {"part": "lora", "model": kind, "isq": isq or "none"}
+        env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
+               "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"}
+        if gathered_only:
+            env["RSERVE_LORA_MIN_RUN"] = "0"
+            rec["prompt_rows"] = "gathered kernels only"
         args = ["--max-model-len", "4096", "--enable-lora", "--max-loras", str(len(served)),
                 "--max-cpu-loras", str(len(served) + 1), "--max-lora-rank", "16",
                 "--lora-modules", *modules]
         if isq:
             args += ["--isq", isq]
         try:
-            srv = Server(a.binary, str(path), a.port, out, *args, tag=f"-lora{isq}",
-                         env={"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
-                              "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"})
+            srv = Server(a.binary, str(path), a.port, out, *args,
+                         tag=f"-lora{isq}{'-gathered' if gathered_only else ''}", env=env)
         except Exception as e:
             rec["error"] = repr(e)[-2000:]
             emit(out, rec)
@@ -750,7 +760,7 @@ def part_lora(a, out: Path) -> None:
             rec["startup"] = [ln.strip()[-300:] for ln in lines if "LoRA" in ln or "rserve: serving" in ln][-3:]
             base = srv.model_name()
             runs = {"base": bench_mix(a, srv, [base], 64, 128, 1024, 256)}
-            for c in counts:
+            for c in counts[:1] if gathered_only else counts:
                 runs[f"{c}-adapters"] = bench_mix(a, srv, [f"a{i}" for i in range(c)], 64, 128, 1024, 256)
             for k, r in runs.items():
                 rec[f"c64_{k}_output_tok_s"] = r["output_throughput"]
@@ -758,20 +768,127 @@ def part_lora(a, out: Path) -> None:
                 rec[f"c64_{k}_ttft_ms"] = r["ttft_ms"]["median"]
                 if k != "base":
                     rec[f"c64_{k}_vs_base"] = r["output_throughput"] / runs["base"]["output_throughput"]
-            b1b = bench_mix(a, srv, [base], 1, 4, 512, 256)
-            b1l = bench_mix(a, srv, ["a0"], 1, 4, 512, 256)
-            rec["b1_base_tok_s"] = 1000.0 / b1b["tpot_ms"]["median"]
-            rec["b1_adapter_tok_s"] = 1000.0 / b1l["tpot_ms"]["median"]
-            rec["b1_adapter_vs_base"] = rec["b1_adapter_tok_s"] / rec["b1_base_tok_s"]
-            loads = []
-            for i in range(3):
-                t = time.time()
-                srv.post_text("/v1/load_lora_adapter", {"lora_name": f"rt{i}", "lora_path": str(extra_dir)})
-                loads.append((time.time() - t) * 1000)
-                srv.post_text("/v1/unload_lora_adapter", {"lora_name": f"rt{i}"})
-            rec["runtime_load_ms"] = loads
+            if not gathered_only:
+                b1b = bench_mix(a, srv, [base], 1, 4, 512, 256)
+                b1l = bench_mix(a, srv, ["a0"], 1, 4, 512, 256)
+                rec["b1_base_tok_s"] = 1000.0 / b1b["tpot_ms"]["median"]
+                rec["b1_adapter_tok_s"] = 1000.0 / b1l["tpot_ms"]["median"]
+                rec["b1_adapter_vs_base"] = rec["b1_adapter_tok_s"] / rec["b1_base_tok_s"]
+                loads, first, resident = [], [], []
+                one = {"prompt": "Hello", "max_tokens": 1}
+                for i in range(3):
+                    t = time.time()
+                    srv.post_text("/v1/load_lora_adapter", {"lora_name": f"rt{i}", "lora_path": str(extra_dir)})
+                    loads.append((time.time() - t) * 1000)
+                    # the first request of a new adapter writes its slot; a resident one does not
+                    t = time.time()
+                    srv.post("/v1/completions", {"model": f"rt{i}", **one})
+                    first.append((time.time() - t) * 1000)
+                    t = time.time()
+                    srv.post("/v1/completions", {"model": "a0", **one})
+                    resident.append((time.time() - t) * 1000)
+                    srv.post_text("/v1/unload_lora_adapter", {"lora_name": f"rt{i}"})
+                rec["runtime_load_ms"] = loads
+                rec["first_request_new_adapter_ms"] = first
+                rec["first_request_resident_adapter_ms"] = resident
             steps = [ln.strip()[-160:] for ln in srv.log_path.read_text().splitlines() if "steps:" in ln]
             rec["steps"] = steps[-6:]
+        except Exception as e:  # keep what was measured
+            rec["error"] = repr(e)[-2000:]
+        finally:
+            srv.stop()
+        emit(out, rec)
+
+
+def bench_json(a, srv: Server, *args: str) -> dict:
+    """`rserve bench serve` against `srv` with `args`; its JSON report."""
+    r = subprocess.run(
+        [str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", srv.model_name(),
+         *args, "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def chat_replay(srv: Server, conversations: int, turns: int, user_len: int, reply_len: int) -> list[dict]:
+    """Multi-turn chat replay: `conversations` at once, each turn resending the whole history
+    (earlier prompts and the model's own replies, as token ids) plus `user_len` new tokens.
+    Per turn: median TTFT and the share of prompt tokens found in the prefix cache."""
+    import random
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(0)
+    history = [[rng.randrange(20, 900) for _ in range(user_len)] for _ in range(conversations)]
+    model = srv.model_name()
+
+    def one(i: int) -> tuple[float, int, int, list[int]]:
+        body = {"model": model, "prompt": history[i], "max_tokens": reply_len, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        t0, ttft, reply, usage = time.time(), None, [], {}
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for c in ev.get("choices") or []:
+                    toks = (c.get("logprobs") or {}).get("tokens") or []
+                    if toks and ttft is None:
+                        ttft = time.time() - t0
+                    reply += [int(t.split(":", 1)[1]) for t in toks]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return ttft or 0.0, len(history[i]), cached, reply
+
+    rows = []
+    for turn in range(turns):
+        with ThreadPoolExecutor(conversations) as ex:
+            res = list(ex.map(one, range(conversations)))
+        ttfts = sorted(r[0] for r in res)
+        prompt_tokens = sum(r[1] for r in res)
+        rows.append({"turn": turn + 1, "prompt_tokens_mean": prompt_tokens / conversations,
+                     "ttft_ms_median": ttfts[len(ttfts) // 2] * 1e3,
+                     "hit_rate": sum(r[2] for r in res) / max(prompt_tokens, 1)})
+        for i, r in enumerate(res):
+            history[i] = history[i] + r[3] + [rng.randrange(20, 900) for _ in range(user_len)]
+    return rows
+
+
+def part_prefix(a, out: Path) -> None:
+    """Prefix caching on the 8B shape, cache on and off in one call: 0% shared (256 concurrent,
+    512 in / 256 out), 8 shared 2,048-token prefixes with 128-token suffixes (128 out, 256
+    requests at 64 concurrent), and a multi-turn chat replay (hit rate and TTFT per turn)."""
+    kind = a.big.split(",")[0]
+    _, path = fresh_checkpoint(kind, Path(a.scratch))
+    for label, flags in (("on", []), ("off", ["--no-enable-prefix-caching"])):
+        rec: dict = {"part": "prefix", "model": kind, "cache": label}
+        try:
+            srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192", *flags,
+                         tag=f"-prefix-{label}")
+        except Exception as e:
+            rec["error"] = repr(e)[-2000:]
+            emit(out, rec)
+            continue
+        try:
+            r = bench_json(a, srv, "--num-prompts", "512", "--max-concurrency", "256",
+                           "--random-input-len", "512", "--random-output-len", "256")
+            rec["unshared_c256_output_tok_s"] = r["output_throughput"]
+            rec["unshared_c256_ttft_ms"] = r["ttft_ms"]["median"]
+            r = bench_json(a, srv, "--dataset-name", "prefix_repetition", "--num-prompts", "256",
+                           "--max-concurrency", "64", "--prefix-repetition-prefix-len", "2048",
+                           "--prefix-repetition-suffix-len", "128", "--prefix-repetition-num-prefixes",
+                           "8", "--prefix-repetition-output-len", "128")
+            rec["shared8_output_tok_s"] = r["output_throughput"]
+            rec["shared8_ttft_ms"] = r["ttft_ms"]["median"]
+            rec["shared8_hit_rate"] = r["prefix_cache_hit_rate"]
+            rec["chat_replay"] = chat_replay(srv, 16, 6, 256, 128)
         except Exception as e:  # keep what was measured
             rec["error"] = repr(e)[-2000:]
         finally:
@@ -807,7 +924,8 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
-             "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora}
+             "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora,
+             "prefix": part_prefix}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

@@ -231,6 +231,25 @@ def test_engine_options_pass_through(llm: LLM) -> None:
         LLM(str(QWEN2), enforce_eager="yes")
 
 
+def test_prefix_caching_reports_cached_tokens_and_resets(llm: LLM) -> None:
+    # on by default: the second run of a long prompt starts from its cached full blocks
+    prompt = " ".join(f"token{i}" for i in range(40))
+    first = llm.generate(prompt, greedy())[0]
+    second = llm.generate(prompt, greedy())[0]
+    assert second.num_cached_tokens is not None and second.num_cached_tokens >= 16
+    assert second.num_cached_tokens > (first.num_cached_tokens or 0)
+    assert ids_of(second) == ids_of(first)
+    assert llm.reset_prefix_cache() > 0
+    assert llm.generate(prompt, greedy())[0].num_cached_tokens == 0
+    off = LLM(str(QWEN2), max_model_len=llm.max_model_len, enable_prefix_caching=False)
+    try:
+        again = [off.generate(prompt, greedy())[0] for _ in range(2)]
+        assert [o.num_cached_tokens for o in again] == [0, 0]
+        assert ids_of(again[1]) == ids_of(first)
+    finally:
+        off.shutdown()
+
+
 def test_isq_quantizes_while_loading() -> None:
     q = LLM(str(QWEN2), max_model_len=128, isq="q8_0")
     try:

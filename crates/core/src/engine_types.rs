@@ -69,6 +69,9 @@ pub struct EngineConfig {
     pub lora: Option<crate::lora::LoraOptions>,
     /// Adapters registered at start: (name, directory or hub id) (`--lora-modules`).
     pub lora_modules: Vec<(String, PathBuf)>,
+    /// Keep computed KV blocks by content and start requests from the longest cached prefix
+    /// (`--enable-prefix-caching`, on by default).
+    pub enable_prefix_caching: bool,
 }
 
 impl EngineConfig {
@@ -94,6 +97,7 @@ impl EngineConfig {
             lookahead_on_host: false,
             lora: None,
             lora_modules: Vec::new(),
+            enable_prefix_caching: true,
         }
     }
 }
@@ -140,6 +144,9 @@ pub struct EngineStats {
     pub steps_ahead: AtomicU64,
     /// The adapters of running and waiting requests (adapters enabled).
     pub lora: std::sync::Mutex<Option<LoraActivity>>,
+    /// Prompt tokens looked up in the prefix cache, and those found.
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
 }
 
 /// Which LoRA adapters requests use now (vLLM's `lora_requests_info`).
@@ -170,6 +177,7 @@ pub(crate) enum Command {
     },
     Abort(RequestId),
     Check(mpsc::Sender<Vec<String>>),
+    ResetPrefixCache(mpsc::Sender<usize>),
     Shutdown,
 }
 
@@ -302,6 +310,16 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         self.tx
             .send(Command::Check(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Forgets every cached prefix block (requests in flight keep theirs); returns how many
+    /// blocks were cached. Waits for the engine thread to take it between steps.
+    pub fn reset_prefix_cache(&self) -> Result<usize, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::ResetPrefixCache(tx))
             .map_err(|_| EngineError::Stopped)?;
         rx.recv().map_err(|_| EngineError::Stopped)
     }

@@ -40,6 +40,8 @@ struct RequestText {
     completions: Vec<CompletionText>,
     new_prompt_logprobs: Vec<Option<TokenLogprob>>,
     queue_time: Option<f64>,
+    /// Prompt tokens the prefix cache held (known with the first step).
+    cached_tokens: Option<usize>,
     queue_time_sent: bool,
     /// Listed in `touched`: something to send at the next settle.
     touched: bool,
@@ -131,6 +133,7 @@ impl OutputProcessor {
                 completions,
                 new_prompt_logprobs,
                 queue_time: None,
+                cached_tokens: None,
                 queue_time_sent: false,
                 touched: false,
             },
@@ -156,10 +159,12 @@ impl OutputProcessor {
         }
     }
 
-    /// Seconds the request waited for its first step (sent with its next delta).
-    pub fn queue_time(&mut self, rid: RequestId, seconds: f64) {
+    /// Seconds the request waited for its first step and the prompt tokens the prefix cache
+    /// held then (sent with its next delta).
+    pub fn first_step(&mut self, rid: RequestId, seconds: f64, cached_tokens: usize) {
         if let Some(r) = self.requests.get_mut(&rid) {
             r.queue_time.get_or_insert(seconds);
+            r.cached_tokens.get_or_insert(cached_tokens);
         }
     }
 
@@ -256,10 +261,10 @@ impl OutputProcessor {
                 }
             })
             .collect();
-        let queue_time = if r.queue_time_sent {
-            None
+        let (queue_time, num_cached_tokens) = if r.queue_time_sent {
+            (None, None)
         } else {
-            r.queue_time
+            (r.queue_time, r.cached_tokens)
         };
         r.queue_time_sent |= queue_time.is_some();
         let delta = RequestDelta {
@@ -268,6 +273,7 @@ impl OutputProcessor {
             outputs,
             finished,
             queue_time,
+            num_cached_tokens,
         };
         let delivered = r.sink.post(delta);
         if finished {

@@ -295,6 +295,9 @@ pub struct EngineRequest {
     /// The LoRA adapter to apply, by its registered name (`None`: the base model).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<String>,
+    /// Keeps the request's cached prefix blocks apart from other salts' (vLLM's `cache_salt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
 /// One completion's state, as reported in a [`RequestOutput`].
@@ -351,6 +354,9 @@ pub struct RequestDelta {
     pub finished: bool,
     /// Seconds from arrival to the first scheduled step (once known).
     pub queue_time: Option<f64>,
+    /// Prompt tokens found in the prefix cache (sent with the first scheduled step).
+    #[serde(default)]
+    pub num_cached_tokens: Option<usize>,
 }
 
 impl RequestDelta {
@@ -374,6 +380,7 @@ impl RequestDelta {
         }
         self.finished |= later.finished;
         self.queue_time = self.queue_time.or(later.queue_time);
+        self.num_cached_tokens = self.num_cached_tokens.or(later.num_cached_tokens);
     }
 
     pub fn num_new_tokens(&self) -> usize {
@@ -392,6 +399,9 @@ pub struct RequestOutput {
     pub finished: bool,
     /// Seconds from arrival to the first scheduled step.
     pub queue_time: Option<f64>,
+    /// Prompt tokens that were found in the prefix cache instead of computed.
+    #[serde(default)]
+    pub num_cached_tokens: Option<usize>,
 }
 
 impl RequestOutput {
@@ -415,6 +425,7 @@ impl RequestOutput {
                 .collect(),
             finished: false,
             queue_time: None,
+            num_cached_tokens: None,
         }
     }
 
@@ -445,6 +456,7 @@ impl RequestOutput {
         }
         self.finished |= d.finished;
         self.queue_time = self.queue_time.or(d.queue_time);
+        self.num_cached_tokens = self.num_cached_tokens.or(d.num_cached_tokens);
     }
 
     pub fn num_generated_tokens(&self) -> usize {

@@ -9,6 +9,12 @@
 //! the queue), so the oldest requests always make progress and nothing deadlocks as long as every
 //! single request fits the cache on its own (checked at admission by the engine).
 //!
+//! Prefix caching (`enable_prefix_caching`): a sequence admitted with nothing computed starts from
+//! the longest run of cached full blocks matching its known tokens (at least its last token is
+//! computed again, for the logits), and the blocks it computes are registered as they fill
+//! ([`Scheduler::complete_step`]). Sequences that ask for prompt logprobs compute every position
+//! (their rows need the logits), but still register their blocks for others.
+//!
 //! LoRA: the running sequences use at most `max_loras` distinct adapters (the device slots). A
 //! waiting sequence whose adapter would exceed that stays in place; sequences behind it whose
 //! adapter already runs (or that use none) may pass it for [`LORA_PASS_STEPS`] steps, after which
@@ -33,6 +39,15 @@ pub struct SchedulerConfig {
     /// Most distinct LoRA adapters among the running sequences (`--max-loras`; `usize::MAX`
     /// without adapters).
     pub max_loras: usize,
+    /// Whether computed blocks are cached by content and reused by later sequences.
+    pub enable_prefix_caching: bool,
+}
+
+/// Prefix-cache lookups so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheCounts {
+    pub queries: u64,
+    pub hits: u64,
 }
 
 /// Steps a waiting sequence held back by the adapter limit lets later sequences of adapters
@@ -101,6 +116,7 @@ pub struct Scheduler {
     kv: KvCacheManager,
     /// The waiting sequence held back by the adapter limit, and for how many steps.
     lora_blocked: Option<(SeqId, usize)>,
+    prefix_counts: PrefixCacheCounts,
 }
 
 impl Scheduler {
@@ -112,7 +128,18 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             lora_blocked: None,
+            prefix_counts: PrefixCacheCounts::default(),
         }
+    }
+
+    /// Prefix-cache lookups and hits so far.
+    pub fn prefix_cache_counts(&self) -> PrefixCacheCounts {
+        self.prefix_counts
+    }
+
+    /// Forgets every cached block content; returns how many blocks were cached.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.kv.reset_prefix_cache()
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -223,17 +250,35 @@ impl Scheduler {
                         continue;
                     }
                 }
-                let num_computed = seq.num_computed_tokens;
-                let remaining = seq.num_uncomputed();
+                let hit = self.cached_prefix(id);
+                let Some(seq) = self.seqs.get(&id) else {
+                    break;
+                };
+                let num_computed = seq.num_computed_tokens.max(hit.len() * self.cfg.block_size);
+                let remaining = seq.num_tokens() - num_computed;
                 let mut left = rows;
                 let num_new = Self::fit_rows(seq, remaining.min(budget), &mut left);
                 if num_new == 0 {
                     break;
                 }
+                if !hit.is_empty() && self.kv.adopt_prefix(id, &hit).is_err() {
+                    break;
+                }
                 let Ok(copies) = self.kv.allocate_slots(id, num_computed, num_new) else {
+                    if !hit.is_empty() {
+                        self.kv.free(id);
+                    }
                     break;
                 };
                 rows = left;
+                if let Some(s) = self.seqs.get_mut(&id) {
+                    s.num_computed_tokens = num_computed;
+                    if s.num_cached_tokens.is_none() {
+                        s.num_cached_tokens = Some(hit.len() * self.cfg.block_size);
+                        self.prefix_counts.hits += (hit.len() * self.cfg.block_size) as u64;
+                        self.prefix_counts.queries += s.known_tokens().len() as u64;
+                    }
+                }
                 self.waiting.remove(pos);
                 if let Some(a) = adapter.filter(|a| !adapters.contains(a)) {
                     adapters.push(a);
@@ -304,6 +349,27 @@ impl Scheduler {
         steps <= LORA_PASS_STEPS
     }
 
+    /// The cached blocks a waiting sequence may start from: the longest run matching its full
+    /// blocks of known tokens, short of its last token (computed again for its logits). Empty
+    /// with prefix caching off, for a sequence with computed tokens or one that asks for prompt
+    /// logprobs.
+    fn cached_prefix(&mut self, id: SeqId) -> Vec<BlockId> {
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Vec::new();
+        };
+        if !self.cfg.enable_prefix_caching
+            || seq.num_computed_tokens > 0
+            || seq.meta.prompt_logprobs.is_some()
+        {
+            return Vec::new();
+        }
+        seq.update_block_hashes(bs);
+        let usable = seq.known_tokens().len().saturating_sub(1) / bs.max(1);
+        let n = usable.min(seq.block_hashes.len());
+        self.kv.cached_prefix(&seq.block_hashes[..n])
+    }
+
     /// Cuts `num_new` so that the prompt-logprob rows it produces fit in `rows` (taking them).
     /// A chunk with rows to produce and none left is cut to nothing.
     fn fit_rows(seq: &Sequence, num_new: usize, rows: &mut usize) -> usize {
@@ -328,11 +394,18 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// Records that the planned tokens of a step are now in the cache.
+    /// Records that the planned tokens of a step are now in the cache (and, with prefix caching,
+    /// the contents of the blocks they filled).
     pub fn complete_step(&mut self, out: &SchedulerOutput) {
+        let bs = self.cfg.block_size;
         for s in &out.scheduled {
             if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
                 seq.num_computed_tokens = (s.num_computed + s.num_new).min(seq.tokens.len());
+                if self.cfg.enable_prefix_caching {
+                    seq.update_block_hashes(bs);
+                    let full = seq.num_computed_tokens / bs.max(1);
+                    self.kv.cache_full_blocks(s.seq_id, &seq.block_hashes, full);
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerCon
         num_blocks: blocks,
         max_prompt_logprob_rows: 1 << 20,
         max_loras: usize::MAX,
+        enable_prefix_caching: false,
     }
 }
 
@@ -371,4 +372,162 @@ fn a_sequence_held_back_by_the_adapter_limit_is_not_starved() {
         }
     }
     assert!(admitted_2, "the held-back sequence never ran");
+}
+
+/// A sequence of request `id` with the given prompt and request facts.
+fn add_tokens(s: &mut Scheduler, id: u64, prompt: &[u32], meta: crate::sequence::RequestMeta) {
+    let seq = Sequence::new(SeqId(id), RequestId(id), prompt.to_vec(), 1);
+    s.add(seq.with_meta(std::sync::Arc::new(meta)));
+}
+
+fn caching(budget: usize, blocks: usize, bs: usize) -> Scheduler {
+    let mut c = cfg(budget, 8, blocks, bs);
+    c.enable_prefix_caching = true;
+    Scheduler::new(c)
+}
+
+#[test]
+fn a_shared_prefix_is_computed_once() {
+    use crate::sequence::RequestMeta;
+    let mut s = caching(100, 32, 4);
+    let prompt: Vec<u32> = (1..=10).collect();
+    add_tokens(&mut s, 1, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 10, true)]);
+    finish_step(&mut s, &o);
+    // the same prompt: its two full blocks are cached, the partial third is computed
+    add_tokens(&mut s, 2, &prompt, RequestMeta::default());
+    // a longer prompt sharing the first block only
+    let mut other = prompt[..4].to_vec();
+    other.extend([50, 51, 52, 53, 54]);
+    add_tokens(&mut s, 3, &other, RequestMeta::default());
+    let o = s.schedule();
+    assert_eq!(
+        plan(&o),
+        vec![(1, 10, 1, true), (2, 8, 2, true), (3, 4, 5, true)]
+    );
+    let t1 = s.kv().block_table(SeqId(1)).to_vec();
+    assert_eq!(s.kv().block_table(SeqId(2))[..2], t1[..2]);
+    assert_eq!(s.kv().block_table(SeqId(3))[0], t1[0]);
+    assert_ne!(s.kv().block_table(SeqId(3))[1], t1[1]);
+    assert_eq!(s.seq(SeqId(2)).and_then(|q| q.num_cached_tokens), Some(8));
+    assert_eq!(s.seq(SeqId(3)).and_then(|q| q.num_cached_tokens), Some(4));
+    let counts = s.prefix_cache_counts();
+    assert_eq!((counts.queries, counts.hits), (10 + 10 + 9, 12));
+    finish_step(&mut s, &o);
+    // finished sequences leave their blocks cached: a later request still hits them
+    for id in 1..=3 {
+        s.finish(SeqId(id));
+    }
+    assert_eq!(s.kv().num_free_blocks(), 32);
+    add_tokens(&mut s, 4, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(4, 8, 2, true)]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn a_fully_cached_prompt_computes_its_last_token_again() {
+    use crate::sequence::RequestMeta;
+    let mut s = caching(100, 32, 4);
+    let prompt: Vec<u32> = (1..=8).collect();
+    add_tokens(&mut s, 1, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    finish_step(&mut s, &o);
+    add_tokens(&mut s, 2, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    // both blocks are cached, but the last token needs its logits: the second block is
+    // recomputed into a block of its own
+    assert_eq!(plan(&o), vec![(1, 8, 1, true), (2, 4, 4, true)]);
+    let (t1, t2) = (s.kv().block_table(SeqId(1)), s.kv().block_table(SeqId(2)));
+    assert_eq!(t1[0], t2[0]);
+    assert_ne!(t1[1], t2[1]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn other_adapters_salts_and_prompt_logprobs_do_not_hit() {
+    use crate::lora::{AdapterId, LoraAdapter, ResolvedLora};
+    use crate::sequence::RequestMeta;
+    let mut s = caching(100, 64, 4);
+    let prompt: Vec<u32> = (1..=9).collect();
+    let adapter = |id: u32| {
+        Some(ResolvedLora {
+            id: AdapterId(id),
+            adapter: std::sync::Arc::new(LoraAdapter::empty("a")),
+        })
+    };
+    let salted = |salt: &str| RequestMeta {
+        cache_salt: Some(salt.into()),
+        ..RequestMeta::default()
+    };
+    add_tokens(&mut s, 1, &prompt, RequestMeta::default());
+    add_tokens(
+        &mut s,
+        2,
+        &prompt,
+        RequestMeta {
+            adapter: adapter(1),
+            ..RequestMeta::default()
+        },
+    );
+    add_tokens(&mut s, 3, &prompt, salted("tenant-a"));
+    let o = s.schedule();
+    finish_step(&mut s, &o);
+    let metas = [
+        RequestMeta {
+            adapter: adapter(2),
+            ..RequestMeta::default()
+        },
+        salted("tenant-b"),
+        RequestMeta {
+            prompt_logprobs: Some(1),
+            ..RequestMeta::default()
+        },
+        // the same adapter and the same salt do hit
+        RequestMeta {
+            adapter: adapter(1),
+            ..RequestMeta::default()
+        },
+        salted("tenant-a"),
+    ];
+    for (i, m) in metas.into_iter().enumerate() {
+        add_tokens(&mut s, 10 + i as u64, &prompt, m);
+    }
+    let o = s.schedule();
+    let new: Vec<_> = plan(&o).into_iter().filter(|p| p.0 >= 10).collect();
+    assert_eq!(
+        new,
+        vec![
+            (10, 0, 9, true),
+            (11, 0, 9, true),
+            (12, 0, 9, true),
+            (13, 8, 1, true),
+            (14, 8, 1, true)
+        ]
+    );
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn a_preempted_sequence_resumes_from_its_cached_blocks() {
+    use crate::sequence::RequestMeta;
+    // 6 blocks of 4: two sequences of 12 tokens fill them, the second is preempted on growth
+    let mut s = caching(100, 6, 4);
+    let a: Vec<u32> = (1..=12).collect();
+    let b: Vec<u32> = (101..=111).collect();
+    add_tokens(&mut s, 1, &a, RequestMeta::default());
+    add_tokens(&mut s, 2, &b, RequestMeta::default());
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 12, true), (2, 0, 11, true)]);
+    finish_step(&mut s, &o);
+    let o = s.schedule();
+    // 1 needs a fourth block: 2 is preempted, its blocks stay cached
+    assert_eq!(o.preempted, vec![SeqId(2)]);
+    finish_step(&mut s, &o);
+    s.finish(SeqId(1));
+    let o = s.schedule();
+    // 2 had 12 tokens (11 + the one it sampled): two full blocks of them are found again
+    assert_eq!(plan(&o), vec![(2, 8, 4, true)]);
+    finish_step(&mut s, &o);
 }

@@ -5,6 +5,8 @@
 //! `num_computed_tokens <= tokens.len()`, and the tokens not yet computed are exactly the ones the
 //! scheduler still has to feed through the model.
 
+use crate::kv_cache::hashing::{extend_hashes, root_hash, ExtraKeys};
+use crate::kv_cache::BlockHash;
 use crate::lora::{AdapterId, ResolvedLora};
 use crate::request::{RequestId, SamplingParams};
 use std::fmt;
@@ -48,6 +50,8 @@ pub struct RequestMeta {
     /// The LoRA adapter of every row of the request (held until the request ends, so an
     /// adapter unloaded meanwhile stays usable by it).
     pub adapter: Option<ResolvedLora>,
+    /// A tenant's key for the prefix cache: only requests with the same salt share blocks.
+    pub cache_salt: Option<String>,
 }
 
 impl RequestMeta {
@@ -59,7 +63,16 @@ impl RequestMeta {
                 || params.presence_penalty != 0.0
                 || params.frequency_penalty != 0.0,
             adapter: None,
+            cache_salt: None,
         }
+    }
+
+    /// The root of the request's block-hash chain: its adapter and salt.
+    pub fn hash_root(&self) -> BlockHash {
+        root_hash(&ExtraKeys {
+            adapter: self.adapter_id().map(|a| a.0),
+            salt: self.cache_salt.as_deref(),
+        })
     }
 
     /// The adapter's id, if the request uses one.
@@ -87,6 +100,10 @@ pub struct Sequence {
     /// Placeholders ([`PENDING_TOKEN`]) at the end of `tokens`: tokens sampled on the device
     /// whose values are not read back yet.
     pub num_pending: usize,
+    /// Content hashes of the full blocks of known tokens so far (prefix caching).
+    pub block_hashes: Vec<BlockHash>,
+    /// Prompt tokens found in the prefix cache when the sequence was first scheduled.
+    pub num_cached_tokens: Option<usize>,
     pub meta: Arc<RequestMeta>,
 }
 
@@ -103,7 +120,23 @@ impl Sequence {
             pending_forks: n.saturating_sub(1),
             num_preemptions: 0,
             num_pending: 0,
+            block_hashes: Vec::new(),
+            num_cached_tokens: None,
             meta: Arc::default(),
+        }
+    }
+
+    /// Brings [`Sequence::block_hashes`] up to the full blocks of the known tokens.
+    pub fn update_block_hashes(&mut self, block_size: usize) {
+        let known = self.tokens.len() - self.num_pending;
+        if known / block_size.max(1) > self.block_hashes.len() {
+            let root = self.meta.hash_root();
+            extend_hashes(
+                &mut self.block_hashes,
+                &root,
+                &self.tokens[..known],
+                block_size,
+            );
         }
     }
 

@@ -251,6 +251,7 @@ mod tests {
             }],
             finished,
             queue_time: Some(0.5),
+            num_cached_tokens: Some(3),
         }
     }
 
@@ -260,6 +261,7 @@ mod tests {
             prompt_token_ids: vec![1, 2],
             params: SamplingParams::default(),
             lora: None,
+            cache_salt: None,
         };
         let abort: AbortFn = Arc::new(move |id| {
             let _ = tx.send(id);
@@ -285,6 +287,7 @@ mod tests {
         assert_eq!(out.outputs[0].text.len(), 2001);
         assert_eq!(out.outputs[0].cumulative_logprob, -1.0);
         assert_eq!(out.queue_time, Some(0.5));
+        assert_eq!(out.num_cached_tokens, Some(3));
     }
 
     #[test]

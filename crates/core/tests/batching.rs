@@ -33,6 +33,7 @@ fn run_alone(h: &EngineHandle, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
             prompt_token_ids: prompt.to_vec(),
             params: p.clone(),
             lora: None,
+            cache_salt: None,
         })
         .expect("submit");
     s.wait().expect("done").outputs[0].token_ids.clone()
@@ -55,6 +56,7 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
                 prompt_token_ids: p,
                 params: greedy(12),
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit");
         // let the previous ones run a little before the next arrives
@@ -102,6 +104,7 @@ fn submit_all(
                 prompt_token_ids: q.clone(),
                 params: params(i),
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit")
         })
@@ -175,6 +178,7 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
                 prompt_token_ids: p,
                 params: greedy(16),
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit")
         })
@@ -217,6 +221,7 @@ fn seeded_sampling_is_reproducible_and_independent_of_the_batch() {
                 prompt_token_ids: q,
                 params: np,
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit")
         })
@@ -239,6 +244,7 @@ fn run_batch(h: &EngineHandle, reqs: Vec<(Vec<u32>, SamplingParams)>) -> Vec<Vec
                 prompt_token_ids,
                 params,
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit")
         })
@@ -321,6 +327,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
             prompt_token_ids: prompt.clone(),
             params: p.clone(),
             lora: None,
+            cache_salt: None,
         })
         .expect("submit")
         .wait()
@@ -348,6 +355,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
             prompt_token_ids: prompt.clone(),
             params: g,
             lora: None,
+            cache_salt: None,
         })
         .expect("submit")
         .wait()
@@ -367,6 +375,7 @@ fn stop_tokens_stop_strings_and_min_tokens() {
             prompt_token_ids: prompt.clone(),
             params: greedy(12),
             lora: None,
+            cache_salt: None,
         })
         .expect("submit")
         .wait()
@@ -419,6 +428,7 @@ fn run_req(
             prompt_token_ids: prompt.to_vec(),
             params: p,
             lora: None,
+            cache_salt: None,
         })
         .expect("submit")
         .wait()
@@ -434,6 +444,7 @@ fn streaming_deltas_concatenate_to_the_text() {
             prompt_token_ids: prompts()[5].clone(),
             params: greedy(20),
             lora: None,
+            cache_salt: None,
         })
         .expect("submit");
     let mut acc = String::new();
@@ -473,6 +484,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
             prompt_token_ids: prompts()[1].clone(),
             params: p,
             lora: None,
+            cache_salt: None,
         })
         .expect("submit");
     for _ in 0..3 {
@@ -493,6 +505,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
             prompt_token_ids: vec![0, 5, 9],
             params: greedy(300),
             lora: None,
+            cache_salt: None,
         })
         .expect("submit");
     h.abort(s.request_id());
@@ -509,6 +522,7 @@ fn bad_requests_are_errors_not_panics() {
             prompt_token_ids: prompt,
             params: p,
             lora: None,
+            cache_salt: None,
         })
         .err()
     };

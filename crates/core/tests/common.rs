@@ -89,6 +89,7 @@ pub fn teacher_forced_with(h: &EngineHandle, ids: &[u32], lora: Option<&str>) ->
             prompt_token_ids: ids.to_vec(),
             params: p,
             lora: lora.map(str::to_owned),
+            cache_salt: None,
         })
         .expect("submitted")
         .wait()
@@ -110,6 +111,7 @@ pub fn greedy(h: &EngineHandle, prompt: &[u32], n: usize, logprobs: usize) -> Re
         prompt_token_ids: prompt.to_vec(),
         params: p,
         lora: None,
+        cache_salt: None,
     })
     .expect("submitted")
     .wait()

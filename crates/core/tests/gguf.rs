@@ -90,6 +90,7 @@ fn check(name: &str, tol: f32, exact: bool) -> f32 {
                 prompt_token_ids: c.prompt.clone(),
                 params: p,
                 lora: None,
+                cache_salt: None,
             })
             .unwrap()
             .wait()

@@ -190,6 +190,7 @@ fn downloads_into_the_cache_then_resolves_offline_and_runs() {
             prompt_token_ids: case.prompt.clone(),
             params,
             lora: None,
+            cache_salt: None,
         })
         .unwrap()
         .wait()

@@ -31,6 +31,7 @@ fn every_format_loads_reports_and_stays_close_to_f32() {
                 prompt_token_ids: prompt.clone(),
                 params: p,
                 lora: None,
+                cache_salt: None,
             })
             .unwrap()
             .wait()

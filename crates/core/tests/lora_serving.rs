@@ -47,6 +47,7 @@ fn submit(h: &EngineHandle, prompt: &[u32], n: usize, lora: Option<&str>) -> Out
         prompt_token_ids: prompt.to_vec(),
         params: p,
         lora: lora.map(str::to_owned),
+        cache_salt: None,
     })
     .unwrap()
 }
@@ -166,6 +167,7 @@ fn adapters_load_and_unload_while_requests_run() {
             prompt_token_ids: vec![1, 2],
             params: p,
             lora: Some("qv".into()),
+            cache_salt: None,
         })
         .err()
         .unwrap();
@@ -198,6 +200,7 @@ fn adapters_off_or_misconfigured_are_clear_errors() {
             prompt_token_ids: vec![1, 2],
             params: SamplingParams::greedy(2),
             lora: Some("qv".into()),
+            cache_salt: None,
         })
         .err()
         .unwrap();

@@ -25,6 +25,7 @@ fn check_model(name: &str) {
                 prompt_token_ids: c.prompt.clone(),
                 params: p,
                 lora: None,
+                cache_salt: None,
             })
             .expect("submit")
         })

@@ -34,6 +34,7 @@ fn prefill(h: &EngineHandle, len: usize, salt: usize) -> Result<f64> {
         prompt_token_ids: prompt(len, salt, vocab),
         params: params(1),
         lora: None,
+        cache_salt: None,
     })?
     .wait()?;
     Ok(t.elapsed().as_secs_f64())
@@ -54,6 +55,7 @@ fn decode(
             prompt_token_ids: prompt(prompt_len, salt * 1000 + b, vocab),
             params: params(out_len),
             lora: None,
+            cache_salt: None,
         })?);
     }
     let mut first = Vec::new();

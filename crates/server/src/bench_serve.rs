@@ -2,6 +2,8 @@
 //! OpenAI-compatible server. Sends `--num-prompts` streamed completions of random token ids
 //! (fixed input and output lengths, `ignore_eos`) with at most `--max-concurrency` in flight and
 //! Poisson arrivals at `--request-rate`, then prints throughput and TTFT / TPOT / ITL statistics.
+//! `--dataset-name prefix_repetition` sends prompts sharing a few long prefixes instead (vLLM's
+//! dataset of that name) and reports the prompt tokens the server found in its prefix cache.
 //! It speaks plain HTTP/1.1 over TCP itself (no TLS), which is all a benchmark on a local network
 //! needs.
 
@@ -23,7 +25,41 @@ struct Sample {
     e2e: f64,
     itl: Vec<f64>,
     output_tokens: usize,
+    /// `usage.prompt_tokens_details.cached_tokens` of the final chunk.
+    cached_tokens: usize,
     error: Option<String>,
+}
+
+/// The benchmark's prompts and output length, per `--dataset-name`.
+fn dataset(args: &BenchServeArgs, rng: &mut SeqRng) -> (Vec<Vec<u32>>, usize) {
+    let span = args.token_id_max.saturating_sub(args.token_id_min).max(1);
+    let mut random = |len: usize| -> Vec<u32> {
+        (0..len)
+            .map(|_| args.token_id_min + (rng.next_u64() % span as u64) as u32)
+            .collect()
+    };
+    if args.dataset_name != "prefix_repetition" {
+        let prompts = (0..args.num_prompts)
+            .map(|_| random(args.random_input_len))
+            .collect();
+        return (prompts, args.random_output_len);
+    }
+    let k = args.prefix_repetition_num_prefixes.max(1);
+    let prefixes: Vec<Vec<u32>> = (0..k)
+        .map(|_| random(args.prefix_repetition_prefix_len))
+        .collect();
+    let mut prompts: Vec<Vec<u32>> = (0..args.num_prompts)
+        .map(|i| {
+            let mut p = prefixes[i % k].clone();
+            p.extend(random(args.prefix_repetition_suffix_len));
+            p
+        })
+        .collect();
+    for i in (1..prompts.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        prompts.swap(i, j);
+    }
+    (prompts, args.prefix_repetition_output_len)
 }
 
 fn split_url(base: &str) -> Result<(String, String)> {
@@ -162,6 +198,9 @@ async fn one_request(host: &str, path: &str, auth: Option<&str>, body: &Value) -
                 .and_then(Value::as_u64)
             {
                 usage_tokens = Some(u as usize);
+                s.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0) as usize;
             }
             let has_text = v["choices"]
                 .get(0)
@@ -206,24 +245,25 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
 }
 
 async fn run_async(args: BenchServeArgs) -> Result<()> {
-    if args.num_prompts == 0
-        || args.max_concurrency == 0
-        || args.random_input_len == 0
-        || args.random_output_len == 0
-    {
-        bail!("--num-prompts, --max-concurrency and the lengths must be positive");
+    let lengths = if args.dataset_name == "prefix_repetition" {
+        [
+            args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len,
+            args.prefix_repetition_output_len,
+            args.prefix_repetition_num_prefixes,
+        ]
+    } else {
+        [args.random_input_len, args.random_output_len, 1]
+    };
+    if args.num_prompts == 0 || args.max_concurrency == 0 || lengths.contains(&0) {
+        bail!(
+            "--num-prompts, --max-concurrency, the lengths and the prefix count must be positive"
+        );
     }
     let (host, base_path) = split_url(&args.base_url)?;
     let path = format!("{base_path}/completions");
     let mut rng = SeqRng::new(args.seed);
-    let span = args.token_id_max.saturating_sub(args.token_id_min).max(1);
-    let prompts: Vec<Vec<u32>> = (0..args.num_prompts)
-        .map(|_| {
-            (0..args.random_input_len)
-                .map(|_| args.token_id_min + (rng.next_u64() % span as u64) as u32)
-                .collect()
-        })
-        .collect();
+    let (prompts, output_len) = dataset(&args, &mut rng);
+    let input_len = lengths[0];
     let sem = Arc::new(Semaphore::new(args.max_concurrency));
     let auth: Option<Arc<str>> = args.api_key.as_deref().map(Arc::from);
     let start = Instant::now();
@@ -239,7 +279,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
                 0 => args.model.as_str(),
                 k => args.lora_modules[i % k].as_str(),
             },
-            "prompt": p, "max_tokens": args.random_output_len, "ignore_eos": true,
+            "prompt": p, "max_tokens": output_len, "ignore_eos": true,
             "temperature": 0.0, "stream": true, "stream_options": {"include_usage": true},
         });
         let (host, path, auth) = (host.clone(), path.clone(), auth.clone());
@@ -263,7 +303,8 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         eprintln!("first error: {e}");
     }
     let out_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
-    let in_tokens = ok.len() * args.random_input_len;
+    let in_tokens = ok.len() * input_len;
+    let cached_tokens: usize = ok.iter().map(|s| s.cached_tokens).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|s| s.ttft).collect();
     let mut tpot: Vec<f64> = ok
         .iter()
@@ -274,7 +315,9 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     let (t, tp, i) = (stats(&mut ttft), stats(&mut tpot), stats(&mut itl));
     let report = json!({
         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-        "input_len": args.random_input_len, "output_len": args.random_output_len,
+        "dataset": args.dataset_name, "input_len": input_len, "output_len": output_len,
+        "cached_prompt_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens as f64 / in_tokens.max(1) as f64,
         "successful": ok.len(), "failed": failed, "duration_s": dur,
         "request_throughput": ok.len() as f64 / dur, "output_throughput": out_tokens as f64 / dur,
         "total_token_throughput": (out_tokens + in_tokens) as f64 / dur,
@@ -294,6 +337,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         );
         println!("{:<40}{:>10.2}", "Benchmark duration (s):", dur);
         println!("{:<40}{:>10}", "Total input tokens:", in_tokens);
+        println!("{:<40}{:>10}", "Cached prompt tokens:", cached_tokens);
         println!("{:<40}{:>10}", "Total generated tokens:", out_tokens);
         println!(
             "{:<40}{:>10.2}",

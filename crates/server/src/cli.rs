@@ -113,6 +113,13 @@ pub struct EngineArgs {
     /// issued while the current one runs).
     #[arg(long)]
     pub no_async_scheduling: bool,
+    /// Keep computed KV blocks by content and start each request from the longest cached prefix
+    /// of its prompt (on by default; vLLM's flag).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Compute every prompt in full: no prefix cache.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
     /// Quantize the decoder's projections while loading: q8_0, q4_0, q4k or q6k (GGML blocks;
     /// rows that do not fit a format's blocks fall back per tensor, as llama.cpp does) or fp8
     /// (E4M3, a scale per output channel; FP8 tensor cores on Hopper). The embeddings and
@@ -285,6 +292,19 @@ pub struct BenchServeArgs {
     pub random_input_len: usize,
     #[arg(long, default_value_t = 128)]
     pub random_output_len: usize,
+    /// `random` (fixed-length random prompts) or `prefix_repetition` (vLLM's shared-prefix set:
+    /// each prompt is one of `--prefix-repetition-num-prefixes` random prefixes followed by a
+    /// random suffix of its own, in shuffled order).
+    #[arg(long, default_value = "random", value_parser = ["random", "prefix_repetition"])]
+    pub dataset_name: String,
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_prefix_len: usize,
+    #[arg(long, default_value_t = 256)]
+    pub prefix_repetition_suffix_len: usize,
+    #[arg(long, default_value_t = 10)]
+    pub prefix_repetition_num_prefixes: usize,
+    #[arg(long, default_value_t = 128)]
+    pub prefix_repetition_output_len: usize,
     /// Requests per second (Poisson arrivals); all at once when omitted.
     #[arg(long)]
     pub request_rate: Option<f64>,

@@ -53,6 +53,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.kv_cache_dtype = args.kv_cache_dtype;
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
+    cfg.enable_prefix_caching = !args.no_enable_prefix_caching;
     cfg.isq = match (args.isq, args.quantization) {
         (Some(a), Some(b)) if a != b => {
             anyhow::bail!("--isq {a} and --quantization {b} disagree; give one")
@@ -103,6 +104,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         prompt_token_ids: prompt_ids,
         params,
         lora: None,
+        cache_salt: None,
     })?;
     let mut stdout = std::io::stdout();
     while let Some(delta) = stream.blocking_next() {

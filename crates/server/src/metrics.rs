@@ -184,6 +184,22 @@ impl Metrics {
             "Cumulative number of preemptions.",
             preempt.load(Ordering::Relaxed),
         );
+        let (queries, hits) = match stats {
+            Some(s) => (&s.prefix_cache_queries, &s.prefix_cache_hits),
+            None => (&z, &z),
+        };
+        counter(
+            &mut out,
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            queries.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            hits.load(Ordering::Relaxed),
+        );
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of finished requests by finish reason.\n# TYPE vllm:request_success_total counter");
         for (reason, c) in [("stop", stop), ("length", length), ("abort", abort)] {
             let _ = writeln!(

@@ -66,7 +66,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None, enable_prefix_caching = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -92,6 +92,7 @@ impl PyEngine {
         max_loras: usize,
         max_lora_rank: usize,
         max_cpu_loras: Option<usize>,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -110,6 +111,7 @@ impl PyEngine {
         cfg.chat_template = chat_template;
         cfg.enforce_eager = enforce_eager;
         cfg.async_scheduling = async_scheduling;
+        cfg.enable_prefix_caching = enable_prefix_caching;
         cfg.isq = match isq {
             Some(s) => Some(
                 s.parse::<rserve_core::quant::IsqFormat>()
@@ -220,6 +222,13 @@ impl PyEngine {
     }
 
     /// Unregisters LoRA adapter `name` (requests using it finish with it).
+    /// Forgets every cached prefix block; the number of blocks that were cached.
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
+        let h = self.handle.clone();
+        py.detach(move || h.reset_prefix_cache())
+            .map_err(engine_err)
+    }
+
     fn unload_lora(&self, name: &str) -> PyResult<u32> {
         self.handle
             .unload_lora(name)
@@ -264,6 +273,7 @@ impl PyEngine {
                 prompt_token_ids: ids,
                 params,
                 lora,
+                cache_salt: None,
             })
             .map_err(engine_err)?;
         Ok(PyRequestStream {

@@ -169,6 +169,7 @@ impl Engine {
             num_blocks,
             max_prompt_logprob_rows: prompt_logprob_rows_for(mc.vocab_size),
             max_loras: cfg.lora.map_or(usize::MAX, |l| l.max_loras),
+            enable_prefix_caching: cfg.enable_prefix_caching,
         };
         let lora = match (cfg.lora, &loaded.lora) {
             (Some(opts), Some(slots)) => {
@@ -253,12 +254,14 @@ impl Engine {
                 slots,
             }),
         };
+        let preload: Vec<String> = cfg.lora_modules.iter().map(|(n, _)| n.clone()).collect();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("rserve-engine".into())
             .spawn(move || {
                 let mut engine = engine;
+                engine.preload_adapters(&preload);
                 // graphs are captured and launched on the engine thread's stream
                 engine.capture_graphs();
                 let _ = ready_tx.send(());
@@ -335,6 +338,13 @@ impl Engine {
             .store(self.scheduler.num_waiting(), Ordering::Relaxed);
         let usage = (self.scheduler.kv().usage() * 1e6) as u64;
         self.stats.kv_usage_ppm.store(usage, Ordering::Relaxed);
+        let prefix = self.scheduler.prefix_cache_counts();
+        self.stats
+            .prefix_cache_queries
+            .store(prefix.queries, Ordering::Relaxed);
+        self.stats
+            .prefix_cache_hits
+            .store(prefix.hits, Ordering::Relaxed);
         if let Some(dev) = &self.adapters {
             let (running, waiting) = self.scheduler.adapter_names();
             if let Ok(mut l) = self.stats.lora.lock() {
@@ -360,6 +370,11 @@ impl Engine {
             Command::Shutdown => return false,
             Command::Check(reply) => {
                 let _ = reply.send(self.scheduler.check_integrity());
+            }
+            Command::ResetPrefixCache(reply) => {
+                let n = self.scheduler.reset_prefix_cache();
+                tracing::info!("prefix cache reset: {n} cached blocks forgotten");
+                let _ = reply.send(n);
             }
         }
         true

@@ -71,6 +71,7 @@ impl Requests {
         lora: Option<ResolvedLora>,
     ) -> &RequestState {
         let p = req.params;
+        let cache_salt = req.cache_salt;
         let prompt_len = req.prompt_token_ids.len();
         let max_tokens = p
             .max_tokens
@@ -88,6 +89,7 @@ impl Requests {
         let state = RequestState {
             meta: Arc::new(RequestMeta {
                 adapter: lora,
+                cache_salt,
                 ..RequestMeta::of(&p)
             }),
             prompt_logprobs_done: usize::from(p.prompt_logprobs.is_some()),

@@ -74,7 +74,12 @@ impl Engine {
                 if !st.queued {
                     st.queued = true;
                     let waited = now.duration_since(st.arrival).as_secs_f64();
-                    self.output.queue_time(rid, waited);
+                    let cached = self
+                        .scheduler
+                        .seq(s.seq_id)
+                        .and_then(|q| q.num_cached_tokens)
+                        .unwrap_or(0);
+                    self.output.first_step(rid, waited, cached);
                 }
             }
         }
@@ -145,6 +150,47 @@ impl Engine {
             dev.slots.write(*slot, adapter)?;
         }
         Ok(Some(placement.slot_of))
+    }
+
+    /// Writes the first of `names` into free device slots (at start every slot is free, and at
+    /// most that many are taken), so their first requests find them resident. An adapter that
+    /// does not resolve or write is logged and left to its first request, which reports it.
+    pub(super) fn preload_adapters(&mut self, names: &[String]) {
+        let (Some(dev), Some(registry)) = (self.adapters.as_mut(), self.info.lora.as_ref()) else {
+            return;
+        };
+        let started = std::time::Instant::now();
+        let mut written = 0;
+        for name in names.iter().take(dev.table.resident().len()) {
+            let resolved = match registry.resolve(name) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("LoRA adapter `{name}` not preloaded: {e}");
+                    continue;
+                }
+            };
+            let placement = match dev.table.assign(&[resolved.id]) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("LoRA adapter `{name}` not preloaded: {e}");
+                    continue;
+                }
+            };
+            for (slot, _) in placement.writes {
+                if let Err(e) = dev.slots.write(slot, Some(&resolved.adapter)) {
+                    tracing::warn!("LoRA adapter `{name}` not preloaded: {e}");
+                    dev.table.evict(resolved.id);
+                } else {
+                    written += 1;
+                }
+            }
+        }
+        if written > 0 {
+            tracing::info!(
+                "LoRA: {written} adapters written into device slots in {:.0} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
     }
 
     /// Samples a step's rows and accepts the tokens (or, planning ahead, leaves them in flight).

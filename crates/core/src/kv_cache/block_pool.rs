@@ -1,11 +1,33 @@
-//! A fixed arena of KV blocks with reference counts and an index-linked free list.
+//! A fixed arena of KV blocks with reference counts, an index-linked free list and the prefix
+//! cache's index.
 //!
 //! Owns: which blocks are free, in which order they are handed out (FIFO: the block freed first is
-//! reused first), and each block's reference count. Does not own: which sequence holds which block
-//! (see `manager`). Invariants: a block is on the free list iff its reference count is 0; the list
-//! links are consistent; `num_free` equals the list length.
+//! reused first), each block's reference count, and which full blocks hold known content (a
+//! [`BlockHash`] -> block map). A hashed block whose last holder lets go stays hashed on the free
+//! list: a later request with the same content revives it ([`BlockPool::touch`]); one taken off
+//! the head for new content loses its hash (eviction, least recently freed first). Does not own:
+//! which sequence holds which block (see `manager`). Invariants: a block is on the free list iff
+//! its reference count is 0; the list links are consistent; `num_free` equals the list length;
+//! the map and the blocks' hashes agree (each hashed block is the map's entry for its hash).
 
+use std::collections::HashMap;
 use std::fmt;
+
+/// The content of a full block: SHA-256 over its parent block's hash, its token ids and, for a
+/// sequence's first block, the request's extra keys (see `crate::kv_cache::hashing`). Two
+/// different contents with one hash would need a SHA-256 collision (2^128 work by the birthday
+/// bound), so a hit is taken without comparing tokens, as vLLM's sha256 mode does.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash(pub [u8; 32]);
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &self.0[..6] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
 
 /// Index of a block in the cache tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -24,6 +46,7 @@ struct Block {
     ref_count: u32,
     prev_free: u32,
     next_free: u32,
+    hash: Option<BlockHash>,
 }
 
 /// Misuse of the pool: always a bug in the caller, reported instead of corrupting state.
@@ -42,6 +65,7 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: usize,
+    cached: HashMap<BlockHash, u32>,
 }
 
 impl BlockPool {
@@ -53,6 +77,7 @@ impl BlockPool {
                 ref_count: 0,
                 prev_free: if i == 0 { NIL } else { i - 1 },
                 next_free: if i + 1 == n { NIL } else { i + 1 },
+                hash: None,
             })
             .collect();
         Self {
@@ -60,6 +85,7 @@ impl BlockPool {
             head: if n == 0 { NIL } else { 0 },
             tail: if n == 0 { NIL } else { n - 1 },
             num_free: n as usize,
+            cached: HashMap::new(),
         }
     }
 
@@ -81,6 +107,12 @@ impl BlockPool {
 
     pub fn ref_count(&self, id: BlockId) -> u32 {
         self.blocks.get(id.0 as usize).map_or(0, |b| b.ref_count)
+    }
+
+    fn block_mut(&mut self, id: BlockId) -> Result<&mut Block, PoolError> {
+        self.blocks
+            .get_mut(id.0 as usize)
+            .ok_or(PoolError::OutOfRange(id))
     }
 
     fn unlink(&mut self, i: u32) {
@@ -121,6 +153,7 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks from the head of the free list, each with reference count 1; all or none.
+    /// A cached block taken this way is evicted (its hash forgotten).
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
         if n > self.num_free {
             return None;
@@ -129,18 +162,73 @@ impl BlockPool {
         for _ in 0..n {
             let i = self.head;
             self.unlink(i);
-            self.blocks[i as usize].ref_count = 1;
+            let b = &mut self.blocks[i as usize];
+            b.ref_count = 1;
+            if let Some(h) = b.hash.take() {
+                self.cached.remove(&h);
+            }
             out.push(BlockId(i));
         }
         Some(out)
     }
 
+    /// The block holding the content `hash`, in use or free.
+    pub fn cached_block(&self, hash: &BlockHash) -> Option<BlockId> {
+        self.cached.get(hash).map(|&i| BlockId(i))
+    }
+
+    /// The hash of a block's content, if it is cached.
+    pub fn hash_of(&self, id: BlockId) -> Option<BlockHash> {
+        self.blocks.get(id.0 as usize).and_then(|b| b.hash)
+    }
+
+    /// Blocks with a known content (in use or free).
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Adds a holder to a cached block, taking it off the free list if it had none (a prefix hit
+    /// revives it); an allocated block gains a reference as with [`BlockPool::incref`].
+    pub fn touch(&mut self, id: BlockId) -> Result<(), PoolError> {
+        let b = self.block_mut(id)?;
+        if b.ref_count == 0 {
+            if b.hash.is_none() {
+                return Err(PoolError::NotAllocated(id));
+            }
+            self.unlink(id.0);
+        }
+        self.blocks[id.0 as usize].ref_count += 1;
+        Ok(())
+    }
+
+    /// Records that an allocated, full block holds the content `hash`. Returns false and changes
+    /// nothing when another block already holds that content (the block stays private) or the
+    /// block is already hashed.
+    pub fn set_hash(&mut self, id: BlockId, hash: BlockHash) -> Result<bool, PoolError> {
+        let taken = self.cached.contains_key(&hash);
+        let b = self.block_mut(id)?;
+        if b.ref_count == 0 {
+            return Err(PoolError::NotAllocated(id));
+        }
+        if b.hash.is_some() || taken {
+            return Ok(false);
+        }
+        b.hash = Some(hash);
+        self.cached.insert(hash, id.0);
+        Ok(true)
+    }
+
+    /// Forgets every block's content (blocks in use stay in use); returns how many were cached.
+    pub fn reset_cache(&mut self) -> usize {
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        std::mem::take(&mut self.cached).len()
+    }
+
     /// Adds a reference to an allocated block (sharing between sequences).
     pub fn incref(&mut self, id: BlockId) -> Result<(), PoolError> {
-        let b = self
-            .blocks
-            .get_mut(id.0 as usize)
-            .ok_or(PoolError::OutOfRange(id))?;
+        let b = self.block_mut(id)?;
         if b.ref_count == 0 {
             return Err(PoolError::NotAllocated(id));
         }
@@ -150,10 +238,7 @@ impl BlockPool {
 
     /// Drops a reference; the block returns to the tail of the free list when none remain.
     pub fn free(&mut self, id: BlockId) -> Result<(), PoolError> {
-        let b = self
-            .blocks
-            .get_mut(id.0 as usize)
-            .ok_or(PoolError::OutOfRange(id))?;
+        let b = self.block_mut(id)?;
         if b.ref_count == 0 {
             return Err(PoolError::NotAllocated(id));
         }
@@ -212,6 +297,18 @@ impl BlockPool {
                     b.ref_count, on_list[i]
                 ));
             }
+            if let Some(h) = b.hash {
+                if self.cached.get(&h) != Some(&id.0) {
+                    errs.push(format!("block {id}: hash {h:?} not mapped to it"));
+                }
+            }
+        }
+        for (h, &i) in &self.cached {
+            if self.blocks.get(i as usize).and_then(|b| b.hash) != Some(*h) {
+                errs.push(format!(
+                    "cached hash {h:?} maps to block {i}, which lacks it"
+                ));
+            }
         }
         errs
     }
@@ -220,7 +317,6 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
     fn ids(v: &[u32]) -> Vec<BlockId> {
         v.iter().map(|&i| BlockId(i)).collect()
@@ -264,6 +360,68 @@ mod tests {
         assert_eq!(errs.len(), 1, "{errs:?}");
         held.insert(b[1], 1);
         assert!(p.check_integrity(&held).is_empty());
+    }
+
+    fn h(i: u8) -> BlockHash {
+        BlockHash([i; 32])
+    }
+
+    #[test]
+    fn freed_hashed_blocks_stay_cached_until_taken_for_new_content() {
+        let mut p = BlockPool::new(4);
+        let b = p.allocate(3).unwrap();
+        assert_eq!(p.set_hash(b[0], h(1)), Ok(true));
+        assert_eq!(p.set_hash(b[1], h(2)), Ok(true));
+        // one content, one block: a second block with the same content stays private
+        assert_eq!(p.set_hash(b[2], h(1)), Ok(false));
+        assert_eq!(p.set_hash(b[0], h(3)), Ok(false), "already hashed");
+        for &x in b.iter().rev() {
+            p.free(x).unwrap();
+        }
+        assert_eq!(p.free_list(), ids(&[3, 2, 1, 0]));
+        assert_eq!(p.cached_block(&h(1)), Some(b[0]));
+        assert_eq!(p.num_cached(), 2);
+        // a hit revives block 0 from the middle of the free list
+        p.touch(b[0]).unwrap();
+        assert_eq!(p.ref_count(b[0]), 1);
+        assert_eq!(p.free_list(), ids(&[3, 2, 1]));
+        // new content takes the head first: the never-hashed 3 and 2, then evicts 1
+        assert_eq!(p.allocate(3), Some(ids(&[3, 2, 1])));
+        assert_eq!(p.cached_block(&h(2)), None);
+        assert_eq!(p.hash_of(b[1]), None);
+        assert_eq!(p.cached_block(&h(1)), Some(b[0]));
+        let held: HashMap<BlockId, u32> = ids(&[0, 1, 2, 3]).into_iter().map(|i| (i, 1)).collect();
+        assert!(
+            p.check_integrity(&held).is_empty(),
+            "{:?}",
+            p.check_integrity(&held)
+        );
+        // touching an allocated block adds a reference; a free block without content is an error
+        p.touch(b[0]).unwrap();
+        assert_eq!(p.ref_count(b[0]), 2);
+        p.free(BlockId(3)).unwrap();
+        assert_eq!(
+            p.touch(BlockId(3)),
+            Err(PoolError::NotAllocated(BlockId(3)))
+        );
+        assert_eq!(
+            p.set_hash(BlockId(3), h(9)),
+            Err(PoolError::NotAllocated(BlockId(3)))
+        );
+    }
+
+    #[test]
+    fn a_reset_forgets_every_content() {
+        let mut p = BlockPool::new(2);
+        let b = p.allocate(2).unwrap();
+        p.set_hash(b[0], h(1)).unwrap();
+        p.set_hash(b[1], h(2)).unwrap();
+        p.free(b[1]).unwrap();
+        assert_eq!(p.reset_cache(), 2);
+        assert_eq!((p.cached_block(&h(1)), p.num_cached()), (None, 0));
+        let held: HashMap<BlockId, u32> = [(b[0], 1)].into_iter().collect();
+        assert!(p.check_integrity(&held).is_empty());
+        assert_eq!(p.touch(b[1]), Err(PoolError::NotAllocated(b[1])));
     }
 
     #[test]

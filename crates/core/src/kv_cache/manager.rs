@@ -5,8 +5,14 @@
 //! returned as `(src, dst)` pairs for the model runner to apply before the forward pass.
 //! Invariants: every block in a table holds one reference per table that lists it; a failed
 //! allocation changes nothing.
+//!
+//! Prefix caching: a sequence's computed full blocks are registered with their content hashes
+//! ([`KvCacheManager::cache_full_blocks`]); a new sequence starts its table with the longest run
+//! of cached blocks matching its own hashes ([`KvCacheManager::cached_prefix`],
+//! [`KvCacheManager::adopt_prefix`]) and computes only the rest. A registered block is full and
+//! computed, so no later write (and no copy-on-write) touches it.
 
-use super::block_pool::{BlockId, BlockPool};
+use super::block_pool::{BlockHash, BlockId, BlockPool, PoolError};
 use crate::sequence::SeqId;
 use std::collections::HashMap;
 
@@ -24,6 +30,8 @@ pub struct KvCacheManager {
     block_size: usize,
     pool: BlockPool,
     tables: HashMap<SeqId, Vec<BlockId>>,
+    /// How many leading blocks of each table were offered to the prefix cache.
+    hashed: HashMap<SeqId, usize>,
 }
 
 impl KvCacheManager {
@@ -32,7 +40,54 @@ impl KvCacheManager {
             block_size: block_size.max(1),
             pool: BlockPool::new(num_blocks),
             tables: HashMap::new(),
+            hashed: HashMap::new(),
         }
+    }
+
+    /// The longest run of cached blocks holding the contents `hashes`, from the first.
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        hashes
+            .iter()
+            .map_while(|h| self.pool.cached_block(h))
+            .collect()
+    }
+
+    /// Starts the table of `seq` with `prefix` (blocks from [`Self::cached_prefix`]): one more
+    /// reference each, free ones taken off the free list. A table `seq` held is released first.
+    /// All or nothing.
+    pub fn adopt_prefix(&mut self, seq: SeqId, prefix: &[BlockId]) -> Result<(), PoolError> {
+        self.free(seq);
+        for (i, &b) in prefix.iter().enumerate() {
+            if let Err(e) = self.pool.touch(b) {
+                self.release(prefix[..i].to_vec());
+                return Err(e);
+            }
+        }
+        self.tables.insert(seq, prefix.to_vec());
+        self.hashed.insert(seq, prefix.len());
+        Ok(())
+    }
+
+    /// Registers the contents of the first `num_full` blocks of `seq` (full and computed),
+    /// `hashes[i]` for block `i`; blocks offered before are skipped. A block whose content another
+    /// block already holds stays private.
+    pub fn cache_full_blocks(&mut self, seq: SeqId, hashes: &[BlockHash], num_full: usize) {
+        let Some(table) = self.tables.get(&seq) else {
+            return;
+        };
+        let done = self.hashed.entry(seq).or_default();
+        let end = num_full.min(hashes.len()).min(table.len());
+        for i in *done..end {
+            // a block in a live table is allocated, so this cannot fail
+            let _ = self.pool.set_hash(table[i], hashes[i]);
+        }
+        *done = (*done).max(end);
+    }
+
+    /// Forgets every cached content (blocks in use stay with their sequences); returns how many
+    /// blocks were cached.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.pool.reset_cache()
     }
 
     pub fn block_size(&self) -> usize {
@@ -121,10 +176,14 @@ impl KvCacheManager {
         if let Some(old) = self.tables.insert(child, table) {
             self.release(old);
         }
+        let hashed = self.hashed.get(&parent).copied().unwrap_or(0);
+        self.hashed.insert(child, hashed);
     }
 
-    /// Releases every block of `seq` (tail first, so the last-written blocks are reused last).
+    /// Releases every block of `seq`, tail first: the free list's order is the eviction order,
+    /// so a prefix's deeper blocks (shared by fewer requests) are evicted before its first ones.
     pub fn free(&mut self, seq: SeqId) {
+        self.hashed.remove(&seq);
         if let Some(table) = self.tables.remove(&seq) {
             self.release(table);
         }
@@ -227,6 +286,101 @@ mod tests {
             m.allocate_slots(SeqId(2), 6, 1),
             Err(NoFreeBlocks { needed: 1, free: 0 })
         );
+        assert!(m.check_integrity().is_empty());
+    }
+
+    fn hashes(n: u8) -> Vec<BlockHash> {
+        (1..=n).map(|i| BlockHash([i; 32])).collect()
+    }
+
+    #[test]
+    fn computed_blocks_are_found_by_content_and_shared() {
+        let mut m = KvCacheManager::new(8, 4);
+        let (s1, s2, s3) = (SeqId(1), SeqId(2), SeqId(3));
+        let h = hashes(3);
+        m.allocate_slots(s1, 0, 10).unwrap(); // blocks 0, 1 full, 2 partial
+        m.cache_full_blocks(s1, &h[..2], 2);
+        assert_eq!(m.cached_prefix(&h), b(&[0, 1]));
+        // a second sequence with the same first block and a different second one
+        let other = [h[0], BlockHash([9; 32])];
+        let hit = m.cached_prefix(&other);
+        assert_eq!(hit, b(&[0]));
+        m.adopt_prefix(s2, &hit).unwrap();
+        assert_eq!(m.allocate_slots(s2, 4, 5), Ok(vec![]));
+        assert_eq!(m.block_table(s2), b(&[0, 3, 4]).as_slice());
+        assert_eq!(m.pool().ref_count(BlockId(0)), 2);
+        assert!(m.check_integrity().is_empty());
+        // both end: the blocks stay cached on the free list, tail blocks first in line
+        m.free(s1);
+        m.free(s2);
+        assert_eq!(m.num_free_blocks(), 8);
+        assert_eq!(m.pool().free_list(), b(&[5, 6, 7, 2, 1, 4, 3, 0]));
+        // a third sequence revives both cached blocks and computes the rest
+        let hit = m.cached_prefix(&h);
+        assert_eq!(hit, b(&[0, 1]));
+        m.adopt_prefix(s3, &hit).unwrap();
+        assert_eq!(m.allocate_slots(s3, 8, 4), Ok(vec![]));
+        assert_eq!(m.block_table(s3), b(&[0, 1, 5]).as_slice());
+        assert_eq!(m.pool().free_list(), b(&[6, 7, 2, 4, 3]));
+        assert!(m.check_integrity().is_empty());
+    }
+
+    #[test]
+    fn new_content_evicts_the_least_recently_freed_cached_blocks() {
+        let mut m = KvCacheManager::new(4, 2);
+        let h = hashes(4);
+        m.allocate_slots(SeqId(1), 0, 8).unwrap();
+        m.cache_full_blocks(SeqId(1), &h, 4);
+        m.free(SeqId(1));
+        assert_eq!(m.pool().free_list(), b(&[3, 2, 1, 0]));
+        // two blocks of new content take 3 and 2: the prefix's first two blocks survive
+        m.allocate_slots(SeqId(2), 0, 4).unwrap();
+        assert_eq!(m.cached_prefix(&h), b(&[0, 1]));
+        assert_eq!(m.pool().num_cached(), 2);
+        assert!(m.check_integrity().is_empty());
+    }
+
+    #[test]
+    fn an_adopted_prefix_is_given_back_when_the_rest_does_not_fit() {
+        let mut m = KvCacheManager::new(3, 2);
+        let h = hashes(1);
+        m.allocate_slots(SeqId(1), 0, 2).unwrap();
+        m.cache_full_blocks(SeqId(1), &h, 1);
+        m.free(SeqId(1));
+        let hit = m.cached_prefix(&h);
+        m.adopt_prefix(SeqId(2), &hit).unwrap();
+        assert_eq!(m.num_free_blocks(), 2);
+        assert!(m.allocate_slots(SeqId(2), 2, 6).is_err());
+        m.free(SeqId(2));
+        assert_eq!(m.num_free_blocks(), 3);
+        assert_eq!(m.cached_prefix(&h), b(&[0]), "still cached");
+        assert!(m.check_integrity().is_empty());
+        // a stale block id (evicted meanwhile) is refused with nothing changed
+        m.allocate_slots(SeqId(3), 0, 6).unwrap();
+        assert_eq!(
+            m.adopt_prefix(SeqId(4), &[BlockId(1), BlockId(7)]),
+            Err(PoolError::OutOfRange(BlockId(7)))
+        );
+        assert!(m.block_table(SeqId(4)).is_empty());
+        assert!(m.check_integrity().is_empty());
+    }
+
+    #[test]
+    fn duplicates_stay_private_and_a_reset_forgets_contents() {
+        let mut m = KvCacheManager::new(4, 2);
+        let h = hashes(1);
+        // two sequences computed the same block side by side: the first one's is cached
+        m.allocate_slots(SeqId(1), 0, 2).unwrap();
+        m.allocate_slots(SeqId(2), 0, 2).unwrap();
+        m.cache_full_blocks(SeqId(1), &h, 1);
+        m.cache_full_blocks(SeqId(2), &h, 1);
+        assert_eq!(m.cached_prefix(&h), b(&[0]));
+        assert_eq!(m.pool().hash_of(BlockId(1)), None);
+        // forks inherit what was offered: nothing is registered twice
+        m.fork(SeqId(1), SeqId(3));
+        m.cache_full_blocks(SeqId(3), &h, 1);
+        assert_eq!(m.reset_prefix_cache(), 1);
+        assert!(m.cached_prefix(&h).is_empty());
         assert!(m.check_integrity().is_empty());
     }
 

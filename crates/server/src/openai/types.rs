@@ -86,9 +86,23 @@ pub struct CommonFields {
     pub guided_grammar: Option<Value>,
     #[schema(value_type = Option<Object>)]
     pub structured_outputs: Option<Value>,
+    /// vLLM's prefix-cache salt: requests share cached prompt blocks only with requests of the
+    /// same salt (a non-empty string).
+    pub cache_salt: Option<String>,
 }
 
 impl CommonFields {
+    /// The checked `cache_salt`.
+    pub fn cache_salt(&self) -> Result<Option<String>, crate::openai::error::ApiError> {
+        match &self.cache_salt {
+            Some(s) if s.is_empty() => Err(crate::openai::error::ApiError::bad_request(
+                "cache_salt must be a non-empty string",
+            )
+            .with_param("cache_salt")),
+            other => Ok(other.clone()),
+        }
+    }
+
     /// The fields this server does not serve yet that change the output when present.
     pub fn unserved(&self) -> impl Iterator<Item = &'static str> + '_ {
         [

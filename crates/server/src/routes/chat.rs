@@ -206,6 +206,7 @@ pub async fn chat_completions(
         _ => {}
     }
     validate(&params, &info)?;
+    let cache_salt = req.common.cache_salt()?;
     check_text_fits(TextLen::of_messages(&req.messages), &info, "messages")?;
     let add_gen =
         req.add_generation_prompt.unwrap_or(true) && !req.continue_final_message.unwrap_or(false);
@@ -236,6 +237,7 @@ pub async fn chat_completions(
         prompt_token_ids: prompt_ids,
         params,
         lora: adapter.clone(),
+        cache_salt,
     })?;
     if stream {
         return Ok(sse_response(
@@ -277,7 +279,7 @@ pub async fn chat_completions(
         "created": fmt.created,
         "model": fmt.model,
         "choices": choices,
-        "usage": usage_json(prompt_len, completion),
+        "usage": usage_json(prompt_len, completion, out.num_cached_tokens.unwrap_or(0)),
         "prompt_logprobs": prompt_logprobs,
     }))
     .into_response())

@@ -90,6 +90,7 @@ mod tests {
             ],
             finished: true,
             queue_time: None,
+            num_cached_tokens: None,
         };
         keep_best(&mut out, 2);
         let texts: Vec<&str> = out.outputs.iter().map(|c| c.text.as_str()).collect();

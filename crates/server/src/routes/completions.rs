@@ -149,6 +149,7 @@ pub async fn completions(
         }
     }
     validate(&params, &info)?;
+    let cache_salt = req.common.cache_salt()?;
     check_prompts_fit(&req.prompt, &info)?;
     let work = info.clone();
     let prompt = req.prompt;
@@ -172,6 +173,7 @@ pub async fn completions(
             prompt_token_ids: p,
             params: params.clone(),
             lora: adapter.clone(),
+            cache_salt: cache_salt.clone(),
         });
     }
     let tracked: Vec<(Tracked, usize, usize)> = st
@@ -200,11 +202,12 @@ pub async fn completions(
         return Ok(sse_response(fmt, tracked, include_usage));
     }
     let mut choices = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens) = (0usize, 0usize);
+    let (mut prompt_tokens, mut completion_tokens, mut cached) = (0usize, 0usize, 0usize);
     for (pi, (t, _, _)) in tracked.into_iter().enumerate() {
         prompt_tokens += t.prompt_len;
         let mut out = t.finish().await?;
         completion_tokens += out.num_generated_tokens();
+        cached += out.num_cached_tokens.unwrap_or(0);
         keep_best(&mut out, n);
         let echo_prefix = fmt.echo.get(pi).cloned().flatten();
         let prompt_lps = want_prompt_logprobs.then(|| {
@@ -246,7 +249,7 @@ pub async fn completions(
     }
     Ok(Json(json!({
         "id": fmt.id, "object": "text_completion", "created": fmt.created, "model": fmt.model,
-        "choices": choices, "usage": usage_json(prompt_tokens, completion_tokens),
+        "choices": choices, "usage": usage_json(prompt_tokens, completion_tokens, cached),
     }))
     .into_response())
 }

@@ -225,3 +225,14 @@ pub async fn metrics(State(st): State<Shared>) -> Response {
 pub async fn version() -> Json<Value> {
     Json(json!({ "version": env!("CARGO_PKG_VERSION") }))
 }
+
+/// `POST /reset_prefix_cache`: forgets every cached prefix block (requests in flight keep the
+/// blocks they hold); 200 with the number of blocks forgotten.
+#[utoipa::path(post, path = "/reset_prefix_cache", responses((status = 200, description = "The prefix cache is empty")))]
+pub async fn reset_prefix_cache(State(st): State<Shared>) -> Result<Response, ApiError> {
+    let engine = st.engine()?.clone();
+    let blocks = st
+        .blocking(move || engine.reset_prefix_cache().map_err(ApiError::from))
+        .await?;
+    Ok(Json(json!({ "reset": true, "cached_blocks": blocks })).into_response())
+}

@@ -369,6 +369,7 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
         .route("/tokenizer_info", get(misc::tokenizer_info))
+        .route("/reset_prefix_cache", post(misc::reset_prefix_cache))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()

@@ -26,6 +26,7 @@ use utoipa::OpenApi;
         super::misc::tokenize,
         super::misc::detokenize,
         super::misc::tokenizer_info,
+        super::misc::reset_prefix_cache,
         super::misc::health,
         super::misc::metrics,
         super::misc::version,

@@ -16,7 +16,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, StreamExt};
-use rserve_core::request::FinishReason;
+use rserve_core::request::{FinishReason, RequestOutput};
 use rserve_core::EngineRequest;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -196,6 +196,29 @@ fn messages(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
+/// A finished response's text, finish and token counts.
+struct Done<'a> {
+    text: &'a str,
+    finish: Option<FinishReason>,
+    input: usize,
+    output: usize,
+    /// Input tokens found in the prefix cache.
+    cached: usize,
+}
+
+impl<'a> Done<'a> {
+    fn of(text: &'a str, out: &RequestOutput, input: usize) -> Self {
+        let c = out.outputs.first();
+        Self {
+            text,
+            finish: c.and_then(|c| c.finish_reason),
+            input,
+            output: out.num_generated_tokens(),
+            cached: out.num_cached_tokens.unwrap_or(0),
+        }
+    }
+}
+
 /// The parts of the response object fixed at the start.
 struct Head {
     id: String,
@@ -213,8 +236,8 @@ impl Head {
         })
     }
 
-    /// The response object; `done`: (text, finish, input tokens, output tokens).
-    fn response(&self, done: Option<(&str, Option<FinishReason>, usize, usize)>) -> Value {
+    /// The response object, final once `done`.
+    fn response(&self, done: Option<Done<'_>>) -> Value {
         let mut r = json!({
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
             "status": "in_progress", "output": [], "error": null, "incomplete_details": null,
@@ -231,7 +254,14 @@ impl Head {
         ] {
             r[k] = self.request.get(k).cloned().unwrap_or(Value::Null);
         }
-        if let Some((text, finish, input, output)) = done {
+        if let Some(Done {
+            text,
+            finish,
+            input,
+            output,
+            cached,
+        }) = done
+        {
             let cut = finish == Some(FinishReason::Length);
             let status = if cut { "incomplete" } else { "completed" };
             r["status"] = json!(status);
@@ -240,7 +270,7 @@ impl Head {
             }
             r["output"] = json!([self.message(text, status)]);
             r["usage"] = json!({
-                "input_tokens": input, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": input, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": input + output,
             });
@@ -293,6 +323,7 @@ pub async fn responses(
         prompt_token_ids: prompt_ids,
         params,
         lora: adapter.clone(),
+        cache_salt: None,
     })?;
     let head = Head {
         id: format!("resp_{}", super::misc::random_id()),
@@ -306,10 +337,8 @@ pub async fn responses(
     }
     let prompt_len = tracked.prompt_len;
     let out = tracked.finish().await?;
-    let c = out.outputs.first();
-    let text = c.map_or("", |c| c.text.as_str());
-    let finish = c.and_then(|c| c.finish_reason);
-    let done = Some((text, finish, prompt_len, out.num_generated_tokens()));
+    let text = out.outputs.first().map_or("", |c| c.text.as_str());
+    let done = Some(Done::of(text, &out, prompt_len));
     Ok(Json(head.response(done)).into_response())
 }
 
@@ -435,11 +464,9 @@ fn finish(ev: &mut Events, p: &Progress, at: &Value, f: Option<FinishReason>) {
         "response.output_item.done",
         json!({"output_index": 0, "item": item}),
     );
-    let out = p.tracked.output();
-    let generated = out.num_generated_tokens();
-    let r = p
-        .head
-        .response(Some((&p.text, f, p.tracked.prompt_len, generated)));
+    let mut done = Done::of(&p.text, p.tracked.output(), p.tracked.prompt_len);
+    done.finish = f;
+    let r = p.head.response(Some(done));
     let kind = if status == "incomplete" {
         "response.incomplete"
     } else {

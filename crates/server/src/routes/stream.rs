@@ -176,8 +176,20 @@ fn data(v: &Value) -> Event {
 }
 
 /// `{"prompt_tokens", "completion_tokens", "total_tokens"}`.
-pub fn usage_json(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `cached` prompt tokens came from the prefix cache.
+pub fn usage_json(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+/// Tokens counted over the requests of one streamed response.
+#[derive(Default)]
+struct StreamCounts {
+    generated: AtomicUsize,
+    cached: AtomicUsize,
 }
 
 fn one_request<F: ChunkFormat>(
@@ -185,12 +197,12 @@ fn one_request<F: ChunkFormat>(
     tracked: Tracked,
     base: usize,
     n: usize,
-    generated: Arc<AtomicUsize>,
+    counts: Arc<StreamCounts>,
 ) -> EventStream {
     let init = (tracked, vec![Progress::default(); n], false);
     let s = stream::unfold(init, move |(mut t, mut prog, opened)| {
         let fmt = fmt.clone();
-        let generated = generated.clone();
+        let counts = counts.clone();
         async move {
             let mut events = Vec::new();
             if !opened {
@@ -215,6 +227,9 @@ fn one_request<F: ChunkFormat>(
                     Some((events, (t, prog, true)))
                 }
                 Some(Ok(delta)) => {
+                    if let Some(c) = delta.num_cached_tokens {
+                        counts.cached.fetch_add(c, Ordering::Relaxed);
+                    }
                     for c in &delta.outputs {
                         let Some(p) = prog.get_mut(c.index) else {
                             continue;
@@ -230,7 +245,7 @@ fn one_request<F: ChunkFormat>(
                         }
                         if finishing {
                             p.finished = true;
-                            generated.fetch_add(p.tokens, Ordering::Relaxed);
+                            counts.generated.fetch_add(p.tokens, Ordering::Relaxed);
                         }
                     }
                     Some((events, (t, prog, true)))
@@ -249,17 +264,21 @@ pub fn sse_response<F: ChunkFormat>(
     include_usage: bool,
 ) -> Response {
     let fmt = Arc::new(fmt);
-    let generated = Arc::new(AtomicUsize::new(0));
+    let counts = Arc::new(StreamCounts::default());
     let prompt_tokens: usize = requests.iter().map(|(t, _, _)| t.prompt_len).sum();
     let streams: Vec<EventStream> = requests
         .into_iter()
-        .map(|(t, base, n)| one_request(fmt.clone(), t, base, n, generated.clone()))
+        .map(|(t, base, n)| one_request(fmt.clone(), t, base, n, counts.clone()))
         .collect();
     let tail_fmt = fmt.clone();
     let tail = stream::once(async move {
         let mut ev = Vec::new();
         if include_usage {
-            let u = usage_json(prompt_tokens, generated.load(Ordering::Relaxed));
+            let u = usage_json(
+                prompt_tokens,
+                counts.generated.load(Ordering::Relaxed),
+                counts.cached.load(Ordering::Relaxed),
+            );
             ev.push(data(&tail_fmt.usage(u)));
         }
         ev.push(Event::default().data("[DONE]"));
