@@ -323,9 +323,10 @@ def hf_generate_tps(model, batch: int, prompt_len: int, new: int) -> float:
     return batch * (new - 1) / max(total - prefill, 1e-9)
 
 
-def bench(a, srv: Server, out: Path, conc: int, prompts: int, inp: int, outp: int) -> dict:
+def bench(a, srv: Server, out: Path, conc: int, prompts: int, inp: int, outp: int,
+          model: str | None = None) -> dict:
     r = subprocess.run(
-        [str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", srv.model_name(),
+        [str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", model or srv.model_name(),
          "--num-prompts", str(prompts), "--max-concurrency", str(conc), "--random-input-len", str(inp),
          "--random-output-len", str(outp), "--json"],
         capture_output=True, text=True, timeout=900,
@@ -446,7 +447,8 @@ def fresh_checkpoint(kind: str, root: Path, keep_model: bool = False):
 
 
 def part_profile(a, out: Path) -> None:
-    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt."""
+    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt.
+    RSERVE_PROFILE_LORA=1: requests use a rank-16 adapter on all seven projections."""
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     kind = a.big.split(",")[0]
     _, path = fresh_checkpoint(kind, Path(a.scratch))
@@ -464,14 +466,19 @@ def part_profile(a, out: Path) -> None:
                   "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
                   "--csv", "--log-file", str(csv_path)]
         extra = shlex.split(os.environ.get("RSERVE_PROFILE_ARGS", ""))  # e.g. --isq q4k
+        model = None
+        if os.environ.get("RSERVE_PROFILE_LORA") == "1":
+            (adapter,) = make_adapters(path, Path(a.scratch) / "adapters", 1)
+            extra += ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a0={adapter}"]
+            model = "a0"
         srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra, prefix=prefix,
                      tag=f"-ncu-{tag}",
                      env={"RSERVE_CUDA_PROFILE_STEPS": f"{start}:{count}"})
         try:
-            r = bench(a, srv, out, conc, prompts, inp, outp)
+            r = bench(a, srv, out, conc, prompts, inp, outp, model)
         finally:
             srv.stop()
-        emit(out, {"part": "profile", "model": kind, "scenario": tag, "args": extra, **ncu_summary(csv_path, count),
+        emit(out, {"part": "profile", "model": kind, "scenario": tag, "args": extra, "request_model": model, **ncu_summary(csv_path, count),
                    "bench_tpot_ms": r.get("tpot_ms"), "bench_ttft_ms": r.get("ttft_ms")})
     shutil.rmtree(path, ignore_errors=True)
 

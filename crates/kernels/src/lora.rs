@@ -180,14 +180,14 @@ fn apply(
     rows: &LoraRows<'_>,
     glu: bool,
 ) -> Result<Tensor> {
-    let (r, k, n) = stack.check(y, x, rows)?;
+    let dims = stack.check(y, x, rows)?;
+    let r = dims.0;
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = x.device() {
         if x.dim(0)? > 0 && r > 0 {
-            return cuda::apply(dev, y, x, stack, rows, glu, (r, k, n));
+            return cuda::apply(dev, y, x, stack, rows, glu, dims);
         }
     }
-    let _ = (k, n);
     let mut slots = match rows.slots {
         Some(s) => s.to_vec1::<u32>()?,
         None => vec![NO_ADAPTER; x.dim(0)?],
