@@ -11,8 +11,9 @@ pub use crate::engine_error::EngineError;
 use crate::loader::GenerationDefaults;
 use crate::lora::{AdapterId, LoraRegistry, ResolvedLora};
 use crate::models::DecoderConfig;
-use crate::request::{EngineRequest, FinishReason, RequestId};
+use crate::request::{EngineRequest, FinishReason, RequestId, SamplingParams};
 use crate::stream::{OutputStream, Sink};
+use crate::structured::{CompiledGrammar, GrammarError};
 use crate::tokenizer::Tokenizer;
 use candle_core::DType;
 use std::path::PathBuf;
@@ -72,6 +73,9 @@ pub struct EngineConfig {
     /// Keep computed KV blocks by content and start requests from the longest cached prefix
     /// (`--enable-prefix-caching`, on by default).
     pub enable_prefix_caching: bool,
+    /// JSON constrained by a schema may hold free whitespace when a request does not say
+    /// (`disable_any_whitespace`); off: compact JSON.
+    pub json_any_whitespace: bool,
 }
 
 impl EngineConfig {
@@ -98,6 +102,7 @@ impl EngineConfig {
             lora: None,
             lora_modules: Vec::new(),
             enable_prefix_caching: true,
+            json_any_whitespace: false,
         }
     }
 }
@@ -124,6 +129,8 @@ pub struct EngineInfo {
     pub device: String,
     /// The LoRA adapters callers can name, when adapters are enabled.
     pub lora: Option<Arc<LoraRegistry>>,
+    /// Compiles requests' structured-output constraints (and keeps them by their text).
+    pub grammars: Arc<crate::structured::Grammars>,
 }
 
 /// Live counters the engine thread publishes after each step.
@@ -147,6 +154,10 @@ pub struct EngineStats {
     /// Prompt tokens looked up in the prefix cache, and those found.
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
+    /// Structured-output token masks computed, and the host time spent on them (microseconds,
+    /// the grammar engine's work plus gathering the rows).
+    pub mask_rows: AtomicU64,
+    pub mask_micros: AtomicU64,
 }
 
 /// Which LoRA adapters requests use now (vLLM's `lora_requests_info`).
@@ -158,6 +169,13 @@ pub struct LoraActivity {
 }
 
 impl EngineStats {
+    /// Counts `rows` structured-output masks computed in `took`.
+    pub fn record_masks(&self, rows: usize, took: std::time::Duration) {
+        self.mask_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.mask_micros
+            .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+    }
+
     pub fn record_finish(&self, r: FinishReason) {
         let c = match r {
             FinishReason::Stop => &self.finished_stop,
@@ -173,6 +191,7 @@ pub(crate) enum Command {
         id: RequestId,
         req: Box<EngineRequest>,
         lora: Option<ResolvedLora>,
+        grammar: Option<crate::structured::CompiledGrammar>,
         sink: Sink,
     },
     Abort(RequestId),
@@ -283,6 +302,7 @@ impl EngineHandle {
             Some(name) => Some(self.resolve_lora(name)?),
             None => None,
         };
+        let grammar = self.compile_grammar(&req.params)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let commands = self.tx.clone();
         let abort = move |id| {
@@ -294,10 +314,32 @@ impl EngineHandle {
                 id,
                 req: Box::new(req),
                 lora,
+                grammar,
                 sink,
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(stream)
+    }
+
+    /// The compiled constraint of a request's `structured_outputs` (from the cache when the same
+    /// text was compiled before); an invalid one is an [`EngineError::InvalidParam`].
+    pub fn compile_grammar(
+        &self,
+        params: &SamplingParams,
+    ) -> Result<Option<CompiledGrammar>, EngineError> {
+        let Some(spec) = &params.structured_outputs else {
+            return Ok(None);
+        };
+        match self.info.grammars.compile(spec) {
+            Ok((g, how)) => {
+                if !how.cached {
+                    tracing::debug!("grammar compiled in {:.1} ms", how.seconds * 1e3);
+                }
+                Ok(Some(g))
+            }
+            Err(GrammarError::Invalid(e)) => Err(e.into()),
+            Err(e @ GrammarError::Unavailable(_)) => Err(EngineError::InvalidRequest(e.to_string())),
+        }
     }
 
     /// Aborts a request; its blocks are freed at the engine's next turn.

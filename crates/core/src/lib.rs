@@ -25,6 +25,7 @@ pub mod scheduler;
 pub mod sequence;
 pub mod stop_strings;
 pub mod stream;
+pub mod structured;
 pub mod tokenizer;
 pub mod weights;
 

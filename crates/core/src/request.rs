@@ -4,6 +4,7 @@
 //! validated once, at the edge, by [`SamplingParams::validate`]; the engine only ever sees valid ones.
 //! This file owns no engine state.
 
+use crate::structured::StructuredOutputs;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -57,6 +58,9 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// Number of top alternatives returned for each prompt position; `None` returns none.
     pub prompt_logprobs: Option<usize>,
+    /// A JSON schema, regex, choice or grammar the output must match.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub structured_outputs: Option<StructuredOutputs>,
 }
 
 /// Largest number of alternatives one may ask for in `logprobs` / `prompt_logprobs`.
@@ -92,6 +96,7 @@ impl Default for SamplingParams {
             skip_special_tokens: true,
             logprobs: None,
             prompt_logprobs: None,
+            structured_outputs: None,
         }
     }
 }
@@ -247,6 +252,9 @@ impl SamplingParams {
                     ));
                 }
             }
+        }
+        if let Some(s) = &self.structured_outputs {
+            s.validate()?;
         }
         Ok(())
     }

@@ -201,3 +201,14 @@ extern "C" __global__ void scatter_tokens(uint32_t* __restrict__ dst,
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) dst[pairs[2 * i]] = src[pairs[2 * i + 1]];
 }
+
+// Structured output: logits[rows[r], t] = -inf wherever bit t of row r's mask is clear.
+// masks: [n, words] u32 (bit t % 32 of word t / 32); grid (ceil(vocab / blockDim), n).
+extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, int vocab,
+                                               const uint32_t* __restrict__ rows,
+                                               const uint32_t* __restrict__ masks, int words) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= vocab) return;
+  const uint32_t bits = masks[(size_t)blockIdx.y * words + (t >> 5)];
+  if (!((bits >> (t & 31)) & 1u)) logits[(size_t)rows[blockIdx.y] * vocab + t] = -INFINITY;
+}

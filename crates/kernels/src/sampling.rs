@@ -123,11 +123,93 @@ pub fn sample_rows(logits: &Tensor, rows: &[RowSampling]) -> Result<Vec<(u32, f3
     sample_rows_async(logits, rows, &mut pool)?.wait(&mut pool)
 }
 
-/// Page-locked host buffers that sampled tokens are copied into, kept for reuse across steps.
+/// Page-locked host buffers that sampled tokens are copied into, kept for reuse across steps
+/// (and the one token bitmasks are staged in on their way to the device).
 #[derive(Default)]
 pub struct ReadbackPool {
     #[cfg(feature = "cuda")]
     free: Vec<cuda::Readback>,
+    #[cfg(feature = "cuda")]
+    staging: Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<u32>>,
+}
+
+/// Structured output's token masks: for each `i`, `logits[rows[i], t] = -inf` wherever bit
+/// `t % 32` of word `t / 32` of mask `i` (`masks[i * words..][..words]`) is clear. In place, on
+/// the logits' device; on a GPU the masks go up through a page-locked buffer of `pool`, so the
+/// host does not wait for the forward pass that is still running.
+pub fn apply_token_bitmask(
+    logits: &Tensor,
+    rows: &[u32],
+    masks: &[u32],
+    words: usize,
+    pool: &mut ReadbackPool,
+) -> Result<()> {
+    let (n, vocab) = logits.dims2()?;
+    if logits.dtype() != candle_core::DType::F32 || !logits.is_contiguous() {
+        candle_core::bail!("apply_token_bitmask: logits must be contiguous f32");
+    }
+    if words < vocab.div_ceil(32) || masks.len() != rows.len() * words {
+        candle_core::bail!(
+            "apply_token_bitmask: {} mask words for {} rows of {words} (vocabulary {vocab})",
+            masks.len(),
+            rows.len()
+        );
+    }
+    if let Some(r) = rows.iter().find(|&&r| r as usize >= n) {
+        candle_core::bail!("apply_token_bitmask: row {r} of {n}");
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let op = Bitmask {
+        rows,
+        masks,
+        words,
+        pool: std::sync::Mutex::new(pool),
+    };
+    logits.inplace_op1(&op)
+}
+
+/// The CPU rule of [`apply_token_bitmask`] on one row (also the reference of the kernel).
+pub fn mask_row(row: &mut [f32], mask: &[u32]) {
+    for (t, x) in row.iter_mut().enumerate() {
+        let allowed = mask.get(t / 32).is_some_and(|w| (w >> (t % 32)) & 1 == 1);
+        if !allowed {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
+struct Bitmask<'a> {
+    rows: &'a [u32],
+    masks: &'a [u32],
+    words: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pool: std::sync::Mutex<&'a mut ReadbackPool>,
+}
+
+impl candle_core::InplaceOp1 for Bitmask<'_> {
+    fn name(&self) -> &'static str {
+        "token-bitmask"
+    }
+
+    fn cpu_fwd(&self, s: &mut candle_core::CpuStorage, l: &candle_core::Layout) -> Result<()> {
+        let vocab = l.dims()[1];
+        let candle_core::CpuStorage::F32(data) = s else {
+            candle_core::bail!("apply_token_bitmask: logits must be f32");
+        };
+        let data = &mut data[l.start_offset()..];
+        for (i, &r) in self.rows.iter().enumerate() {
+            let row = &mut data[r as usize * vocab..][..vocab];
+            mask_row(row, &self.masks[i * self.words..][..self.words]);
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> Result<()> {
+        cuda::bitmask(self, s, l)
+    }
 }
 
 /// Tokens sampled on the device and on their way to the host: the device copy can feed the next
@@ -416,6 +498,60 @@ mod cuda {
                 });
             Ok(())
         }
+    }
+
+    /// Stages rows and masks in the pool's page-locked buffer (waiting only for the copy out of
+    /// it a step before) and masks the rows on the stream.
+    pub(super) fn bitmask(
+        op: &super::Bitmask<'_>,
+        s: &mut CudaStorage,
+        l: &Layout,
+    ) -> Result<()> {
+        let vocab = l.dims()[1];
+        let dev = s.device().clone();
+        let stream = dev.cuda_stream();
+        let n = op.rows.len();
+        let need = n + op.masks.len();
+        let mut pool = op
+            .pool
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("readback pool lock poisoned".into()))?;
+        if pool.staging.as_ref().is_none_or(|b| b.len() < need) {
+            let cap = need.next_power_of_two();
+            // SAFETY: written in full below (the first `need` values) before any copy reads it.
+            pool.staging = Some(unsafe { stream.context().alloc_pinned_with_flags::<u32>(cap, 0) }.w()?);
+        }
+        let Some(staging) = pool.staging.as_mut() else {
+            candle_core::bail!("apply_token_bitmask: no staging buffer");
+        };
+        {
+            let host = staging.as_mut_slice().w()?;
+            host[..n].copy_from_slice(op.rows);
+            host[n..need].copy_from_slice(op.masks);
+        }
+        let mut dev_buf = unsafe { stream.alloc::<u32>(staging.len()) }.w()?;
+        stream.memcpy_htod(&*staging, &mut dev_buf).w()?;
+        let rows = dev_buf.slice(..n);
+        let masks = dev_buf.slice(n..need);
+        let logits = s.as_cuda_slice_mut::<f32>()?;
+        let mut logits = logits.slice_mut(l.start_offset()..);
+        let func = function(&dev, "apply_token_bitmask")?;
+        let mut b = stream.launch_builder(&func);
+        let (vocab_i, words_i) = (vocab as i32, op.words as i32);
+        b.arg(&mut logits)
+            .arg(&vocab_i)
+            .arg(&rows)
+            .arg(&masks)
+            .arg(&words_i);
+        let cfg = LaunchConfig {
+            grid_dim: ((vocab as u32).div_ceil(256), n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches `apply_token_bitmask` in csrc/sampling.cu; every row index was checked
+        // against the logits' rows and each mask has `words >= vocab / 32` words.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
     }
 
     /// `dst[d] = pending token s` for each pair, on the device.

@@ -35,6 +35,7 @@ use crate::sampler::SeqRng;
 use crate::scheduler::{prompt_logprob_rows_for, Scheduler, SchedulerConfig};
 use crate::sequence::Sequence;
 use crate::stream::Sink;
+use crate::structured::CompiledGrammar;
 use candle_core::{DType, Device};
 use in_flight::InFlight;
 pub use kv_sizing::default_batched_tokens;
@@ -196,10 +197,17 @@ impl Engine {
             }
             _ => None,
         };
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let grammars = crate::structured::Grammars::new(
+            tokenizer.clone(),
+            mc.vocab_size,
+            loaded.generation.eos_token_ids.clone(),
+        )
+        .with_any_whitespace(cfg.json_any_whitespace);
         let info = Arc::new(EngineInfo {
             model_dir: loaded.dir.clone(),
             model_config: mc.clone(),
-            tokenizer: Arc::new(loaded.tokenizer),
+            tokenizer,
             chat_template: match &cfg.chat_template {
                 Some(src) => Some(Arc::new(
                     crate::chat_template::ChatTemplate::new(
@@ -225,6 +233,7 @@ impl Engine {
                 candle_core::DeviceLocation::Cpu => "cpu".into(),
             },
             lora: lora.as_ref().map(|(r, _)| r.clone()),
+            grammars: Arc::new(grammars),
         });
         let stats = Arc::new(EngineStats::default());
         // the engine thread runs on its own stream: everything queued here must be done first
@@ -364,8 +373,9 @@ impl Engine {
                 id,
                 req,
                 lora,
+                grammar,
                 sink,
-            } => self.admit(id, *req, lora, sink),
+            } => self.admit(id, *req, lora, grammar, sink),
             Command::Abort(id) => self.abort(id),
             Command::Shutdown => return false,
             Command::Check(reply) => {
@@ -380,7 +390,14 @@ impl Engine {
         true
     }
 
-    fn admit(&mut self, id: RequestId, req: EngineRequest, lora: Option<ResolvedLora>, sink: Sink) {
+    fn admit(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        lora: Option<ResolvedLora>,
+        grammar: Option<CompiledGrammar>,
+        sink: Sink,
+    ) {
         let prompt_len = req.prompt_token_ids.len();
         let seed = req.params.seed.unwrap_or_else(|| self.seed_rng.next_u64());
         self.stats
@@ -393,7 +410,7 @@ impl Engine {
         let prompt = req.prompt_token_ids.clone();
         let st = self
             .requests
-            .admit(id, req, sid, seed, self.info.max_model_len, lora);
+            .admit(id, req, sid, seed, self.info.max_model_len, lora, grammar);
         let seq = Sequence::new(sid, id, prompt, n).with_meta(st.meta.clone());
         self.scheduler.add(seq);
     }

@@ -11,6 +11,7 @@ use crate::output::Counted;
 use crate::request::{EngineRequest, FinishReason, RequestId, SamplingParams, StopReason};
 use crate::sampler::SeqRng;
 use crate::sequence::{RequestMeta, SeqId};
+use crate::structured::{CompiledGrammar, RowMatcher};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,6 +21,8 @@ pub(super) struct Completion {
     /// Its sequence while it runs (a completion of `n > 1` gets one at the fork).
     pub seq: Option<SeqId>,
     pub rng: SeqRng,
+    /// Its place in the request's structured-output grammar, if it has one.
+    pub matcher: Option<RowMatcher>,
     /// Tokens accepted so far.
     pub num_tokens: usize,
     pub done: bool,
@@ -37,6 +40,8 @@ pub(super) struct RequestState {
     pub queued: bool,
     /// Prompt logprob entries produced so far (the first, `None`, counts).
     pub prompt_logprobs_done: usize,
+    /// Its completions follow a grammar (each has a matcher).
+    pub constrained: bool,
 }
 
 impl RequestState {
@@ -69,6 +74,7 @@ impl Requests {
         seed: u64,
         max_model_len: usize,
         lora: Option<ResolvedLora>,
+        grammar: Option<CompiledGrammar>,
     ) -> &RequestState {
         let p = req.params;
         let cache_salt = req.cache_salt;
@@ -81,6 +87,7 @@ impl Requests {
             .map(|i| Completion {
                 seq: (i == 0).then_some(seq),
                 rng: SeqRng::for_sample(seed, i),
+                matcher: grammar.as_ref().map(CompiledGrammar::matcher),
                 num_tokens: 0,
                 done: false,
             })
@@ -99,6 +106,7 @@ impl Requests {
             max_tokens,
             arrival: Instant::now(),
             queued: false,
+            constrained: grammar.is_some(),
         };
         self.map.entry(id).insert_entry(state).into_mut()
     }
@@ -151,6 +159,14 @@ impl Requests {
             finish = Some((FinishReason::Stop, None));
         }
         let text = finish.is_none();
+        // a token of a finished grammar is text, and nothing may follow it
+        if finish.is_none() && !eos.contains(&token) {
+            if let Some(m) = c.matcher.as_mut() {
+                if m.advance(token) {
+                    finish = Some((FinishReason::Stop, None));
+                }
+            }
+        }
         let total = st.prompt_len + n_out;
         if finish.is_none() && (n_out >= st.max_tokens || total >= max_model_len) {
             finish = Some((FinishReason::Length, None));

@@ -16,7 +16,10 @@ use crate::model_runner::LogitRow;
 use crate::request::TokenLogprob;
 use crate::sampler::{self, RowSampling};
 use crate::scheduler::SchedulerOutput;
+use crate::request::RequestId;
 use crate::sequence::SeqId;
+use crate::structured::RowMatcher;
+use rayon::prelude::*;
 use candle_core::{Tensor, D};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -196,7 +199,18 @@ impl Engine {
     /// Samples a step's rows and accepts the tokens (or, planning ahead, leaves them in flight).
     fn sample_step(&mut self, logits: &Tensor, rows: &[LogitRow]) -> candle_core::Result<()> {
         let gpu = !self.runner.device().is_cpu();
+        // a grammar must have followed every earlier token before it masks this step's rows
+        let constrained = rows.iter().any(|r| match *r {
+            LogitRow::Sample(seq) => self.requests.of_seq(seq).is_some_and(|st| st.constrained),
+            LogitRow::PromptLogprob { .. } => false,
+        });
+        if constrained {
+            self.collect_in_flight();
+        }
         let (mut jobs, forked) = self.plan_jobs(rows, gpu);
+        if constrained {
+            self.mask_rows(logits, &jobs)?;
+        }
         let prompt_rows: Vec<(u32, SeqId, usize)> = rows
             .iter()
             .zip(0u32..)
@@ -380,6 +394,62 @@ impl Engine {
             device: gpu && p.logprobs.is_none(),
             penalized: st.meta.penalized,
         })
+    }
+
+    /// Masks the logits rows of constrained jobs with what their grammars allow next. The masks
+    /// are computed on the host (over rayon's pool when there are several) while the device still
+    /// runs the forward pass, then applied on the device; a forked row is masked once (its
+    /// completions start from the same grammar state).
+    fn mask_rows(&mut self, logits: &Tensor, jobs: &[Job]) -> candle_core::Result<()> {
+        let started = Instant::now();
+        let mut rows: Vec<u32> = Vec::new();
+        let mut held: Vec<(RequestId, usize, RowMatcher)> = Vec::new();
+        for j in jobs {
+            if rows.contains(&j.row) {
+                continue;
+            }
+            let Some((rid, idx)) = self.requests.owner(j.seq) else {
+                continue;
+            };
+            let Some(m) = self
+                .requests
+                .get_mut(rid)
+                .and_then(|st| st.completions.get_mut(idx))
+                .and_then(|c| c.matcher.take())
+            else {
+                continue;
+            };
+            rows.push(j.row);
+            held.push((rid, idx, m));
+        }
+        let words = logits.dim(1)?.div_ceil(32);
+        let mut masks = vec![0u32; held.len() * words];
+        if held.len() > 1 {
+            masks
+                .par_chunks_mut(words)
+                .zip(held.par_iter_mut())
+                .for_each(|(out, (_, _, m))| m.mask_into(out));
+        } else if let Some((_, _, m)) = held.first_mut() {
+            m.mask_into(&mut masks);
+        }
+        let n = held.len();
+        for (rid, idx, m) in held {
+            if let Some(c) = self
+                .requests
+                .get_mut(rid)
+                .and_then(|st| st.completions.get_mut(idx))
+            {
+                c.matcher = Some(m);
+            }
+        }
+        self.stats.record_masks(n, started.elapsed());
+        rserve_kernels::sampling::apply_token_bitmask(
+            logits,
+            &rows,
+            &masks,
+            words,
+            &mut self.readback,
+        )
     }
 
     /// Reads the jobs' rows (a forked row once per job) and samples them on the host.
