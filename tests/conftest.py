@@ -35,8 +35,34 @@ EDGE_ARGS = [
     "--max-choices-per-request",
     "8",
 ]
+# flags of the main instance: tool calling with `tool_choice="auto"` (hermes-style <tool_call> blocks)
+MAIN_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+# ChatML with a one-line tool list, assistant tool calls as hermes `<tool_call>` blocks and tool
+# results as `<tool_response>` blocks. The fixture model's own template spells out every tool as
+# JSON under a long preamble, more than its 256-token context holds; the tool-calling instances
+# (`tools_server`, `plain_tools_server`) serve this one instead.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% for call in message.tool_calls %}\n<tool_call>"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # which session fixture started the instance of each name (for the log tails of failed tests)
-FIXTURE_OF = {"main": "server", "auth": "auth_server", "edge": "edge_server"}
+FIXTURE_OF = {
+    "main": "server",
+    "auth": "auth_server",
+    "edge": "edge_server",
+    "tools": "tools_server",
+    "tools-noauto": "plain_tools_server",
+}
 
 _STARTED: list["RserveServer"] = []
 
@@ -69,8 +95,8 @@ class RserveServer(RserveProcess):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> RserveServer:
-    """The main instance (no API key)."""
-    yield from running(RserveServer("main", tmp_path_factory.mktemp("rserve-main")))
+    """The main instance (no API key; auto tool choice with the hermes parser, flags in MAIN_ARGS)."""
+    yield from running(RserveServer("main", tmp_path_factory.mktemp("rserve-main"), MAIN_ARGS))
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +117,25 @@ def edge_server(tmp_path_factory) -> RserveServer:
     """A third instance with short connection timeouts (header read 2 s, keep-alive 1 s), at most
     8 choices per request and the /tokenizer_info endpoint (flags in EDGE_ARGS)."""
     yield from running(RserveServer("edge", tmp_path_factory.mktemp("rserve-edge"), EDGE_ARGS))
+
+
+def _tools_instance(name: str, tmp_path_factory, extra_args: list[str]):
+    log_dir = tmp_path_factory.mktemp(f"rserve-{name}")
+    template = log_dir / "tools_chat_template.jinja"
+    template.write_text(TOOLS_CHAT_TEMPLATE)
+    yield from running(RserveServer(name, log_dir, ["--chat-template", str(template), *extra_args]))
+
+
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory) -> RserveServer:
+    """An instance serving TOOLS_CHAT_TEMPLATE with the main instance's flags (auto tool choice)."""
+    yield from _tools_instance("tools", tmp_path_factory, MAIN_ARGS)
+
+
+@pytest.fixture(scope="session")
+def plain_tools_server(tmp_path_factory) -> RserveServer:
+    """An instance serving TOOLS_CHAT_TEMPLATE without `--enable-auto-tool-choice`."""
+    yield from _tools_instance("tools-noauto", tmp_path_factory, [])
 
 
 @pytest.fixture(scope="session")

@@ -37,24 +37,8 @@ def tokenize(http: httpx.Client, **body) -> list[int]:
 # no silent ignores: fields this server does not serve are refused, naming the field
 # ------------------------------------------------------------------------------------------------
 
-GUIDED = [
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", 'root ::= "a"'),
-    ("structured_outputs", {"json": {"type": "object"}}),
-]
-
 UNSERVED = [
     # (id, path, body, the field named in `param` and in the message)
-    *[(f"chat-{f}", CHAT, _chat(**{f: v}), f) for f, v in GUIDED],
-    *[(f"cmpl-{f}", COMPLETIONS, _cmpl(**{f: v}), f) for f, v in GUIDED],
-    (
-        "cmpl-response_format-json",
-        COMPLETIONS,
-        _cmpl(response_format={"type": "json_object"}),
-        "response_format",
-    ),
     ("chat-functions", CHAT, _chat(functions=[{"name": "f", "parameters": {}}]), "functions"),
     ("chat-function_call", CHAT, _chat(function_call="auto"), "function_call"),
     ("chat-tool_choice-without-tools", CHAT, _chat(tool_choice="auto"), "tool_choice"),

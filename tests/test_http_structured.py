@@ -299,6 +299,8 @@ def is_arithmetic(text: str) -> bool:
     """Whether `text` is an expression of the ARITHMETIC grammar (no spaces, no unary signs)."""
     if not re.fullmatch(r"[0-9+\-*/()]+", text):
         return False
+    if not all(re.fullmatch(r"[1-9][0-9]?", number) for number in re.findall(r"[0-9]+", text)):
+        return False
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
@@ -535,15 +537,15 @@ STOP_CASES: list[tuple[str, str, dict[str, Any], str, str, str]] = [
             "response_format": json_schema_format(
                 {
                     "type": "object",
-                    "properties": {"a": {"const": "x"}, "b": {"enum": ["y"]}},
-                    "required": ["a", "b"],
+                    "properties": {"answer": {"enum": ["alpha beta"]}},
+                    "required": ["answer"],
                     "additionalProperties": False,
                 }
             )
         },
-        '{"a":"x","b":"y"}',
-        ',"b"',
-        '{"a":"x"',
+        '{"answer":"alpha beta"}',
+        "beta",
+        '{"answer":"alpha ',
     ),
 ]
 

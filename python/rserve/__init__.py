@@ -18,11 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rserve.llm import LLM
-    from rserve.types import CompletionOutput, Logprob, LoRARequest, RequestOutput, SamplingParams
+    from rserve.types import (
+        CompletionOutput,
+        GuidedDecodingParams,
+        Logprob,
+        LoRARequest,
+        RequestOutput,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
@@ -33,6 +43,8 @@ __all__ = [
 _LAZY = {
     "LLM": "rserve.llm",
     "SamplingParams": "rserve.types",
+    "StructuredOutputsParams": "rserve.types",
+    "GuidedDecodingParams": "rserve.types",
     "RequestOutput": "rserve.types",
     "CompletionOutput": "rserve.types",
     "Logprob": "rserve.types",

@@ -58,7 +58,9 @@ class Engine:
     def kv_cache_dtype(self) -> str: ...
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-    def chat_prompt(self, messages_json: str, add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self, messages_json: str, add_generation_prompt: bool = True, tools_json: str | None = None
+    ) -> list[int]:
         """Token ids of a conversation (JSON list of {"role", "content"}) rendered with the chat
         template; ValueError on bad messages or template errors."""
 

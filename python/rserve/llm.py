@@ -365,10 +365,15 @@ class LLM:
         return self._engine.decode(list(ids), skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Conversation, add_generation_prompt: bool = True
+        self,
+        messages: Conversation,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of one conversation rendered with the model's chat template."""
-        return self._engine.chat_prompt(_messages_json(messages), add_generation_prompt)
+        """Token ids of one conversation rendered with the model's chat template; `tools` (OpenAI's
+        `{"type": "function", "function": {...}}` objects) reach the template as `tools`."""
+        tools_json = None if tools is None else json.dumps(list(tools))
+        return self._engine.chat_prompt(_messages_json(messages), add_generation_prompt, tools_json)
 
     # -- offline API -----------------------------------------------------------------------------
 
@@ -398,11 +403,12 @@ class LLM:
         sampling_params: ParamsArg | Sequence[ParamsArg] = None,
         add_generation_prompt: bool = True,
         lora_request: LoraArg | Sequence[LoraArg] = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answers one conversation (a list of messages) or each of a list of conversations.
 
-        Each conversation is rendered with the model's chat template; `prompt` in the results is
-        the rendered text.
+        Each conversation is rendered with the model's chat template (with `tools`, OpenAI-style
+        function definitions, when given); `prompt` in the results is the rendered text.
         """
         if _is_conversation(messages):
             conversations = [cast(Conversation, messages)]
@@ -412,7 +418,7 @@ class LLM:
         loras = self._per_prompt_lora(lora_request, len(conversations))
         jobs: list[tuple[Prompt, str | None]] = []
         for conv in conversations:
-            ids = self.apply_chat_template(conv, add_generation_prompt)
+            ids = self.apply_chat_template(conv, add_generation_prompt, tools)
             jobs.append((ids, self._engine.decode(ids, False)))
         return self._run(jobs, params, loras)
 

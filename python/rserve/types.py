@@ -12,7 +12,15 @@ from typing import Annotated, Any, Dict, List, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SamplingParams", "Logprob", "CompletionOutput", "RequestOutput", "LoRARequest"]
+__all__ = [
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "Logprob",
+    "CompletionOutput",
+    "RequestOutput",
+    "LoRARequest",
+]
 
 
 def _check_params_natively(params_json: str) -> None:
@@ -25,6 +33,59 @@ def _check_params_natively(params_json: str) -> None:
             "or build it with `maturin develop --release`"
         ) from e
     _core.check_params(params_json)
+
+
+class StructuredOutputsParams(BaseModel):
+    """What the output must match: exactly one of `json` (a JSON schema as a dict or a JSON
+    string, or a pydantic model class, whose schema is used), `regex`, `choice`, `grammar` (Lark)
+    and `json_object`. JSON is generated compact unless `disable_any_whitespace=False`.
+
+    The grammar is compiled when the request is submitted; an invalid one raises `ValueError`
+    there (and a malformed set of fields here).
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    json_: Optional[Union[Dict[str, Any], str, bool, type]] = Field(
+        default=None, alias="json", description="A JSON schema, or a pydantic model class."
+    )
+    regex: Optional[str] = None
+    choice: Optional[List[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputsParams:
+        j = self.json_
+        if isinstance(j, type):
+            if not (issubclass(j, BaseModel)):
+                raise ValueError("json: a class must be a pydantic model")
+            object.__setattr__(self, "json_", j.model_json_schema())
+        kinds = [
+            self.json_ is not None,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+            bool(self.json_object),
+        ]
+        if sum(kinds) != 1:
+            raise ValueError(
+                "exactly one of json, regex, choice, grammar and json_object must be given, "
+                f"got {sum(kinds)}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must name at least one string")
+        return self
+
+    def to_engine(self) -> Dict[str, Any]:
+        """The engine's form (`json` holds the schema itself)."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return data
+
+
+GuidedDecodingParams = StructuredOutputsParams
+"""vLLM's older name of `StructuredOutputsParams`."""
 
 
 class SamplingParams(BaseModel):
@@ -59,15 +120,30 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Top alternatives per generated token.")
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=20, description="Top alternatives per prompt token.")
+    structured_outputs: Optional[StructuredOutputsParams] = Field(
+        default=None, description="A JSON schema, regex, choice list or grammar the output must match."
+    )
+    guided_decoding: Optional[StructuredOutputsParams] = Field(
+        default=None, exclude=True, description="vLLM's older name of `structured_outputs`."
+    )
 
     @model_validator(mode="after")
     def _check_with_engine(self) -> SamplingParams:
-        _check_params_natively(self.model_dump_json(exclude_none=True))
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("give structured_outputs or guided_decoding, not both")
+            object.__setattr__(self, "structured_outputs", self.guided_decoding)
+            object.__setattr__(self, "guided_decoding", None)
+        _check_params_natively(self.to_engine_json())
         return self
 
     def to_engine_json(self, max_tokens: Optional[int] = None) -> str:
         """The JSON the engine receives; `max_tokens` fills in when the field is None."""
-        data: Dict[str, Any] = self.model_dump(mode="json", exclude_none=True)
+        data: Dict[str, Any] = self.model_dump(
+            mode="json", exclude_none=True, exclude={"structured_outputs", "guided_decoding"}
+        )
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_engine()
         if self.max_tokens is None and max_tokens is not None:
             data["max_tokens"] = max_tokens
         return json.dumps(data, separators=(",", ":"))

@@ -191,7 +191,7 @@ pub(crate) enum Command {
         id: RequestId,
         req: Box<EngineRequest>,
         lora: Option<ResolvedLora>,
-        grammar: Option<crate::structured::CompiledGrammar>,
+        grammar: Option<Box<CompiledGrammar>>,
         sink: Sink,
     },
     Abort(RequestId),
@@ -314,7 +314,7 @@ impl EngineHandle {
                 id,
                 req: Box::new(req),
                 lora,
-                grammar,
+                grammar: grammar.map(Box::new),
                 sink,
             })
             .map_err(|_| EngineError::Stopped)?;
@@ -338,7 +338,9 @@ impl EngineHandle {
                 Ok(Some(g))
             }
             Err(GrammarError::Invalid(e)) => Err(e.into()),
-            Err(e @ GrammarError::Unavailable(_)) => Err(EngineError::InvalidRequest(e.to_string())),
+            Err(e @ GrammarError::Unavailable(_)) => {
+                Err(EngineError::InvalidRequest(e.to_string()))
+            }
         }
     }
 

@@ -22,7 +22,9 @@ fn request(prompt: Vec<u32>, p: SamplingParams) -> EngineRequest {
 }
 
 fn prompt(i: u32) -> Vec<u32> {
-    (0..6 + i % 5).map(|j| 20 + (i * 31 + j * 17) % 900).collect()
+    (0..6 + i % 5)
+        .map(|j| 20 + (i * 31 + j * 17) % 900)
+        .collect()
 }
 
 fn sampled(s: StructuredOutputs, seed: u64, n: usize, max_tokens: usize) -> SamplingParams {
@@ -97,7 +99,10 @@ fn check_batch(outs: &[RequestOutput]) {
             }
         }
     }
-    assert!(stopped >= 20, "{stopped} of 24 completions ended by the grammar");
+    assert!(
+        stopped >= 20,
+        "{stopped} of 24 completions ended by the grammar"
+    );
 }
 
 #[test]
@@ -112,7 +117,10 @@ fn json_outputs_match_their_schema_with_and_without_lookahead() {
     check_batch(&b);
     for (x, y) in a.iter().zip(&b) {
         for (p, q) in x.outputs.iter().zip(&y.outputs) {
-            assert_eq!(p.token_ids, q.token_ids, "seeded outputs do not depend on lookahead");
+            assert_eq!(
+                p.token_ids, q.token_ids,
+                "seeded outputs do not depend on lookahead"
+            );
         }
     }
     assert_sound(&ahead);
@@ -143,7 +151,8 @@ fn regex_and_choices_under_preemption() {
             if i % 2 == 0 {
                 let ok = c.text.split('-').enumerate().all(|(k, part)| {
                     if k == 0 {
-                        (3..=9).contains(&part.len()) && part.chars().all(|x| ('a'..='d').contains(&x))
+                        (3..=9).contains(&part.len())
+                            && part.chars().all(|x| ('a'..='d').contains(&x))
                     } else {
                         part.len() == 2 && part.chars().all(|x| x.is_ascii_digit())
                     }

@@ -502,11 +502,7 @@ mod cuda {
 
     /// Stages rows and masks in the pool's page-locked buffer (waiting only for the copy out of
     /// it a step before) and masks the rows on the stream.
-    pub(super) fn bitmask(
-        op: &super::Bitmask<'_>,
-        s: &mut CudaStorage,
-        l: &Layout,
-    ) -> Result<()> {
+    pub(super) fn bitmask(op: &super::Bitmask<'_>, s: &mut CudaStorage, l: &Layout) -> Result<()> {
         let vocab = l.dims()[1];
         let dev = s.device().clone();
         let stream = dev.cuda_stream();
@@ -519,7 +515,8 @@ mod cuda {
         if pool.staging.as_ref().is_none_or(|b| b.len() < need) {
             let cap = need.next_power_of_two();
             // SAFETY: written in full below (the first `need` values) before any copy reads it.
-            pool.staging = Some(unsafe { stream.context().alloc_pinned_with_flags::<u32>(cap, 0) }.w()?);
+            pool.staging =
+                Some(unsafe { stream.context().alloc_pinned_with_flags::<u32>(cap, 0) }.w()?);
         }
         let Some(staging) = pool.staging.as_mut() else {
             candle_core::bail!("apply_token_bitmask: no staging buffer");

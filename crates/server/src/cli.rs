@@ -11,6 +11,38 @@ fn parse_kv_cache_dtype(s: &str) -> Result<rserve_core::kv_cache::KvCacheDtype, 
     s.trim().to_ascii_lowercase().parse()
 }
 
+/// vLLM's `--structured-outputs-config`: a JSON object with `backend` (`auto`, `guidance` or
+/// `llguidance`: the grammar engine rserve has) and `disable_any_whitespace` (default true:
+/// compact JSON); returns whether JSON may hold free whitespace.
+fn parse_structured_config(s: &str) -> Result<bool, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Config {
+        #[serde(default)]
+        backend: Option<String>,
+        #[serde(default)]
+        disable_any_whitespace: Option<bool>,
+    }
+    let c: Config = serde_json::from_str(s).map_err(|e| format!("not a valid config: {e}"))?;
+    if let Some(b) = c.backend.as_deref() {
+        if !matches!(b, "auto" | "guidance" | "llguidance") {
+            return Err(format!(
+                "backend `{b}` is not available: rserve's grammar engine is llguidance (`auto`)"
+            ));
+        }
+    }
+    Ok(!c.disable_any_whitespace.unwrap_or(true))
+}
+
+fn parse_tool_parser(s: &str) -> Result<crate::openai::tools::ToolParser, String> {
+    crate::openai::tools::ToolParser::from_name(s.trim()).ok_or_else(|| {
+        format!(
+            "unknown tool call parser `{s}`; available: {}",
+            crate::openai::tools::ToolParser::NAMES.join(", ")
+        )
+    })
+}
+
 fn parse_quantization(s: &str) -> Result<rserve_core::quant::IsqFormat, String> {
     match s.trim().to_ascii_lowercase().as_str() {
         "fp8" => Ok(rserve_core::quant::IsqFormat::Fp8),
@@ -120,6 +152,10 @@ pub struct EngineArgs {
     /// Compute every prompt in full: no prefix cache.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Structured output settings, as JSON: `{"disable_any_whitespace": false}` lets JSON hold
+    /// free whitespace (compact by default); `backend` may be `auto`.
+    #[arg(long, value_parser = parse_structured_config, value_name = "JSON")]
+    pub structured_outputs_config: Option<bool>,
     /// Quantize the decoder's projections while loading: q8_0, q4_0, q4k or q6k (GGML blocks;
     /// rows that do not fit a format's blocks fall back per tensor, as llama.cpp does) or fp8
     /// (E4M3, a scale per output channel; FP8 tensor cores on Hopper). The embeddings and
@@ -225,6 +261,14 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Let the model decide when to call tools (`tool_choice: "auto"`, the default when a request
+    /// has tools); needs --tool-call-parser.
+    #[arg(long, requires = "tool_call_parser")]
+    pub enable_auto_tool_choice: bool,
+    /// How the model writes tool calls: hermes (Hermes, Qwen2.5 and Qwen3's `<tool_call>`),
+    /// llama3_json (Llama 3.1/3.2) or mistral (`[TOOL_CALLS]`).
+    #[arg(long, value_parser = parse_tool_parser)]
+    pub tool_call_parser: Option<crate::openai::tools::ToolParser>,
 }
 
 #[derive(Debug, Args)]

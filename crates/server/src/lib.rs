@@ -54,6 +54,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.enforce_eager = args.enforce_eager;
     cfg.async_scheduling = !args.no_async_scheduling;
     cfg.enable_prefix_caching = !args.no_enable_prefix_caching;
+    cfg.json_any_whitespace = args.structured_outputs_config.unwrap_or(false);
     cfg.isq = match (args.isq, args.quantization) {
         (Some(a), Some(b)) if a != b => {
             anyhow::bail!("--isq {a} and --quantization {b} disagree; give one")

@@ -200,6 +200,21 @@ impl Metrics {
             "Prefix cache hits, in terms of number of cached tokens.",
             hits.load(Ordering::Relaxed),
         );
+        let (masks, mask_us) = match stats {
+            Some(s) => (&s.mask_rows, &s.mask_micros),
+            None => (&z, &z),
+        };
+        counter(
+            &mut out,
+            "rserve:structured_output_masks_total",
+            "Token masks computed for structured output (one per constrained row and step).",
+            masks.load(Ordering::Relaxed),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP rserve:structured_output_mask_seconds_total Host time spent computing token masks.\n# TYPE rserve:structured_output_mask_seconds_total counter\nrserve:structured_output_mask_seconds_total{{{labels}}} {}",
+            mask_us.load(Ordering::Relaxed) as f64 * 1e-6
+        );
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of finished requests by finish reason.\n# TYPE vllm:request_success_total counter");
         for (reason, c) in [("stop", stop), ("length", length), ("abort", abort)] {
             let _ = writeln!(

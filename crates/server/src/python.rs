@@ -202,12 +202,26 @@ impl PyEngine {
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
-    #[pyo3(signature = (messages_json, add_generation_prompt = true))]
-    fn chat_prompt(&self, messages_json: &str, add_generation_prompt: bool) -> PyResult<Vec<u32>> {
+    #[pyo3(signature = (messages_json, add_generation_prompt = true, tools_json = None))]
+    fn chat_prompt(
+        &self,
+        messages_json: &str,
+        add_generation_prompt: bool,
+        tools_json: Option<&str>,
+    ) -> PyResult<Vec<u32>> {
         let msgs: Vec<ChatMessage> = serde_json::from_str(messages_json)
             .map_err(|e| PyValueError::new_err(format!("invalid messages: {e}")))?;
+        let tools: Option<Vec<serde_json::Value>> = tools_json
+            .map(serde_json::from_str)
+            .transpose()
+            .map_err(|e| PyValueError::new_err(format!("invalid tools: {e}")))?;
+        if let Some(t) = &tools {
+            crate::openai::tool_choice::plan(Some(t), Some(&serde_json::json!("none")), None, None)
+                .map_err(value_err)?;
+        }
+        let info = self.handle.info();
         Ok(
-            chat_prompt(self.handle.info(), &msgs, add_generation_prompt, None)
+            chat_prompt(info, &msgs, add_generation_prompt, None, tools.as_deref())
                 .map_err(value_err)?
                 .1,
         )

@@ -90,6 +90,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         max_choices: args.max_choices_per_request.min(args.max_pending.max(1)),
         body_limit: args.max_body_bytes,
         tokenizer_info: args.enable_tokenizer_info_endpoint,
+        auto_tools: args
+            .tool_call_parser
+            .filter(|_| args.enable_auto_tool_choice),
         ..EdgeConfig::default()
     };
     if let Some(t) = args.tokenizer_threads {

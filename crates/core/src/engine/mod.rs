@@ -395,7 +395,7 @@ impl Engine {
         id: RequestId,
         req: EngineRequest,
         lora: Option<ResolvedLora>,
-        grammar: Option<CompiledGrammar>,
+        grammar: Option<Box<CompiledGrammar>>,
         sink: Sink,
     ) {
         let prompt_len = req.prompt_token_ids.len();
@@ -408,9 +408,17 @@ impl Engine {
         let sid = self.requests.new_seq_id();
         let n = req.params.n;
         let prompt = req.prompt_token_ids.clone();
-        let st = self
-            .requests
-            .admit(id, req, sid, seed, self.info.max_model_len, lora, grammar);
+        let st = self.requests.admit(
+            id,
+            req,
+            sid,
+            seed,
+            self.info.max_model_len,
+            requests::Attached {
+                lora,
+                grammar: grammar.map(|g| *g),
+            },
+        );
         let seq = Sequence::new(sid, id, prompt, n).with_meta(st.meta.clone());
         self.scheduler.add(seq);
     }

@@ -50,6 +50,12 @@ impl RequestState {
     }
 }
 
+/// What a request brings besides its parameters: its adapter and its compiled grammar.
+pub(super) struct Attached {
+    pub lora: Option<ResolvedLora>,
+    pub grammar: Option<CompiledGrammar>,
+}
+
 /// Live requests, and the owner of every running sequence.
 #[derive(Default)]
 pub(super) struct Requests {
@@ -73,9 +79,9 @@ impl Requests {
         seq: SeqId,
         seed: u64,
         max_model_len: usize,
-        lora: Option<ResolvedLora>,
-        grammar: Option<CompiledGrammar>,
+        with: Attached,
     ) -> &RequestState {
+        let Attached { lora, grammar } = with;
         let p = req.params;
         let cache_salt = req.cache_salt;
         let prompt_len = req.prompt_token_ids.len();

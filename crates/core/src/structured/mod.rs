@@ -210,7 +210,11 @@ impl RowMatcher {
     /// completion ends instead of running on unconstrained.
     pub fn mask_into(&mut self, out: &mut [u32]) {
         out.fill(0);
-        let mask = self.inner.compute_mask_or_eos().ok().filter(|m| !m.is_zero());
+        let mask = self
+            .inner
+            .compute_mask_or_eos()
+            .ok()
+            .filter(|m| !m.is_zero());
         match mask {
             Some(m) => {
                 for (o, &w) in out.iter_mut().zip(m.as_slice()) {
@@ -361,8 +365,8 @@ impl Grammars {
         let parser = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             factory.create_parser(grammar)
         }))
-            .map_err(|_| invalid("the constraint could not be compiled"))?
-            .map_err(|e| invalid(first_line(&e.to_string())))?;
+        .map_err(|_| invalid("the constraint could not be compiled"))?
+        .map_err(|e| invalid(first_line(&e.to_string())))?;
         let compiled = CompiledGrammar {
             parser,
             width: self.width,
@@ -405,10 +409,10 @@ impl Grammars {
     }
 }
 
-/// The engine's message up to its first line break (later lines dump internal state).
+/// The engine's message on one line, at most 400 characters.
 fn first_line(msg: &str) -> String {
-    let line = msg.lines().next().unwrap_or(msg).trim();
-    let mut s: String = line.chars().take(500).collect();
+    let line = msg.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut s: String = line.chars().take(400).collect();
     if s.is_empty() {
         s = "the constraint could not be compiled".into();
     }

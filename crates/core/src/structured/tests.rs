@@ -121,7 +121,8 @@ fn regex_choice_and_grammar_outputs_match() {
 #[test]
 fn whitespace_may_be_allowed() {
     let g = grammars();
-    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+    let schema =
+        json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
     let (c, _) = g
         .compile(&spec(|s| {
             s.json = Some(schema.clone());
@@ -135,8 +136,13 @@ fn whitespace_may_be_allowed() {
     let brace = g.tokenizer.encode("{", false).expect("enc");
     assert!(!m.advance(brace[0]));
     m.mask_into(&mut mask);
-    assert!(allowed(&mask).contains(&space[0]), "free whitespace allowed");
-    let (c, _) = g.compile(&spec(|s| s.json = Some(schema))).expect("compiles");
+    assert!(
+        allowed(&mask).contains(&space[0]),
+        "free whitespace allowed"
+    );
+    let (c, _) = g
+        .compile(&spec(|s| s.json = Some(schema)))
+        .expect("compiles");
     let mut m = c.matcher();
     assert!(!m.advance(brace[0]));
     m.mask_into(&mut mask);
@@ -165,7 +171,9 @@ fn bad_constraints_are_refused_with_the_reason() {
     let compile_errors = [
         spec(|s| s.regex = Some("(unclosed".into())),
         spec(|s| s.grammar = Some("start: undefined_rule".into())),
-        spec(|s| s.json = Some(json!({"type": "object", "properties": {"a": {"type": "nonsense"}}}))),
+        spec(|s| {
+            s.json = Some(json!({"type": "object", "properties": {"a": {"type": "nonsense"}}}))
+        }),
     ];
     for c in &compile_errors {
         assert!(c.validate().is_ok());
@@ -173,6 +181,7 @@ fn bad_constraints_are_refused_with_the_reason() {
             Err(GrammarError::Invalid(e)) => {
                 assert_eq!(e.field, "structured_outputs");
                 assert!(!e.message.is_empty() && !e.message.contains('\n'));
+                assert!(e.message.chars().count() <= 400);
             }
             other => panic!("{c:?}: {:?}", other.map(|_| ())),
         }

@@ -5,4 +5,7 @@
 pub mod error;
 pub mod params;
 pub mod parse;
+pub mod structured;
+pub mod tool_choice;
+pub mod tools;
 pub mod types;

@@ -35,12 +35,6 @@ pub fn sampling_params_with(
     g: &GenerationDefaults,
     default_max_tokens: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
-    if let Some(field) = c.unserved().next() {
-        return Err(ApiError::bad_request(format!(
-            "`{field}` is not supported yet: this server does not constrain output to grammars"
-        ))
-        .with_param(field));
-    }
     let mut p = SamplingParams {
         temperature: g.temperature.unwrap_or(1.0),
         top_p: g.top_p.unwrap_or(1.0),
@@ -124,6 +118,7 @@ pub fn sampling_params_with(
     p.ignore_eos = c.ignore_eos.unwrap_or(false);
     p.skip_special_tokens = c.skip_special_tokens.unwrap_or(true);
     p.include_stop_str_in_output = c.include_stop_str_in_output.unwrap_or(false);
+    p.structured_outputs = super::structured::constraint(c, None)?;
     Ok(p)
 }
 
@@ -157,18 +152,6 @@ pub fn samples(c: &CommonFields) -> Result<usize, ApiError> {
         .with_param("best_of"));
     }
     Ok(b)
-}
-
-/// Refuses a `response_format` other than `{"type": "text"}` (JSON modes are not served yet).
-pub fn text_format(rf: Option<&Value>) -> Result<(), ApiError> {
-    let kind = rf.map(|rf| rf.get("type").and_then(Value::as_str).unwrap_or(""));
-    match kind {
-        None | Some("text") => Ok(()),
-        Some(k) => Err(ApiError::bad_request(format!(
-            "response_format `{k}` is not supported yet"
-        ))
-        .with_param("response_format")),
-    }
 }
 
 /// Checks the range of a logprobs count.
@@ -281,7 +264,7 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
             v["name"] = json!(n);
         }
         if let Some(t) = &m.tool_calls {
-            v["tool_calls"] = t.clone();
+            v["tool_calls"] = template_tool_calls(t);
         }
         if let Some(t) = &m.tool_call_id {
             v["tool_call_id"] = json!(t);
@@ -289,6 +272,21 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
         out.push(v);
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls` as chat templates read them: each call's `arguments`
+/// (a JSON string on the wire) as the object it holds, as Hugging Face templates expect.
+fn template_tool_calls(calls: &Value) -> Value {
+    let mut calls = calls.clone();
+    if let Some(list) = calls.as_array_mut() {
+        for c in list {
+            let args = c.pointer("/function/arguments").and_then(Value::as_str);
+            if let Some(parsed) = args.and_then(|a| serde_json::from_str::<Value>(a).ok()) {
+                c["function"]["arguments"] = parsed;
+            }
+        }
+    }
+    calls
 }
 
 /// Refuses at once a text that cannot fit the context: more characters than `max_model_len`
@@ -368,6 +366,7 @@ pub fn chat_prompt(
     messages: &[ChatMessage],
     add_generation_prompt: bool,
     extra: Option<&serde_json::Map<String, Value>>,
+    tools: Option<&[Value]>,
 ) -> Result<(String, Vec<u32>), ApiError> {
     let msgs = template_messages(messages)?;
     let tpl = info.chat_template.as_ref().ok_or_else(|| {
@@ -376,7 +375,7 @@ pub fn chat_prompt(
         )
     })?;
     let text = tpl
-        .render(&msgs, add_generation_prompt, None, extra)
+        .render(&msgs, add_generation_prompt, tools, extra)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}")).with_param("messages"))?;
     check_text_fits(TextLen::of_text(&text), info, "messages")?;
     let ids = info

@@ -78,14 +78,19 @@ pub struct CommonFields {
     /// `prompt_logprobs` (per choice on completions, top-level on chat). Not with `stream`.
     #[schema(minimum = 0, maximum = 20)]
     pub prompt_logprobs: Option<i64>,
-    /// Structured output (vLLM's fields): refused until grammars are served.
+    /// Structured output, vLLM's older fields: a JSON schema (an object or a string holding one).
     #[schema(value_type = Option<Object>)]
     pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
+    /// A regular expression the whole output matches.
+    pub guided_regex: Option<String>,
+    /// The output is exactly one of these strings.
+    pub guided_choice: Option<Vec<String>>,
+    /// A Lark grammar.
+    pub guided_grammar: Option<String>,
+    /// Structured output, vLLM's object: exactly one of `json`, `regex`, `choice`, `grammar`,
+    /// `json_object`, and `disable_any_whitespace` (JSON is compact unless false).
     #[schema(value_type = Option<Object>)]
-    pub structured_outputs: Option<Value>,
+    pub structured_outputs: Option<rserve_core::structured::StructuredOutputs>,
     /// vLLM's prefix-cache salt: requests share cached prompt blocks only with requests of the
     /// same salt (a non-empty string).
     pub cache_salt: Option<String>,
@@ -101,19 +106,6 @@ impl CommonFields {
             .with_param("cache_salt")),
             other => Ok(other.clone()),
         }
-    }
-
-    /// The fields this server does not serve yet that change the output when present.
-    pub fn unserved(&self) -> impl Iterator<Item = &'static str> + '_ {
-        [
-            ("guided_json", self.guided_json.is_some()),
-            ("guided_regex", self.guided_regex.is_some()),
-            ("guided_choice", self.guided_choice.is_some()),
-            ("guided_grammar", self.guided_grammar.is_some()),
-            ("structured_outputs", self.structured_outputs.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(name, set)| set.then_some(name))
     }
 }
 
@@ -150,7 +142,8 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(minimum = 0, maximum = 20)]
     pub top_logprobs: Option<i64>,
-    /// `{"type": "text"}`; JSON modes are refused until structured output is served.
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+    /// {"name", "schema", "strict"}}`.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
@@ -160,6 +153,9 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
+    /// Whether a `required` tool choice may make several calls (default true).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Legacy function calling: refused.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
@@ -210,7 +206,7 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     #[serde(default)]
     pub suffix: Option<String>,
-    /// `{"type": "text"}` only, until structured output is served.
+    /// As chat's: `text`, `json_object` or `json_schema`.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,

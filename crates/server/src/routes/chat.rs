@@ -6,20 +6,24 @@ use super::stream::{sse_response, usage_json, ChunkFormat};
 use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
 use crate::openai::params::{
-    chat_prompt, check_text_fits, logprobs_count, requested_n, sampling_params, text_format,
-    validate, TextLen,
+    chat_prompt, check_text_fits, logprobs_count, requested_n, sampling_params, validate, TextLen,
 };
+use crate::openai::structured::{constraint, field_of};
+use crate::openai::tool_choice::{self, call_id, ReplyStream, ToolMode};
+use crate::openai::tools::{StreamEvent, ToolCall};
 use crate::openai::types::{ChatCompletionRequest, ChatMessage};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use rserve_core::request::{CompletionDelta, TokenLogprob};
+use rserve_core::request::{CompletionDelta, FinishReason, TokenLogprob};
 use rserve_core::tokenizer::Tokenizer;
 use rserve_core::EngineRequest;
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::Mutex;
 
 /// A token's text for logprobs: its decoded piece, or `token_id:N` when asked for.
 pub fn token_text(tok: &Tokenizer, id: u32, as_ids: bool) -> String {
@@ -61,11 +65,64 @@ struct ChatFormat {
     as_ids: bool,
     /// The text `echo` puts before the reply.
     echo: String,
+    tools: ToolMode,
+    /// Each streamed choice's reader of tool calls, and the ids it minted.
+    replies: Mutex<HashMap<usize, (ReplyStream, Vec<String>)>>,
 }
 
 impl ChatFormat {
     fn chunk(&self, choices: Value) -> Value {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": choices})
+    }
+
+    /// A streamed delta's content and `tool_calls` entries (text held back by a tool-call reader
+    /// comes later), and whether this choice called a tool.
+    fn reply_delta(&self, index: usize, text: &str, finishing: bool) -> (String, Vec<Value>, bool) {
+        if self.tools == ToolMode::Off {
+            return (text.to_owned(), Vec::new(), false);
+        }
+        let Ok(mut replies) = self.replies.lock() else {
+            return (text.to_owned(), Vec::new(), false);
+        };
+        let (reader, ids) = replies
+            .entry(index)
+            .or_insert_with(|| (self.tools.streamer(), Vec::new()));
+        let mut events = reader.push(text);
+        if finishing {
+            events.extend(reader.finish());
+        }
+        let (mut content, mut calls) = (String::new(), Vec::new());
+        for e in events {
+            match e {
+                StreamEvent::Content(c) => content.push_str(&c),
+                StreamEvent::CallStart { index, name } => {
+                    let id = call_id();
+                    ids.push(id.clone());
+                    calls.push(json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}));
+                }
+                StreamEvent::Arguments { index, text } => {
+                    calls.push(json!({"index": index, "function": {"arguments": text}}));
+                }
+            }
+        }
+        (content, calls, reader.called())
+    }
+}
+
+/// A finished call as OpenAI's `tool_calls` entry.
+fn tool_call_json(c: &ToolCall) -> Value {
+    json!({"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+/// The finish reason a reply reports: `tool_calls` when it called tools and ended by itself.
+fn finish_reason(
+    tools: &ToolMode,
+    called: bool,
+    reason: Option<FinishReason>,
+) -> Option<&'static str> {
+    match reason {
+        Some(FinishReason::Stop) if called && tools.reports_tool_calls() => Some("tool_calls"),
+        r => r.map(|f| f.as_str()),
     }
 }
 
@@ -74,25 +131,32 @@ impl ChunkFormat for ChatFormat {
         Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": null, "finish_reason": null}])))
     }
 
-    fn content(&self, index: usize, out: &CompletionDelta, _first: bool) -> Value {
+    fn content(&self, index: usize, out: &CompletionDelta, _first: bool) -> Option<Value> {
         let new_lps = &out.logprobs;
         let logprobs = if self.want_logprobs {
             logprobs_content(&self.tokenizer, new_lps, self.as_ids)
         } else {
             Value::Null
         };
-        let delta = if out.text.is_empty() && out.finish_reason.is_some() {
-            json!({})
-        } else {
-            json!({"content": out.text})
-        };
-        self.chunk(json!([{
+        let finishing = out.finish_reason.is_some();
+        let (text, calls, called) = self.reply_delta(index, &out.text, finishing);
+        if text.is_empty() && calls.is_empty() && !finishing && new_lps.is_empty() {
+            return None;
+        }
+        let mut delta = json!({});
+        if !text.is_empty() || (calls.is_empty() && !finishing) {
+            delta["content"] = json!(text);
+        }
+        if !calls.is_empty() {
+            delta["tool_calls"] = Value::Array(calls);
+        }
+        Some(self.chunk(json!([{
             "index": index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": out.finish_reason.map(|f| f.as_str()),
+            "finish_reason": finish_reason(&self.tools, called, out.finish_reason),
             "stop_reason": out.stop_reason,
-        }]))
+        }])))
     }
 
     fn usage(&self, usage: Value) -> Value {
@@ -104,21 +168,6 @@ impl ChunkFormat for ChatFormat {
 
 /// Refuses the fields this server does not serve (rather than dropping them).
 fn refuse_unserved(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    text_format(req.response_format.as_ref())?;
-    let has_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty());
-    if has_tools {
-        return Err(ApiError::bad_request("tools are not supported yet").with_param("tools"));
-    }
-    if req
-        .tool_choice
-        .as_ref()
-        .is_some_and(|c| !c.is_null() && c != "none")
-    {
-        return Err(
-            ApiError::bad_request("When using `tool_choice`, `tools` must be set.")
-                .with_param("tool_choice"),
-        );
-    }
     for (field, v) in [
         ("functions", &req.functions),
         ("function_call", &req.function_call),
@@ -181,7 +230,31 @@ pub async fn chat_completions(
     let engine = st.engine()?;
     let info = engine.info().clone();
     refuse_unserved(&req)?;
+    let tools = tool_choice::plan(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+        st.edge.auto_tools,
+    )?;
     let mut params = sampling_params(&req.common, &info, None)?;
+    params.structured_outputs = constraint(&req.common, req.response_format.as_ref())?;
+    let mut grammar_field = field_of(&req.common, req.response_format.as_ref());
+    if let Some(c) = tools.constraint.clone() {
+        if params.structured_outputs.is_some() {
+            return Err(ApiError::bad_request(format!(
+                "`{grammar_field}` cannot be combined with a required or named tool_choice"
+            ))
+            .with_param("tool_choice"));
+        }
+        params.structured_outputs = Some(c);
+        grammar_field = "tools";
+    }
+    if let ToolMode::Auto { parser, .. } = &tools.mode {
+        // their markers are special tokens: the parser has to see them
+        if !matches!(parser, crate::openai::tools::ToolParser::Hermes) {
+            params.skip_special_tokens = false;
+        }
+    }
     let n = requested_n(&req.common)?;
     let by = if params.n > n { "best_of" } else { "n" };
     st.check_choices(1, params.n, by)?;
@@ -219,6 +292,8 @@ pub async fn chat_completions(
         want_logprobs,
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         echo,
+        tools: tools.mode.clone(),
+        replies: Mutex::new(HashMap::new()),
     };
     let stream = req.common.stream.unwrap_or(false);
     let include_usage = req
@@ -227,10 +302,20 @@ pub async fn chat_completions(
         .as_ref()
         .is_some_and(|o| o.include_usage);
     let want_prompt_logprobs = params.prompt_logprobs.is_some();
+    st.compile_grammar(&params, grammar_field).await?;
     let (messages, kwargs) = (req.messages, req.chat_template_kwargs);
     let work = info.clone();
+    let template_tools = tools.template_tools;
     let (_, prompt_ids) = st
-        .blocking(move || chat_prompt(&work, &messages, add_gen, kwargs.as_ref()))
+        .blocking(move || {
+            chat_prompt(
+                &work,
+                &messages,
+                add_gen,
+                kwargs.as_ref(),
+                template_tools.as_deref(),
+            )
+        })
         .await?;
     let samples = params.n;
     let tracked = st.submit(EngineRequest {
@@ -254,11 +339,17 @@ pub async fn chat_completions(
         .outputs
         .iter()
         .map(|c| {
+            let reply = fmt.tools.reply(&c.text);
+            let content = reply.content.map(|t| format!("{}{t}", fmt.echo));
+            let mut message = json!({"role": "assistant", "content": content});
+            if !reply.calls.is_empty() {
+                message["tool_calls"] = reply.calls.iter().map(tool_call_json).collect();
+            }
             json!({
                 "index": c.index,
-                "message": {"role": "assistant", "content": format!("{}{}", fmt.echo, c.text)},
+                "message": message,
                 "logprobs": if want_logprobs { logprobs_content(&fmt.tokenizer, c.logprobs.as_deref().unwrap_or(&[]), fmt.as_ids) } else { Value::Null },
-                "finish_reason": c.finish_reason.map(|f| f.as_str()),
+                "finish_reason": finish_reason(&fmt.tools, !reply.calls.is_empty(), c.finish_reason),
                 "stop_reason": c.stop_reason,
             })
         })

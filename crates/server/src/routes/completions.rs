@@ -8,8 +8,9 @@ use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
 use crate::openai::params::{
     check_prompts_fit, completion_prompts, logprobs_count, prompt_count, requested_n,
-    sampling_params, text_format, validate,
+    sampling_params, validate,
 };
+use crate::openai::structured::{constraint, field_of};
 use crate::openai::types::CompletionRequest;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -75,7 +76,7 @@ impl ChunkFormat for CompletionFormat {
         None
     }
 
-    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Value {
+    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Option<Value> {
         let new_lps = &out.logprobs;
         let mut text = out.text.clone();
         if first {
@@ -90,13 +91,13 @@ impl ChunkFormat for CompletionFormat {
         } else {
             Value::Null
         };
-        json!({
+        Some(json!({
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
             "choices": [{
                 "index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": out.finish_reason.map(|f| f.as_str()), "stop_reason": out.stop_reason,
             }],
-        })
+        }))
     }
 
     fn usage(&self, usage: Value) -> Value {
@@ -127,8 +128,8 @@ pub async fn completions(
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad_request("suffix is not supported").with_param("suffix"));
     }
-    text_format(req.response_format.as_ref())?;
     let mut params = sampling_params(&req.common, &info, Some(16))?;
+    params.structured_outputs = constraint(&req.common, req.response_format.as_ref())?;
     let n = requested_n(&req.common)?;
     let prompts = prompt_count(&req.prompt);
     let by = if prompts > st.edge.max_choices {
@@ -151,6 +152,8 @@ pub async fn completions(
     validate(&params, &info)?;
     let cache_salt = req.common.cache_salt()?;
     check_prompts_fit(&req.prompt, &info)?;
+    st.compile_grammar(&params, field_of(&req.common, req.response_format.as_ref()))
+        .await?;
     let work = info.clone();
     let prompt = req.prompt;
     let prompts = st

@@ -167,7 +167,7 @@ pub async fn tokenize(
             (None, m) => {
                 let m = m.unwrap_or_default();
                 let add = req.add_generation_prompt.unwrap_or(true);
-                Ok(chat_prompt(&work, &m, add, None)?.1)
+                Ok(chat_prompt(&work, &m, add, None, None)?.1)
             }
         })
         .await?;

@@ -48,6 +48,8 @@ pub struct EdgeConfig {
     pub prep_threads: usize,
     /// Serve `GET /tokenizer_info`.
     pub tokenizer_info: bool,
+    /// With `--enable-auto-tool-choice`: how the model writes tool calls (`tool_choice: auto`).
+    pub auto_tools: Option<crate::openai::tools::ToolParser>,
 }
 
 impl Default for EdgeConfig {
@@ -58,6 +60,7 @@ impl Default for EdgeConfig {
             body_limit: None,
             prep_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             tokenizer_info: false,
+            auto_tools: None,
         }
     }
 }
@@ -196,6 +199,27 @@ impl AppState {
         })
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    }
+
+    /// Compiles a request's structured-output constraint on the blocking pool (a large schema takes
+    /// a while), so `submit` finds it in the cache; an invalid one is a 400 naming `field`.
+    pub async fn compile_grammar(
+        &self,
+        params: &rserve_core::SamplingParams,
+        field: &'static str,
+    ) -> Result<(), ApiError> {
+        if params.structured_outputs.is_none() {
+            return Ok(());
+        }
+        let engine = self.engine()?.clone();
+        let p = params.clone();
+        self.blocking(move || {
+            engine
+                .compile_grammar(&p)
+                .map(|_| ())
+                .map_err(|e| ApiError::from(e).with_param(field))
+        })
+        .await
     }
 
     /// Submits validated requests, all or none: refused with 503 when they would take the

@@ -317,7 +317,7 @@ pub async fn responses(
     check_text_fits(TextLen::of_messages(&msgs), &info, "input")?;
     let work = info.clone();
     let (_, prompt_ids) = st
-        .blocking(move || chat_prompt(&work, &msgs, true, None))
+        .blocking(move || chat_prompt(&work, &msgs, true, None, None))
         .await?;
     let tracked = st.submit(EngineRequest {
         prompt_token_ids: prompt_ids,

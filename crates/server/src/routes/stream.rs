@@ -156,7 +156,8 @@ pub trait ChunkFormat: Send + Sync + 'static {
     fn opening(&self, index: usize) -> Option<Value>;
     /// A chunk carrying new text and tokens of one choice (`out.logprobs` are the new tokens');
     /// `first` is true for its first content chunk (completions' `echo` puts the prompt there).
-    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Value;
+    /// `None` when there is nothing to send yet (text held back).
+    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Option<Value>;
     /// The final usage chunk.
     fn usage(&self, usage: Value) -> Value;
 }
@@ -240,8 +241,10 @@ fn one_request<F: ChunkFormat>(
                         p.tokens += c.token_ids.len();
                         let finishing = c.finish_reason.is_some();
                         if !c.text.is_empty() || finishing || !c.logprobs.is_empty() {
-                            events.push(data(&fmt.content(base + c.index, c, !p.content_sent)));
-                            p.content_sent = true;
+                            if let Some(v) = fmt.content(base + c.index, c, !p.content_sent) {
+                                events.push(data(&v));
+                                p.content_sent = true;
+                            }
                         }
                         if finishing {
                             p.finished = true;

@@ -153,6 +153,13 @@ mod tests {
     fn plain_text() {
         golden(
             P,
+            "日本語 <tool_cal… é",
+            KNOWN,
+            Some("日本語 <tool_cal… é"),
+            &[],
+        );
+        golden(
+            P,
             "The answer is 42. <b>bold</b> <tool",
             KNOWN,
             Some("The answer is 42. <b>bold</b> <tool"),
@@ -205,5 +212,28 @@ mod tests {
         assert_eq!(parsed.content.as_deref(), Some(text));
         assert!(parsed.calls.is_empty());
         super::super::testutil::stream_sends_no_call_after(P, text, KNOWN, 1);
+    }
+
+    #[test]
+    fn sends_content_and_calls_as_soon_as_they_are_known() {
+        use super::super::StreamEvent::{Arguments, CallStart, Content};
+        let mut stream = P.streamer(vec!["noop".into()]);
+        assert_eq!(stream.push("Hi <tool"), [Content("Hi ".into())]);
+        assert_eq!(stream.push("_call>\n{\"name\": \"noop\", "), []);
+        assert!(!stream.called());
+        let call = [
+            CallStart {
+                index: 0,
+                name: "noop".into(),
+            },
+            Arguments {
+                index: 0,
+                text: "{}".into(),
+            },
+        ];
+        assert_eq!(stream.push("\"arguments\": {}}"), call);
+        assert_eq!(stream.push("\n</tool_call>\n"), []);
+        assert!(stream.called());
+        assert_eq!(stream.finish(), []);
     }
 }

@@ -195,4 +195,14 @@ mod tests {
         assert!(P.parse(text, KNOWN).calls.is_empty());
         stream_sends_no_call_after(P, text, KNOWN, 1);
     }
+
+    #[test]
+    fn a_call_is_sent_once_a_separator_or_the_end_confirms_it() {
+        let call = super::super::testutil::noop_call;
+        let mut stream = P.streamer(vec!["noop".into()]);
+        assert_eq!(stream.push(" {\"name\": \"noop\", \"parameters\": {}}"), []);
+        assert_eq!(stream.push(";"), call(0));
+        assert_eq!(stream.push(" {\"name\": \"noop\"}\n"), []);
+        assert_eq!(stream.finish(), call(1));
+    }
 }

@@ -311,4 +311,23 @@ mod tests {
             assert!(!name_may_continue(held, &known), "{held:?}");
         }
     }
+
+    #[test]
+    fn calls_are_sent_as_soon_as_they_are_known() {
+        use super::super::StreamEvent::Content;
+        let call = super::super::testutil::noop_call;
+        let mut stream = P.streamer(vec!["noop".into()]);
+        assert_eq!(stream.push("Ok [TOOL"), [Content("Ok ".into())]);
+        assert_eq!(
+            stream.push("_CALLS][{\"name\": \"noop\", \"arguments\": {}}"),
+            []
+        );
+        assert_eq!(stream.push(", "), call(0));
+        assert_eq!(stream.push("{\"name\": \"noop\"}]"), call(1));
+        assert_eq!(stream.push("[TOOL_CALLS]noop[ARGS]{}"), call(2));
+        assert_eq!(stream.finish(), []);
+        let mut stream = P.streamer(vec!["noop".into()]);
+        assert_eq!(stream.push("[TOOL_CALLS]no"), []);
+        assert_eq!(stream.push("t"), [Content("[TOOL_CALLS]not".into())]);
+    }
 }
