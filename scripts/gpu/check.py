@@ -903,6 +903,95 @@ def part_prefix(a, out: Path) -> None:
         emit(out, rec)
 
 
+def bytelevel_tokenizer(vocab: int, path: Path) -> None:
+    """A byte-level BPE vocabulary of `vocab` tokens (GPT-2's byte alphabet, then merges of random
+    pairs of letters, digits, spaces and JSON punctuation), so grammars see a realistic 128k trie
+    where the word-level test tokenizer has no punctuation at all."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    rng = random.Random(0)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab_map = {c: i for i, c in enumerate(alphabet)}
+    common = [c for c in alphabet if c.isalnum()] + ["\u0120"] * 8 + list('{}[]":,.-_')
+    tokens = list(common)
+    merges = []
+    while len(vocab_map) < vocab:
+        a = rng.choice(tokens)
+        b = rng.choice(common)
+        s = a + b
+        if s in vocab_map or len(s) > 12:
+            continue
+        vocab_map[s] = len(vocab_map)
+        merges.append((a, b))
+        tokens.append(s)
+    tok = Tokenizer(models.BPE(vocab_map, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def part_structured(a, out: Path) -> None:
+    """Structured output on the 8B shape with a 128k byte-level vocabulary: grammar compile time
+    and per-token mask time for a 50-field schema (`rserve bench grammar`), then 64 concurrent
+    json_schema requests against the same load unconstrained, on one server, in one call."""
+    kind = a.big.split(",")[0]
+    _, path = fresh_checkpoint(kind, Path(a.scratch))
+    sdir = Path(a.scratch) / f"{kind}-bytelevel"
+    sdir.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json") and not (sdir / f.name).exists():
+            (sdir / f.name).symlink_to(f)
+    if not (sdir / "tokenizer.json").exists():
+        bytelevel_tokenizer(128256, sdir)
+    rec: dict = {"part": "structured", "model": kind}
+    r = subprocess.run([str(a.binary), "bench", "grammar", str(sdir), "--fields", "50", "--tokens", "512",
+                        "--json"], capture_output=True, text=True, timeout=600)
+    rec["grammar"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-2000:]
+    # no prefix cache: every run sends the same prompts, and later runs would find them cached
+    srv = Server(a.binary, str(sdir), a.port, out, "--max-model-len", "4096", "--no-enable-prefix-caching",
+                 tag="-structured")
+    try:
+        common = ["--num-prompts", "256", "--max-concurrency", "64", "--random-input-len", "512",
+                  "--random-output-len", "256"]
+        # warm-up (graph captures, allocations, the vocabulary index)
+        bench_json(a, srv, "--num-prompts", "64", "--max-concurrency", "64", "--random-input-len", "512",
+                   "--random-output-len", "64", "--structured-output", "json_schema")
+        for label, extra in (("plain", []), ("json_schema", ["--structured-output", "json_schema"]),
+                             ("plain_again", [])):
+            r = bench_json(a, srv, *common, *extra)
+            rec[f"{label}_output_tok_s"] = r["output_throughput"]
+            rec[f"{label}_tpot_ms"] = r["tpot_ms"]["median"]
+            rec[f"{label}_failed"] = r["failed"]
+        with urllib.request.urlopen(srv.url + "/metrics") as resp:
+            metrics = resp.read().decode()
+        vals = {}
+        for line in metrics.splitlines():
+            if line.startswith("rserve:structured_output_mask"):
+                name, v = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+                vals[name] = v
+        masks = vals.get("rserve:structured_output_masks_total", 0.0)
+        secs = vals.get("rserve:structured_output_mask_seconds_total", 0.0)
+        rec["server_masks"] = masks
+        rec["server_mask_us_per_row"] = secs / masks * 1e6 if masks else None
+        base = (rec["plain_output_tok_s"] + rec["plain_again_output_tok_s"]) / 2
+        rec["json_schema_vs_plain"] = rec["json_schema_output_tok_s"] / base
+        # a sample of the constrained output, to show it is JSON
+        schema = {"type": "object", "properties": {"id": {"type": "integer", "maximum": 1000},
+                                                   "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+                  "required": ["id", "ok", "tag"], "additionalProperties": False}
+        s = srv.post("/v1/completions", {"model": srv.model_name(), "prompt": [5, 6, 7], "max_tokens": 64,
+                                         "temperature": 0, "response_format": {
+                                             "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+        rec["sample"] = s["choices"][0]["text"][:200]
+    except Exception as e:  # keep what was measured
+        rec["error"] = repr(e)[-2000:]
+    finally:
+        srv.stop()
+    emit(out, rec)
+
+
 def part_coldstart(a, out: Path) -> None:
     d = FIXTURES / "models" / "llama3"
     cache = Path(os.environ.get("CUDA_CACHE_PATH", "/tmp/rserve-cuda-cache"))
@@ -932,7 +1021,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
              "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora,
-             "prefix": part_prefix}
+             "prefix": part_prefix, "structured": part_structured}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

@@ -121,7 +121,8 @@ pub struct GenerationDefaults {
     pub repetition_penalty: Option<f32>,
 }
 
-fn generation_defaults(
+/// The generation settings of a checkpoint directory (`generation_config.json`, then `config.json`).
+pub fn generation_defaults(
     dir: &Path,
     cfg: &HfConfig,
     vocab_size: usize,

@@ -5,6 +5,46 @@
 
 use rserve_kernels::sampling::{reference_distribution, LogitEdit, RowSampling};
 
+/// A mask over `vocab` tokens allowing every token whose id hash is below `keep` of 256 (and
+/// junk bits past the vocabulary, which must be ignored).
+fn random_mask(vocab: usize, seed: u32, keep: u32) -> Vec<u32> {
+    let words = vocab.div_ceil(32) + 1;
+    (0..words as u32)
+        .map(|w| {
+            (0..32u32).fold(0u32, |m, b| {
+                let h = (w * 32 + b).wrapping_mul(2654435761).wrapping_add(seed) >> 24;
+                m | (u32::from(h < keep) << b)
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn the_cpu_bitmask_masks_exactly_the_cleared_bits() {
+    use candle_core::{Device, Tensor};
+    use rserve_kernels::sampling::{apply_token_bitmask, mask_row, ReadbackPool};
+    let (rows, vocab) = (4usize, 1000usize);
+    let data: Vec<f32> = (0..rows * vocab).map(|i| i as f32 * 0.01).collect();
+    let logits = Tensor::from_vec(data.clone(), (rows, vocab), &Device::Cpu).unwrap();
+    let words = vocab.div_ceil(32) + 1;
+    let masks: Vec<u32> = [random_mask(vocab, 1, 128), random_mask(vocab, 2, 3)].concat();
+    let mut pool = ReadbackPool::default();
+    apply_token_bitmask(&logits, &[2, 0], &masks, words, &mut pool).unwrap();
+    let got = logits.to_vec2::<f32>().unwrap();
+    for (r, row) in got.iter().enumerate() {
+        let mut want = data[r * vocab..][..vocab].to_vec();
+        match r {
+            2 => mask_row(&mut want, &masks[..words]),
+            0 => mask_row(&mut want, &masks[words..]),
+            _ => {}
+        }
+        assert_eq!(row, &want, "row {r}");
+    }
+    assert!(got[0].iter().any(|x| x.is_finite()) && got[0].iter().any(|x| !x.is_finite()));
+    assert!(apply_token_bitmask(&logits, &[4], &masks[..words], words, &mut pool).is_err());
+    assert!(apply_token_bitmask(&logits, &[0], &masks[..3], 3, &mut pool).is_err());
+}
+
 #[test]
 fn reference_applies_thresholds_in_order() {
     let row = [3.0f32, 2.0, 1.0, 0.0, -1.0];
@@ -159,6 +199,42 @@ mod cuda {
         ];
         for s in &cases {
             check(&row, s, 20000, 1.0)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn cuda_bitmask_matches_the_cpu_rule() -> Result<()> {
+        use rserve_kernels::sampling::{apply_token_bitmask, mask_row, ReadbackPool};
+        let (rows, vocab) = (5usize, 128_256usize);
+        let data: Vec<f32> = (0..rows as u64)
+            .flat_map(|r| random_row(vocab, r))
+            .collect();
+        let words = vocab.div_ceil(32);
+        let mut pool = ReadbackPool::default();
+        // twice: the second call reuses the staging buffer
+        for round in 0..2u32 {
+            let logits = Tensor::from_vec(data.clone(), (rows, vocab), &gpu())?;
+            let picked = [3u32, 0, 4];
+            let masks: Vec<u32> = picked
+                .iter()
+                .flat_map(|&r| random_mask(vocab, r + round * 7, 40)[..words].to_vec())
+                .collect();
+            apply_token_bitmask(&logits, &picked, &masks, words, &mut pool)?;
+            let got = logits.to_vec2::<f32>()?;
+            for (r, row) in got.iter().enumerate() {
+                let mut want = data[r * vocab..][..vocab].to_vec();
+                if let Some(i) = picked.iter().position(|&p| p as usize == r) {
+                    mask_row(&mut want, &masks[i * words..][..words]);
+                }
+                assert_eq!(row, &want, "round {round} row {r}");
+            }
+            // greedy sampling of a masked row picks an allowed token
+            let s = RowSampling::default();
+            let out = sample_rows(&logits, &vec![s; rows])?;
+            let m = &masks[..words];
+            let t = out[3].0 as usize;
+            assert!((m[t / 32] >> (t % 32)) & 1 == 1, "token {t} allowed");
         }
         Ok(())
     }

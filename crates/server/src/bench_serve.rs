@@ -237,6 +237,25 @@ fn stats(v: &mut [f64]) -> (f64, f64, f64) {
     (mean, pct(0.5), pct(0.99))
 }
 
+/// `--structured-output json_schema`: an array of records with more items than any output holds.
+fn records_schema() -> Value {
+    let record = json!({
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+            "name": {"type": "string", "maxLength": 16},
+            "kind": {"enum": ["user", "group", "service", "device"]},
+            "active": {"type": "boolean"},
+            "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+        },
+        "required": ["id", "name", "kind", "active", "scores"],
+        "additionalProperties": false,
+    });
+    json!({"type": "json_schema", "json_schema": {"name": "records", "schema": {
+        "type": "array", "items": record, "minItems": 100000,
+    }}})
+}
+
 pub fn run(args: BenchServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -274,7 +293,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             tokio::time::sleep(Duration::from_secs_f64(gap)).await;
         }
         let permit = sem.clone().acquire_owned().await?;
-        let body = json!({
+        let mut body = json!({
             "model": match args.lora_modules.len() {
                 0 => args.model.as_str(),
                 k => args.lora_modules[i % k].as_str(),
@@ -282,6 +301,9 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             "prompt": p, "max_tokens": output_len, "ignore_eos": true,
             "temperature": 0.0, "stream": true, "stream_options": {"include_usage": true},
         });
+        if args.structured_output.is_some() {
+            body["response_format"] = records_schema();
+        }
         let (host, path, auth) = (host.clone(), path.clone(), auth.clone());
         tasks.push(tokio::spawn(async move {
             let r = one_request(&host, &path, auth.as_deref(), &body).await;
@@ -316,6 +338,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     let report = json!({
         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "dataset": args.dataset_name, "input_len": input_len, "output_len": output_len,
+        "structured_output": args.structured_output,
         "cached_prompt_tokens": cached_tokens,
         "prefix_cache_hit_rate": cached_tokens as f64 / in_tokens.max(1) as f64,
         "successful": ok.len(), "failed": failed, "duration_s": dur,

@@ -314,6 +314,26 @@ pub struct BenchCommand {
 pub enum BenchSub {
     /// Load an OpenAI-compatible server like `vllm bench serve` and report latency percentiles.
     Serve(BenchServeArgs),
+    /// Structured output's host cost for a model's vocabulary: grammar compile time and the
+    /// time to compute each token mask.
+    Grammar(BenchGrammarArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchGrammarArgs {
+    /// A model directory or hub id (its tokenizer and config are read; no weights).
+    pub model: String,
+    /// Fields of the JSON schema compiled.
+    #[arg(long, default_value_t = 50)]
+    pub fields: usize,
+    /// Steps of the walk whose masks are timed.
+    #[arg(long, default_value_t = 512)]
+    pub tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -361,6 +381,11 @@ pub struct BenchServeArgs {
     pub seed: u64,
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Constrain every output: `json_schema` asks for a JSON array of records (an integer, a
+    /// short string, an enum, a boolean, a list of numbers) long enough that each output runs to
+    /// its length, as the unconstrained ones do with `ignore_eos`.
+    #[arg(long, value_parser = ["json_schema"])]
+    pub structured_output: Option<String>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,

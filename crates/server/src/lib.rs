@@ -5,6 +5,7 @@
 
 pub mod adapters;
 pub mod bench;
+pub mod bench_grammar;
 pub mod bench_serve;
 pub mod cli;
 mod listener;
@@ -154,6 +155,7 @@ where
         Command::Generate(a) => generate(a),
         Command::Bench(b) => match b.serve {
             Some(cli::BenchSub::Serve(a)) => bench_serve::run(a),
+            Some(cli::BenchSub::Grammar(a)) => bench_grammar::run(a),
             None => bench::run(b.local),
         },
         Command::Adapters(cli::AdaptersCommand::Inspect(a)) => adapters::inspect(a),

@@ -235,6 +235,7 @@ impl Engine {
             lora: lora.as_ref().map(|(r, _)| r.clone()),
             grammars: Arc::new(grammars),
         });
+        info.grammars.warm_up_in_background();
         let stats = Arc::new(EngineStats::default());
         // the engine thread runs on its own stream: everything queued here must be done first
         device

@@ -308,6 +308,22 @@ impl Grammars {
         self
     }
 
+    /// Indexes the vocabulary on a background thread (half a second for a 128k vocabulary), so the
+    /// first constrained request does not wait for it.
+    pub fn warm_up_in_background(self: &Arc<Self>) {
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rserve-grammar-index".into())
+            .spawn(move || {
+                if let Err(e) = me.factory() {
+                    tracing::warn!("{e}");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("indexing the vocabulary for grammars: {e}");
+        }
+    }
+
     fn factory(&self) -> Result<&ParserFactory, GrammarError> {
         self.factory
             .get_or_init(|| {
