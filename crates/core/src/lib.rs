@@ -17,6 +17,7 @@ pub mod loader;
 pub mod lora;
 pub mod model_runner;
 pub mod models;
+pub mod multimodal;
 mod output;
 pub mod quant;
 pub mod request;

@@ -1,0 +1,159 @@
+//! Images for vision models: decoding (PNG, JPEG, WebP, GIF's first frame) with a pixel limit
+//! checked from the header before any pixel is decoded, conversion to RGB as the Hugging Face
+//! processors do it (transparency composited onto white with Pillow's arithmetic), a content hash for cache keys, and each architecture's preprocessing
+//! exactly as its Hugging Face processor computes it ([`qwen2_vl`], [`clip`]).
+//!
+//! Pure functions over bytes and vectors; no tensors, no model state.
+
+pub mod clip;
+pub mod qwen2_vl;
+pub mod resample;
+
+use sha2::{Digest, Sha256};
+use std::io::Cursor;
+
+/// Largest image accepted by default, in pixels (a decompression bomb is refused from its header).
+pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 * 1024 * 1024;
+
+/// An 8-bit RGB image, row-major, 3 bytes a pixel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RgbImage {
+    pub width: usize,
+    pub height: usize,
+    pub data: Vec<u8>,
+}
+
+/// Why an image was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageError {
+    #[error("the data is not an image in a supported format (PNG, JPEG, WebP, GIF)")]
+    UnknownFormat,
+    #[error("the image could not be decoded: {0}")]
+    Decode(String),
+    #[error("the image is {width}x{height} pixels, more than the limit of {limit} pixels")]
+    TooLarge { width: u32, height: u32, limit: u64 },
+    #[error("the image has no pixels")]
+    Empty,
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl RgbImage {
+    /// The RGB image of `data` (row-major, 3 bytes a pixel).
+    pub fn new(width: usize, height: usize, data: Vec<u8>) -> Result<Self, ImageError> {
+        if width == 0 || height == 0 {
+            return Err(ImageError::Empty);
+        }
+        if data.len() != width * height * 3 {
+            return Err(ImageError::Decode(format!(
+                "{} bytes for {width}x{height} RGB",
+                data.len()
+            )));
+        }
+        Ok(Self {
+            width,
+            height,
+            data,
+        })
+    }
+
+    /// SHA-256 of the size and the pixels: equal images, however encoded, hash alike.
+    pub fn content_hash(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update((self.width as u64).to_le_bytes());
+        h.update((self.height as u64).to_le_bytes());
+        h.update(&self.data);
+        h.finalize().into()
+    }
+
+    /// The image resized with Pillow's arithmetic.
+    pub fn resized(&self, width: usize, height: usize, filter: resample::Filter) -> RgbImage {
+        RgbImage {
+            width,
+            height,
+            data: resample::resize_rgb(&self.data, self.width, self.height, width, height, filter),
+        }
+    }
+}
+
+/// Decodes an encoded image into RGB. The size is read from the header first: more than
+/// `max_pixels` pixels is refused before decoding. Transparency (an alpha channel or a palette's
+/// transparent entries) is composited onto white, as the Hugging Face processors'
+/// `convert_to_rgb` does; grey is replicated, palettes are expanded; 16-bit channels are scaled
+/// to 8 bits.
+pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
+    let reader = image::ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    if reader.format().is_none() {
+        return Err(ImageError::UnknownFormat);
+    }
+    let (width, height) = reader
+        .into_dimensions()
+        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    if width == 0 || height == 0 {
+        return Err(ImageError::Empty);
+    }
+    if u64::from(width) * u64::from(height) > max_pixels {
+        return Err(ImageError::TooLarge {
+            width,
+            height,
+            limit: max_pixels,
+        });
+    }
+    let mut reader = image::ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(width);
+    limits.max_image_height = Some(height);
+    limits.max_alloc = Some(max_pixels.saturating_mul(16));
+    reader.limits(limits);
+    let img = reader
+        .decode()
+        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    let data = if img.color().has_alpha() {
+        img.to_rgba8()
+            .into_raw()
+            .chunks_exact(4)
+            .flat_map(over_white)
+            .collect()
+    } else {
+        img.to_rgb8().into_raw()
+    };
+    RgbImage::new(w, h, data)
+}
+
+/// One RGBA pixel composited onto opaque white, as Pillow's `alpha_composite` computes it
+/// (7 fractional bits, divisions by 255 rounded).
+fn over_white(p: &[u8]) -> [u8; 3] {
+    let a = u32::from(p[3]);
+    if a == 0 {
+        return [255; 3];
+    }
+    const BITS: u32 = 7;
+    let div255 = |x: u32| ((x >> 8) + x) >> 8;
+    let out_a = a * 255 + 255 * (255 - a);
+    let coef1 = a * 255 * 255 * (1 << BITS) / out_a;
+    let coef2 = 255 * (1 << BITS) - coef1;
+    let mix = |c: u8| (div255(u32::from(c) * coef1 + 255 * coef2 + (0x80 << BITS)) >> BITS) as u8;
+    [mix(p[0]), mix(p[1]), mix(p[2])]
+}
+
+/// `x * scale` as f32 then `(x - mean) / std` per channel, in f32, as the Hugging Face
+/// processors rescale and normalize; channel-first (`[3, height, width]`).
+pub fn normalize_chw(img: &RgbImage, mean: [f32; 3], std: [f32; 3]) -> Vec<f32> {
+    let plane = img.width * img.height;
+    let mut out = vec![0f32; 3 * plane];
+    for (i, px) in img.data.chunks_exact(3).enumerate() {
+        for c in 0..3 {
+            let x = (f64::from(px[c]) * (1.0 / 255.0)) as f32;
+            out[c * plane + i] = (x - mean[c]) / std[c];
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

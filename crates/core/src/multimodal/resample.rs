@@ -1,0 +1,222 @@
+//! Resizing 8-bit RGB images exactly as Pillow's `Image.resize` does (the Hugging Face image
+//! processors resize through Pillow, so their pixel values are only reproduced bit for bit by the
+//! same arithmetic): a separable convolution, horizontal pass first over the rows the vertical pass
+//! needs, each output pixel a fixed-point weighted sum (22 fractional bits) rounded and clamped to
+//! 8 bits between the passes. The filter's support widens with the downscaling factor
+//! (antialiasing), as Pillow's does.
+
+/// A resampling filter: its support (in source pixels at scale 1) and its kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filter {
+    /// Pillow's `BICUBIC` (Keys' cubic, a = -0.5).
+    Bicubic,
+    /// Pillow's `BILINEAR` (the triangle filter).
+    Bilinear,
+}
+
+impl Filter {
+    fn support(self) -> f64 {
+        match self {
+            Filter::Bicubic => 2.0,
+            Filter::Bilinear => 1.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        let x = x.abs();
+        match self {
+            Filter::Bicubic => {
+                const A: f64 = -0.5;
+                if x < 1.0 {
+                    ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+                } else if x < 2.0 {
+                    (((x - 5.0) * x + 8.0) * x - 4.0) * A
+                } else {
+                    0.0
+                }
+            }
+            Filter::Bilinear => {
+                if x < 1.0 {
+                    1.0 - x
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+const PRECISION_BITS: u32 = 32 - 8 - 2;
+
+/// For each output position: the first source index, the number of taps and their fixed-point
+/// weights (`ksize` slots each).
+struct Coeffs {
+    bounds: Vec<(usize, usize)>,
+    weights: Vec<i32>,
+    ksize: usize,
+}
+
+fn coeffs(in_size: usize, out_size: usize, filter: Filter) -> Coeffs {
+    let scale = in_size as f64 / out_size as f64;
+    let filterscale = scale.max(1.0);
+    let support = filter.support() * filterscale;
+    let ksize = support.ceil() as usize * 2 + 1;
+    let mut bounds = Vec::with_capacity(out_size);
+    let mut weights = vec![0i32; out_size * ksize];
+    let mut k = vec![0f64; ksize];
+    for xx in 0..out_size {
+        let center = (xx as f64 + 0.5) * scale;
+        let ss = 1.0 / filterscale;
+        // Pillow truncates toward zero after adding one half
+        let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+        let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
+        let n = xmax.saturating_sub(xmin).min(ksize);
+        let mut ww = 0.0;
+        for (x, kx) in k.iter_mut().enumerate().take(n) {
+            let w = filter.weight(((x + xmin) as f64 - center + 0.5) * ss);
+            *kx = w;
+            ww += w;
+        }
+        let row = &mut weights[xx * ksize..][..ksize];
+        for (dst, &w) in row.iter_mut().zip(&k).take(n) {
+            let w = if ww != 0.0 { w / ww } else { w };
+            let fixed = w * f64::from(1u32 << PRECISION_BITS);
+            *dst = if w < 0.0 {
+                (-0.5 + fixed) as i32
+            } else {
+                (0.5 + fixed) as i32
+            };
+        }
+        bounds.push((xmin, n));
+    }
+    Coeffs {
+        bounds,
+        weights,
+        ksize,
+    }
+}
+
+fn clip8(v: i64) -> u8 {
+    if v >= (1i64 << PRECISION_BITS << 8) {
+        255
+    } else if v <= 0 {
+        0
+    } else {
+        (v >> PRECISION_BITS) as u8
+    }
+}
+
+/// One horizontal pass: `rows` rows of `src` (width `w`) from row `first`, each resampled to
+/// `ow` pixels.
+fn horizontal(src: &[u8], w: usize, first: usize, rows: usize, ow: usize, c: &Coeffs) -> Vec<u8> {
+    let round = 1i64 << (PRECISION_BITS - 1);
+    let mut out = vec![0u8; ow * rows * 3];
+    for y in 0..rows {
+        let line = &src[(y + first) * w * 3..][..w * 3];
+        for (xx, &(xmin, n)) in c.bounds.iter().enumerate() {
+            let k = &c.weights[xx * c.ksize..][..n];
+            let mut ss = [round; 3];
+            for (x, &kx) in k.iter().enumerate() {
+                let p = &line[(x + xmin) * 3..][..3];
+                for ch in 0..3 {
+                    ss[ch] += i64::from(p[ch]) * i64::from(kx);
+                }
+            }
+            for ch in 0..3 {
+                out[(y * ow + xx) * 3 + ch] = clip8(ss[ch]);
+            }
+        }
+    }
+    out
+}
+
+/// One vertical pass over `src` (width `w`) whose row 0 is source row `row0`.
+fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs) -> Vec<u8> {
+    let round = 1i64 << (PRECISION_BITS - 1);
+    let oh = c.bounds.len();
+    let mut out = vec![0u8; w * oh * 3];
+    for (yy, &(ymin, n)) in c.bounds.iter().enumerate() {
+        let k = &c.weights[yy * c.ksize..][..n];
+        for xx in 0..w {
+            let mut ss = [round; 3];
+            for (y, &ky) in k.iter().enumerate() {
+                let p = &src[((y + ymin - row0) * w + xx) * 3..][..3];
+                for ch in 0..3 {
+                    ss[ch] += i64::from(p[ch]) * i64::from(ky);
+                }
+            }
+            for ch in 0..3 {
+                out[(yy * w + xx) * 3 + ch] = clip8(ss[ch]);
+            }
+        }
+    }
+    out
+}
+
+/// `src` (`w` x `h` RGB, row-major, 3 bytes a pixel) resized to `ow` x `oh` with `filter`. The
+/// passes run in Pillow's (13) order: horizontal first, unless the height shrinks by more than
+/// twice what the width does.
+pub fn resize_rgb(src: &[u8], w: usize, h: usize, ow: usize, oh: usize, filter: Filter) -> Vec<u8> {
+    if (w, h) == (ow, oh) {
+        return src.to_vec();
+    }
+    if w == 0 || h == 0 || ow == 0 || oh == 0 {
+        return vec![0; ow * oh * 3];
+    }
+    let shrink_h = h as i64 - oh as i64;
+    let horizontal_first = !(shrink_h > 0 && shrink_h > (w as i64 - ow as i64) * 2);
+    let need_h = ow != w;
+    let need_v = oh != h;
+    let vert = coeffs(h, oh, filter);
+    let horiz = coeffs(w, ow, filter);
+    if horizontal_first {
+        if !need_h {
+            return vertical(src, w, 0, &vert);
+        }
+        // only the rows the vertical pass reads
+        let first = vert.bounds.first().map_or(0, |b| b.0);
+        let last = vert.bounds.last().map_or(h, |b| b.0 + b.1);
+        let tmp = horizontal(src, w, first, last - first, ow, &horiz);
+        if !need_v {
+            return tmp;
+        }
+        vertical(&tmp, ow, first, &vert)
+    } else {
+        let tmp = vertical(src, w, 0, &vert);
+        if !need_h {
+            return tmp;
+        }
+        horizontal(&tmp, w, 0, oh, ow, &horiz)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_sum_to_one_in_fixed_point() {
+        for (i, o) in [(70, 28), (28, 70), (337, 336), (1000, 14)] {
+            let c = coeffs(i, o, Filter::Bicubic);
+            for (xx, &(_, n)) in c.bounds.iter().enumerate() {
+                let s: i64 = c.weights[xx * c.ksize..][..n]
+                    .iter()
+                    .map(|&k| i64::from(k))
+                    .sum();
+                assert!(
+                    (s - (1 << PRECISION_BITS)).abs() <= n as i64,
+                    "{i}->{o} at {xx}: {s}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_flat_image_stays_flat_and_sizes_are_kept() {
+        let src = vec![77u8; 13 * 9 * 3];
+        let out = resize_rgb(&src, 13, 9, 28, 5, Filter::Bicubic);
+        assert_eq!(out.len(), 28 * 5 * 3);
+        assert!(out.iter().all(|&v| v == 77));
+        assert_eq!(resize_rgb(&src, 13, 9, 13, 9, Filter::Bicubic), src);
+    }
+}

@@ -1,0 +1,160 @@
+//! The preprocessing against the Hugging Face processors' goldens
+//! (`tests/fixtures/make_vision_goldens.py`): the processors' RGB conversion byte for byte, and the
+//! Qwen2-VL and CLIP pixel values within 1e-5.
+
+use super::clip::ClipConfig;
+use super::qwen2_vl::Qwen2VlConfig;
+use super::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
+}
+
+fn index() -> Value {
+    let text = std::fs::read_to_string(dir().join("goldens.json")).expect("goldens.json");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn f32s(name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir().join(name)).expect("golden");
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-5, "{what}: max difference {worst}");
+}
+
+fn images() -> Vec<(String, RgbImage)> {
+    let idx = index();
+    idx["images"]
+        .as_array()
+        .expect("images")
+        .iter()
+        .map(|e| {
+            let name = e["name"].as_str().expect("name").to_string();
+            let png = std::fs::read(dir().join(format!("{name}.png"))).expect("png");
+            let img = decode(&png, DEFAULT_MAX_IMAGE_PIXELS).expect("decodes");
+            (name, img)
+        })
+        .collect()
+}
+
+#[test]
+fn decoding_matches_the_processors_rgb_conversion() {
+    for (name, img) in images() {
+        let want = std::fs::read(dir().join(format!("{name}.rgb"))).expect("rgb");
+        assert_eq!(img.data, want, "{name}");
+    }
+}
+
+#[test]
+fn qwen2_vl_pixels_match_the_processor() {
+    let idx = index();
+    let cfg: Qwen2VlConfig = serde_json::from_value(idx["qwen2_vl"].clone()).expect("config");
+    for ((name, img), e) in images()
+        .iter()
+        .zip(idx["images"].as_array().expect("images"))
+    {
+        let got = cfg.preprocess(img).expect("preprocess");
+        let grid: Vec<usize> = e["qwen2_vl_grid_thw"]
+            .as_array()
+            .expect("grid")
+            .iter()
+            .map(|v| v.as_u64().expect("int") as usize)
+            .collect();
+        assert_eq!(got.grid_thw.to_vec(), grid, "{name}");
+        close(
+            &got.pixel_values,
+            &f32s(&format!("{name}.qwen2_vl.f32")),
+            name,
+        );
+    }
+}
+
+#[test]
+fn clip_pixels_match_the_processor() {
+    let idx = index();
+    let cfg = ClipConfig {
+        shortest_edge: idx["clip"]["shortest_edge"].as_u64().expect("edge") as usize,
+        crop_size: idx["clip"]["crop_size"].as_u64().expect("crop") as usize,
+        ..ClipConfig::default()
+    };
+    for (name, img) in images() {
+        let got = cfg.preprocess(&img).expect("preprocess");
+        close(&got, &f32s(&format!("{name}.clip.f32")), &name);
+    }
+}
+
+#[test]
+fn smart_resize_keeps_the_bounds() {
+    let cfg = Qwen2VlConfig::default();
+    for (h, w) in [
+        (1, 1),
+        (28, 28),
+        (1080, 1920),
+        (4000, 3000),
+        (100, 5000),
+        (57, 83),
+    ] {
+        let (rh, rw) = cfg.smart_resize(h, w).expect("fits");
+        assert_eq!((rh % 28, rw % 28), (0, 0), "{h}x{w}");
+        assert!(
+            rh * rw <= 28 * 28 * 1280 && rh * rw >= 56 * 56,
+            "{h}x{w} -> {rh}x{rw}"
+        );
+    }
+    assert!(cfg.smart_resize(1, 300).is_err(), "aspect ratio above 200");
+}
+
+#[test]
+fn bad_images_are_refused_with_the_reason() {
+    assert_eq!(
+        decode(b"not an image", 1 << 20),
+        Err(ImageError::UnknownFormat)
+    );
+    let png = std::fs::read(dir().join("rgb_160x120.png")).expect("png");
+    assert!(matches!(
+        decode(&png, 160 * 120 - 1),
+        Err(ImageError::TooLarge {
+            width: 160,
+            height: 120,
+            ..
+        })
+    ));
+    assert!(matches!(
+        decode(&png[..png.len() / 2], 1 << 20),
+        Err(ImageError::Decode(_))
+    ));
+    // every truncation and a few corruptions fail cleanly
+    for cut in (0..png.len()).step_by(997) {
+        let _ = decode(&png[..cut], 1 << 20);
+    }
+    let mut bad = png.clone();
+    for i in (40..bad.len()).step_by(53) {
+        bad[i] ^= 0x5a;
+    }
+    let _ = decode(&bad, 1 << 20);
+}
+
+#[test]
+fn equal_pixels_hash_alike() {
+    let a = RgbImage::new(2, 1, vec![1, 2, 3, 4, 5, 6]).expect("image");
+    let b = RgbImage::new(1, 2, vec![1, 2, 3, 4, 5, 6]).expect("image");
+    assert_eq!(a.content_hash(), a.clone().content_hash());
+    assert_ne!(
+        a.content_hash(),
+        b.content_hash(),
+        "the size is part of the hash"
+    );
+}
