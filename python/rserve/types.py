@@ -80,8 +80,7 @@ class StructuredOutputsParams(BaseModel):
 
     def to_engine(self) -> Dict[str, Any]:
         """The engine's form (`json` holds the schema itself)."""
-        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
-        return data
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 GuidedDecodingParams = StructuredOutputsParams

@@ -38,59 +38,43 @@ pub(super) fn step(state: &mut State, core: &mut Core, eof: bool) {
                 }
                 *state = State::Open;
             }
-            State::Open => {
-                core.skip_ws();
-                match core.peek() {
-                    None => {
-                        if eof {
-                            core.fall_back();
-                        }
+            State::Open => match core.next_or_fall_back(eof) {
+                None => return,
+                Some('[') => {
+                    core.take(1);
+                    *state = State::Element;
+                }
+                Some('{') => {
+                    if !core.take_call(None, eof) {
                         return;
                     }
-                    Some('[') => {
-                        core.take(1);
-                        *state = State::Element;
-                    }
-                    Some('{') => {
-                        if !core.take_call(None, eof) {
-                            return;
-                        }
-                        *state = State::Content;
-                    }
-                    Some(_) => *state = State::Name,
+                    *state = State::Content;
                 }
-            }
+                Some(_) => *state = State::Name,
+            },
             State::Element => {
                 if !core.read_call(None, eof) {
                     return;
                 }
                 *state = State::Next;
             }
-            State::Next => {
-                core.skip_ws();
-                match core.peek() {
-                    None => {
-                        if eof {
-                            core.fall_back();
-                        }
-                        return;
-                    }
-                    Some(',') => {
-                        core.take(1);
-                        core.send_pending();
-                        *state = State::Element;
-                    }
-                    Some(']') => {
-                        core.take(1);
-                        core.send_pending();
-                        *state = State::Content;
-                    }
-                    Some(_) => {
-                        core.fall_back();
-                        return;
-                    }
+            State::Next => match core.next_or_fall_back(eof) {
+                None => return,
+                Some(',') => {
+                    core.take(1);
+                    core.send_pending();
+                    *state = State::Element;
                 }
-            }
+                Some(']') => {
+                    core.take(1);
+                    core.send_pending();
+                    *state = State::Content;
+                }
+                Some(_) => {
+                    core.fall_back();
+                    return;
+                }
+            },
             State::Name => {
                 let held = core.unread();
                 if let Some(at) = held.find(ARGS) {

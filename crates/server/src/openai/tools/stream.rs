@@ -121,6 +121,17 @@ impl Core {
         self.buf.chars().next()
     }
 
+    /// The next character after whitespace; at the end of the output, when none is left, the
+    /// held text falls back to content.
+    pub(super) fn next_or_fall_back(&mut self, eof: bool) -> Option<char> {
+        self.skip_ws();
+        let c = self.peek();
+        if c.is_none() && eof {
+            self.fall_back();
+        }
+        c
+    }
+
     pub(super) fn starts(&self, lit: &str, eof: bool) -> Lit {
         if self.buf.starts_with(lit) {
             Lit::Yes
