@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         params,
         lora: None,
         cache_salt: None,
+        mm: None,
     })?;
     // each item is a delta: the text and tokens that are new since the last one
     while let Some(delta) = stream.blocking_next() {

@@ -64,12 +64,22 @@ class Engine:
         """Token ids of a conversation (JSON list of {"role", "content"}) rendered with the chat
         template; ValueError on bad messages or template errors."""
 
+    def chat_images(self, messages_json: str) -> list[bytes]:
+        """The encoded images of a conversation's `image_url` parts (data: URIs or http(s)
+        URLs), in order; ValueError for a bad URL, a failed fetch or a model without vision."""
+
     def submit(
-        self, prompt: str | list[int], params_json: str, lora: str | None = None
+        self,
+        prompt: str | list[int],
+        params_json: str,
+        lora: str | None = None,
+        images: list[bytes] | None = None,
     ) -> RequestStream:
         """Starts a request, with the LoRA adapter registered as `lora` when given. Text prompts
-        are tokenized with special tokens. ValueError for invalid parameters, an empty prompt,
-        one over the context length, or an adapter name that is not registered."""
+        are tokenized with special tokens. `images` (encoded PNG, JPEG, WebP or GIF) fill the
+        prompt's image placeholders in order. ValueError for invalid parameters, an empty prompt,
+        one over the context length, an adapter name that is not registered, or images that are
+        invalid, do not match the placeholders or are given to a text-only model."""
 
     def load_lora(self, name: str, path: str) -> int:
         """Registers a LoRA adapter (a PEFT directory or hub id), read and checked now; returns

@@ -9,6 +9,8 @@ requests are batched together.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import os
 import re
@@ -28,6 +30,8 @@ __all__ = ["LLM", "resolve_model", "is_hub_id", "HUB_ALLOW_PATTERNS"]
 Prompt = Union[str, Sequence[int]]
 #: One chat conversation: a list of {"role", "content"} messages.
 Conversation = Sequence[Mapping[str, Any]]
+# a prompt to submit: the prompt, its text (when given as text) and its encoded images
+_Job = tuple[Prompt, Union[str, None], list[bytes]]
 ParamsArg = Union[SamplingParams, Mapping[str, Any], None]
 LoraArg = Union[LoRARequest, None]
 
@@ -393,9 +397,12 @@ class LLM:
         result is awaited, so they are batched together.
         """
         items = _normalize_prompts(prompts)
+        raw = _prompt_list(prompts)
+        images = [_images_of(r) for r in raw] if len(raw) == len(items) else [[] for _ in items]
         params = _per_prompt(sampling_params, len(items))
         loras = self._per_prompt_lora(lora_request, len(items))
-        return self._run([(p, p if isinstance(p, str) else None) for p in items], params, loras)
+        jobs = [(p, p if isinstance(p, str) else None, i) for p, i in zip(items, images)]
+        return self._run(jobs, params, loras)
 
     def chat(
         self,
@@ -416,10 +423,11 @@ class LLM:
             conversations = list(cast(Sequence[Conversation], messages))
         params = _per_prompt(sampling_params, len(conversations))
         loras = self._per_prompt_lora(lora_request, len(conversations))
-        jobs: list[tuple[Prompt, str | None]] = []
+        jobs: list[_Job] = []
         for conv in conversations:
             ids = self.apply_chat_template(conv, add_generation_prompt, tools)
-            jobs.append((ids, self._engine.decode(ids, False)))
+            images = self._engine.chat_images(_messages_json(conv))
+            jobs.append((ids, self._engine.decode(ids, False), images))
         return self._run(jobs, params, loras)
 
     # -- LoRA adapters ---------------------------------------------------------------------------
@@ -473,7 +481,7 @@ class LLM:
 
     def _run(
         self,
-        jobs: list[tuple[Prompt, str | None]],
+        jobs: list[_Job],
         params: list[SamplingParams | None],
         loras: list[str | None],
     ) -> list[RequestOutput]:
@@ -481,8 +489,8 @@ class LLM:
         started: list[tuple[RequestStream, _Assembler]] = []
         done = 0
         try:
-            for (prompt, text), p, lora in zip(jobs, params, loras):
-                started.append(self._submit(prompt, text, p, lora))
+            for (prompt, text, images), p, lora in zip(jobs, params, loras):
+                started.append(self._submit(prompt, text, p, lora, images))
             results = []
             for stream, asm in started:
                 results.append(asm.final(stream.result()))
@@ -498,6 +506,7 @@ class LLM:
         text: str | None,
         params: SamplingParams | None,
         lora: str | None = None,
+        images: list[bytes] | None = None,
     ) -> tuple[RequestStream, _Assembler]:
         """Starts one request; returns its native stream and an assembler for its outputs."""
         if isinstance(prompt, str):
@@ -517,7 +526,7 @@ class LLM:
                 ids = native if isinstance(native, list) else self.encode(native)
                 fill = max(1, self.max_model_len - len(ids))
             params_json, n = params.to_engine_json(fill), params.n
-        stream = self._engine.submit(native, params_json, lora)
+        stream = self._engine.submit(native, params_json, lora, images or None)
         return stream, _Assembler(text, n, stream.prompt_token_ids, logprobs)
 
     # -- streaming -------------------------------------------------------------------------------
@@ -531,7 +540,9 @@ class LLM:
         """
         params = _as_params(sampling_params)
         lora = self._lora_name(lora_request)
-        stream, asm = self._submit(_normalize_one(prompt), _text_of(prompt), params, lora)
+        stream, asm = self._submit(
+            _normalize_one(prompt), _text_of(prompt), params, lora, _images_of(prompt)
+        )
         return _iterate(stream, asm)
 
     async def astream(
@@ -544,7 +555,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         lora = await loop.run_in_executor(_executor(), self._lora_name, lora_request)
         submitted: Future[tuple[RequestStream, _Assembler]] = _executor().submit(
-            self._submit, _normalize_one(prompt), _text_of(prompt), params, lora
+            self._submit, _normalize_one(prompt), _text_of(prompt), params, lora, _images_of(prompt)
         )
         try:
             stream, asm = await asyncio.wrap_future(submitted, loop=loop)
@@ -652,6 +663,47 @@ def _normalize_one(p: object) -> Prompt:
     raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
 
 
+def _image_bytes(img: object) -> bytes:
+    """An image as encoded bytes: bytes as given, a PIL image saved as PNG."""
+    if isinstance(img, (bytes, bytearray, memoryview)):
+        return bytes(img)
+    save = getattr(img, "save", None)
+    if callable(save):
+        buf = io.BytesIO()
+        save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"an image must be a PIL.Image or encoded bytes, got {type(img).__name__}")
+
+
+def _images_of(p: object) -> list[bytes]:
+    """The images of a `{"prompt": ..., "multi_modal_data": {"image": ...}}` prompt."""
+    if not isinstance(p, Mapping):
+        return []
+    data = p.get("multi_modal_data")
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        raise TypeError("multi_modal_data must be a dict such as {\"image\": [...]}")
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only `image` is supported, got {sorted(unknown)}")
+    images = data.get("image")
+    if images is None:
+        return []
+    if isinstance(images, (list, tuple)):
+        return [_image_bytes(i) for i in images]
+    return [_image_bytes(images)]
+
+
+def _prompt_list(prompts: object) -> list[object]:
+    """The prompt objects `_normalize_prompts` reads, one per prompt."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not (len(prompts) and _is_token_ids(prompts)):
+        return list(prompts)
+    return [prompts]
+
+
 def _text_of(p: object) -> str | None:
     if isinstance(p, str):
         return p
@@ -707,5 +759,22 @@ def _jsonable(o: object) -> Any:
     raise TypeError(f"cannot send a {type(o).__name__} as part of a chat message")
 
 
+def _pil_parts(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A message whose `image_pil` parts (PIL images) are turned into `image_url` data URIs."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(
+        isinstance(p, Mapping) and p.get("type") == "image_pil" for p in content
+    ):
+        return message
+    parts = []
+    for p in content:
+        if isinstance(p, Mapping) and p.get("type") == "image_pil":
+            b64 = base64.b64encode(_image_bytes(p.get("image_pil"))).decode()
+            parts.append({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}})
+        else:
+            parts.append(p)
+    return {**message, "content": parts}
+
+
 def _messages_json(messages: Conversation) -> str:
-    return json.dumps(list(messages), default=_jsonable)
+    return json.dumps([_pil_parts(m) for m in messages], default=_jsonable)

@@ -19,6 +19,11 @@ pub struct ForwardBatch {
     pub adapter_slots: Option<Tensor>, // [num_tokens] u32
     /// Runs of prompt rows sharing an adapter, multiplied as a whole (empty without adapters).
     pub adapter_runs: Vec<LoraRun>,
+    /// Image features written over placeholder rows: (first row, `[rows, hidden]`).
+    pub image_rows: Vec<(usize, Tensor)>,
+    /// The (temporal, height, width) rotary positions of every token, when a row of the step
+    /// is an image token of a model with M-RoPE (`positions` then holds the temporal row).
+    pub mrope_positions: Option<Tensor>, // [3, num_tokens] u32
 }
 
 impl ForwardBatch {

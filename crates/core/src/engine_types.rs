@@ -131,6 +131,8 @@ pub struct EngineInfo {
     pub lora: Option<Arc<LoraRegistry>>,
     /// Compiles requests' structured-output constraints (and keeps them by their text).
     pub grammars: Arc<crate::structured::Grammars>,
+    /// Preprocesses a vision model's images and lays them into prompts (`None`: text only).
+    pub processor: Option<Arc<crate::multimodal::Processor>>,
 }
 
 /// Live counters the engine thread publishes after each step.
@@ -197,6 +199,11 @@ pub(crate) enum Command {
     Abort(RequestId),
     Check(mpsc::Sender<Vec<String>>),
     ResetPrefixCache(mpsc::Sender<usize>),
+    /// Runs the vision encoder alone (tests, benchmarks): per image, its features row-major.
+    EncodeImages(
+        Vec<Arc<crate::multimodal::ImageInput>>,
+        mpsc::Sender<Result<Vec<Vec<f32>>, String>>,
+    ),
     Shutdown,
 }
 
@@ -243,6 +250,28 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} is out of vocabulary (size {vocab})"
             )));
+        }
+        if let Some(mm) = &req.mm {
+            let Some(proc) = &self.info.processor else {
+                return Err(EngineError::InvalidParam {
+                    field: "messages".into(),
+                    message: "this model does not take images".into(),
+                });
+            };
+            let ok = mm.spans.len() == mm.images.len()
+                && mm.spans.iter().zip(&mm.images).all(|(s, i)| {
+                    s.len == i.num_tokens
+                        && req
+                            .prompt_token_ids
+                            .get(s.offset..s.end())
+                            .is_some_and(|t| t.iter().all(|&x| x == proc.image_token_id))
+                })
+                && mm.mrope.as_ref().is_none_or(|m| m.t.len() == prompt);
+            if !ok {
+                return Err(EngineError::InvalidRequest(
+                    "the images do not match their placeholder tokens in the prompt".into(),
+                ));
+            }
         }
         let max = self.info.max_model_len;
         let completion = req.params.max_tokens.unwrap_or(0);
@@ -366,6 +395,21 @@ impl EngineHandle {
             .send(Command::ResetPrefixCache(tx))
             .map_err(|_| EngineError::Stopped)?;
         rx.recv().map_err(|_| EngineError::Stopped)
+    }
+
+    /// Runs the model's vision encoder over `images` (one batch) on the engine thread: per
+    /// image, its `[num_tokens, hidden]` features row-major in f32.
+    pub fn encode_images(
+        &self,
+        images: Vec<Arc<crate::multimodal::ImageInput>>,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::EncodeImages(images, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv()
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(EngineError::Model)
     }
 
     /// Stops the engine thread once its queue is drained of commands.

@@ -195,6 +195,8 @@ pub struct LoadedModel {
     pub stored: Option<String>,
     /// The device slots of LoRA adapters, when enabled.
     pub lora: Option<Arc<LoraSlots>>,
+    /// How a vision model's images are preprocessed (`None`: a text-only model).
+    pub processor: Option<Arc<crate::multimodal::Processor>>,
 }
 
 /// How to load a model directory.
@@ -275,7 +277,7 @@ pub fn load_model_with(
     let tokenizer_dir = opts.tokenizer.as_deref().unwrap_or(dir);
     let tokenizer = Tokenizer::from_file(tokenizer_dir.join("tokenizer.json"))
         .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
-    let generation = generation_defaults(dir, &hf, dcfg.vocab_size)?;
+    let generation = generation_defaults(dir, &hf.text()?, dcfg.vocab_size)?;
     if dcfg.vocab_size > tokenizer.vocab_size() {
         tracing::warn!(
             "the model has {} token ids and its tokenizer {}: ids the tokenizer lacks decode to nothing",
@@ -289,6 +291,7 @@ pub fn load_model_with(
     let weights = Weights::open_with(&files, dtype, device, isq.clone())?.with_lora(lora.clone());
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
+    let processor = crate::models::processor(&hf, dir)?.map(Arc::new);
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
     let (template, bos_token, eos_token) = match source {
         Some(s) => (s.template, s.bos_token, s.eos_token),
@@ -308,6 +311,7 @@ pub fn load_model_with(
         isq: isq.map(|q| q.report()),
         stored: None,
         lora,
+        processor,
     })
 }
 
@@ -395,6 +399,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedM
         isq: isq.map(|q| q.report()),
         stored: Some(stored),
         lora,
+        processor: None,
     })
 }
 

@@ -16,6 +16,7 @@ pub use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCache;
 use crate::lora::AdapterId;
 use crate::models::Model;
+use crate::multimodal::ImageInput;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
@@ -43,6 +44,24 @@ pub struct HostBatch {
     /// The adapter slot of each token ([`NO_ADAPTER`] for base rows); empty when no row of the
     /// step uses an adapter.
     pub adapter_slots: Vec<u32>,
+    /// The image tokens of the step, one run per image met.
+    pub images: Vec<ImageRun>,
+    /// `[3, num_tokens]` M-RoPE positions when the step has image tokens of a model using them
+    /// (empty otherwise: `positions` says everything).
+    pub mrope: Vec<u32>,
+}
+
+/// Consecutive rows of the step that take image `image` of sequence `seq`'s prompt, from its
+/// token `from` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageRun {
+    pub row: usize,
+    pub seq: SeqId,
+    pub image: usize,
+    pub from: usize,
+    pub len: usize,
+    /// Whether the run reaches the image's last token.
+    pub last: bool,
 }
 
 impl HostBatch {
@@ -73,6 +92,11 @@ impl HostBatch {
         } else {
             Some(Tensor::from_vec(slots, t, device)?)
         };
+        let mrope_positions = if self.mrope.is_empty() {
+            None
+        } else {
+            Some(Tensor::from_vec(self.mrope, (3, t), device)?)
+        };
         Ok(ForwardBatch {
             input_ids: Tensor::from_vec(self.input_ids, t, device)?,
             positions: Tensor::from_vec(self.positions, t, device)?,
@@ -93,6 +117,8 @@ impl HostBatch {
             )?),
             adapter_slots,
             adapter_runs,
+            image_rows: Vec::new(),
+            mrope_positions,
         })
     }
 }
@@ -130,6 +156,9 @@ pub struct ModelRunner {
     graphs: Option<DecodeGraphs>,
     /// The decode graphs of steps with adapter rows (a model with LoRA slots).
     lora_graphs: Option<DecodeGraphs>,
+    /// Encoder outputs of images whose tokens are not all computed yet (a prompt chunk may end
+    /// inside an image): `[num_tokens, hidden]` by sequence and image.
+    encoder_cache: HashMap<(SeqId, usize), Tensor>,
 }
 
 impl ModelRunner {
@@ -154,6 +183,7 @@ impl ModelRunner {
             model,
             kv,
             device,
+            encoder_cache: HashMap::new(),
         }
     }
 
@@ -221,7 +251,11 @@ impl ModelRunner {
             logits_indices: Vec::new(),
             pending: Vec::new(),
             adapter_slots: Vec::new(),
+            images: Vec::new(),
+            mrope: Vec::new(),
         };
+        // per token, the three M-RoPE positions, kept while any sequence has them
+        let mut pos3: Vec<[u32; 3]> = Vec::new();
         h.query_start_loc.push(0);
         let mut rows = Vec::new();
         for (i, s) in out.scheduled.iter().enumerate() {
@@ -234,6 +268,21 @@ impl ModelRunner {
             }
             let start = h.input_ids.len();
             let end = s.num_computed + s.num_new;
+            let mrope = seq.meta.mm.as_ref().and_then(|m| m.mrope.as_ref());
+            if let Some(mm) = &seq.meta.mm {
+                for (image, span) in mm.images_in(s.num_computed, end) {
+                    let from = span.offset.max(s.num_computed);
+                    let to = span.end().min(end);
+                    h.images.push(ImageRun {
+                        row: start + from - s.num_computed,
+                        seq: s.seq_id,
+                        image,
+                        from: from - span.offset,
+                        len: to - from,
+                        last: to == span.end(),
+                    });
+                }
+            }
             if end > max_positions {
                 candle_core::bail!(
                     "sequence {} reaches position {} but the model has {max_positions}",
@@ -249,7 +298,14 @@ impl ModelRunner {
                     h.pending.push((h.input_ids.len() as u32, s.seq_id, p));
                 }
                 h.input_ids.push(tok);
-                h.positions.push(p as u32);
+                let p3 = mrope.map_or([p as u32; 3], |m| m.at(p));
+                if mrope.is_some() && pos3.is_empty() {
+                    pos3.extend((0..h.positions.len()).map(|i| [h.positions[i]; 3]));
+                }
+                if !pos3.is_empty() || mrope.is_some() {
+                    pos3.push(p3);
+                }
+                h.positions.push(p3[0]);
                 let block = table.get(p / bs).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
                         "sequence {} has no block for position {p}",
@@ -275,6 +331,12 @@ impl ModelRunner {
             h.seq_lens.push((s.num_computed + s.num_new) as u32);
             h.query_start_loc.push(h.input_ids.len() as u32);
         }
+        // only image tokens have three different positions
+        if !h.images.is_empty() && !pos3.is_empty() {
+            h.mrope = (0..3)
+                .flat_map(|k| pos3.iter().map(move |p| p[k]))
+                .collect();
+        }
         Ok((h, rows))
     }
 
@@ -297,6 +359,7 @@ impl ModelRunner {
             host.adapter_slots = Self::adapter_slots(sched, out, slot_of)?;
         }
         let pending = std::mem::take(&mut host.pending);
+        let image_rows = self.image_rows(sched, &std::mem::take(&mut host.images))?;
         let lora = !host.adapter_slots.is_empty();
         let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
         let device = self.device.clone();
@@ -312,11 +375,71 @@ impl ModelRunner {
                 return Ok((step, rows, pending));
             }
         }
-        Ok((
-            PreparedStep::Eager(host.upload(&self.device)?),
-            rows,
-            pending,
-        ))
+        let mut batch = host.upload(&self.device)?;
+        batch.image_rows = image_rows;
+        Ok((PreparedStep::Eager(batch), rows, pending))
+    }
+
+    /// Runs the vision encoder over `images` alone: per image, its features row-major in f32.
+    pub fn encode_images(&self, images: &[Arc<ImageInput>]) -> Result<Vec<Vec<f32>>> {
+        let refs: Vec<&ImageInput> = images.iter().map(Arc::as_ref).collect();
+        let feats = self.model.encode_images(&refs)?;
+        feats
+            .iter()
+            .map(|f| {
+                f.to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+            })
+            .collect()
+    }
+
+    /// The image features of the step's image runs: each image is encoded once, when its first
+    /// tokens are scheduled (all such images of the step in one encoder call), and kept until
+    /// its last token is.
+    fn image_rows(&mut self, sched: &Scheduler, runs: &[ImageRun]) -> Result<Vec<(usize, Tensor)>> {
+        self.encoder_cache
+            .retain(|(seq, _), _| sched.seq(*seq).is_some());
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut todo: Vec<((SeqId, usize), Arc<ImageInput>)> = Vec::new();
+        for r in runs {
+            let key = (r.seq, r.image);
+            if self.encoder_cache.contains_key(&key) || todo.iter().any(|(k, _)| *k == key) {
+                continue;
+            }
+            let img = sched
+                .seq(r.seq)
+                .and_then(|s| s.meta.mm.as_ref())
+                .and_then(|m| m.images.get(r.image))
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!("sequence {} has no image {}", r.seq, r.image))
+                })?;
+            todo.push((key, img.clone()));
+        }
+        if !todo.is_empty() {
+            let imgs: Vec<&ImageInput> = todo.iter().map(|(_, i)| i.as_ref()).collect();
+            let feats = self.model.encode_images(&imgs)?;
+            for ((key, _), f) in todo.into_iter().zip(feats) {
+                self.encoder_cache.insert(key, f);
+            }
+        }
+        let mut out = Vec::with_capacity(runs.len());
+        for r in runs {
+            let key = (r.seq, r.image);
+            let f = self.encoder_cache.get(&key).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "image {} of sequence {} was not encoded",
+                    r.image, r.seq
+                ))
+            })?;
+            out.push((r.row, f.narrow(0, r.from, r.len)?));
+            if r.last {
+                self.encoder_cache.remove(&key);
+            }
+        }
+        Ok(out)
     }
 
     /// The adapter slot of each token of the step: its sequence's adapter's slot in `slot_of`,
@@ -429,6 +552,8 @@ pub fn profile_forward(
         )?),
         adapter_slots: None,
         adapter_runs: Vec::new(),
+        image_rows: Vec::new(),
+        mrope_positions: None,
     };
     let logits = model.forward(&batch, &kv)?;
     drop(logits);

@@ -306,6 +306,10 @@ pub struct EngineRequest {
     /// Keeps the request's cached prefix blocks apart from other salts' (vLLM's `cache_salt`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// The prompt's images, preprocessed, with their placeholder spans in
+    /// `prompt_token_ids` (see [`crate::multimodal::Processor::expand`]).
+    #[serde(skip)]
+    pub mm: Option<std::sync::Arc<crate::multimodal::MmPrompt>>,
 }
 
 /// One completion's state, as reported in a [`RequestOutput`].

@@ -5,9 +5,10 @@
 //! `num_computed_tokens <= tokens.len()`, and the tokens not yet computed are exactly the ones the
 //! scheduler still has to feed through the model.
 
-use crate::kv_cache::hashing::{extend_hashes, root_hash, ExtraKeys};
+use crate::kv_cache::hashing::{extend_hashes, root_hash, ExtraKeys, ImageKey};
 use crate::kv_cache::BlockHash;
 use crate::lora::{AdapterId, ResolvedLora};
+use crate::multimodal::MmPrompt;
 use crate::request::{RequestId, SamplingParams};
 use std::fmt;
 use std::sync::Arc;
@@ -52,6 +53,8 @@ pub struct RequestMeta {
     pub adapter: Option<ResolvedLora>,
     /// A tenant's key for the prefix cache: only requests with the same salt share blocks.
     pub cache_salt: Option<String>,
+    /// The prompt's images: the encoder's inputs, their spans, M-RoPE positions.
+    pub mm: Option<Arc<MmPrompt>>,
 }
 
 impl RequestMeta {
@@ -64,6 +67,7 @@ impl RequestMeta {
                 || params.frequency_penalty != 0.0,
             adapter: None,
             cache_salt: None,
+            mm: None,
         }
     }
 
@@ -78,6 +82,22 @@ impl RequestMeta {
     /// The adapter's id, if the request uses one.
     pub fn adapter_id(&self) -> Option<AdapterId> {
         self.adapter.as_ref().map(|a| a.id)
+    }
+
+    /// Each image's (first token, tokens, content hash), for the block hashes of the blocks
+    /// its tokens lie in.
+    pub fn image_keys(&self) -> Vec<ImageKey> {
+        self.mm.as_ref().map_or_else(Vec::new, |mm| {
+            mm.spans
+                .iter()
+                .zip(&mm.images)
+                .map(|(s, i)| ImageKey {
+                    offset: s.offset,
+                    len: s.len,
+                    hash: i.hash,
+                })
+                .collect()
+        })
     }
 }
 
@@ -135,6 +155,7 @@ impl Sequence {
                 &mut self.block_hashes,
                 &root,
                 &self.tokens[..known],
+                &self.meta.image_keys(),
                 block_size,
             );
         }

@@ -262,6 +262,7 @@ mod tests {
             params: SamplingParams::default(),
             lora: None,
             cache_salt: None,
+            mm: None,
         };
         let abort: AbortFn = Arc::new(move |id| {
             let _ = tx.send(id);

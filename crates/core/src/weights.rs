@@ -37,6 +37,8 @@ struct Inner {
 pub struct Weights {
     inner: Arc<Inner>,
     prefix: String,
+    /// Loads every linear dense, without ISQ or LoRA slots (a vision tower).
+    dense: bool,
 }
 
 impl Weights {
@@ -74,6 +76,7 @@ impl Weights {
                 lora: None,
             }),
             prefix: String::new(),
+            dense: false,
         })
     }
 
@@ -89,6 +92,7 @@ impl Weights {
                 lora: None,
             }),
             prefix: String::new(),
+            dense: false,
         }
     }
 
@@ -102,6 +106,17 @@ impl Weights {
         Self {
             inner: self.inner.clone(),
             prefix,
+            dense: self.dense,
+        }
+    }
+
+    /// The same view with its linears loaded dense: in-situ quantization and LoRA slots are for
+    /// the decoder's projections, not for a vision tower.
+    pub fn dense(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            prefix: self.prefix.clone(),
+            dense: true,
         }
     }
 
@@ -123,7 +138,7 @@ impl Weights {
 
     /// The LoRA slots of the decoder's projections, when adapters are enabled.
     pub fn lora(&self) -> Option<&Arc<LoraSlots>> {
-        self.inner.lora.as_ref()
+        self.inner.lora.as_ref().filter(|_| !self.dense)
     }
 
     /// The prefix these weights are under.
@@ -133,7 +148,7 @@ impl Weights {
 
     /// The in-situ quantizer of the decoder's projections, when asked for.
     pub fn isq(&self) -> Option<&Arc<Isq>> {
-        self.inner.isq.as_ref()
+        self.inner.isq.as_ref().filter(|_| !self.dense)
     }
 
     /// The full name of tensor `name` under this prefix.

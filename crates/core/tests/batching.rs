@@ -34,6 +34,7 @@ fn run_alone(h: &EngineHandle, prompt: &[u32], p: &SamplingParams) -> Vec<u32> {
             params: p.clone(),
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit");
     s.wait().expect("done").outputs[0].token_ids.clone()
@@ -57,6 +58,7 @@ fn staggered_arrivals_with_chunked_prefill_match_solo_runs() {
                 params: greedy(12),
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit");
         // let the previous ones run a little before the next arrives
@@ -105,6 +107,7 @@ fn submit_all(
                 params: params(i),
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit")
         })
@@ -179,6 +182,7 @@ fn preemption_under_a_tiny_kv_budget_changes_no_output() {
                 params: greedy(16),
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit")
         })
@@ -222,6 +226,7 @@ fn seeded_sampling_is_reproducible_and_independent_of_the_batch() {
                 params: np,
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit")
         })
@@ -245,6 +250,7 @@ fn run_batch(h: &EngineHandle, reqs: Vec<(Vec<u32>, SamplingParams)>) -> Vec<Vec
                 params,
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit")
         })
@@ -328,6 +334,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
             params: p.clone(),
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit")
         .wait()
@@ -356,6 +363,7 @@ fn n_samples_fork_share_the_prompt_and_are_reproducible() {
             params: g,
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit")
         .wait()
@@ -376,6 +384,7 @@ fn stop_tokens_stop_strings_and_min_tokens() {
             params: greedy(12),
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit")
         .wait()
@@ -429,6 +438,7 @@ fn run_req(
             params: p,
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit")
         .wait()
@@ -445,6 +455,7 @@ fn streaming_deltas_concatenate_to_the_text() {
             params: greedy(20),
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit");
     let mut acc = String::new();
@@ -485,6 +496,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
             params: p,
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit");
     for _ in 0..3 {
@@ -506,6 +518,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
             params: greedy(300),
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .expect("submit");
     h.abort(s.request_id());
@@ -523,6 +536,7 @@ fn bad_requests_are_errors_not_panics() {
             params: p,
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .err()
     };

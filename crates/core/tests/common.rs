@@ -90,6 +90,7 @@ pub fn teacher_forced_with(h: &EngineHandle, ids: &[u32], lora: Option<&str>) ->
             params: p,
             lora: lora.map(str::to_owned),
             cache_salt: None,
+            mm: None,
         })
         .expect("submitted")
         .wait()
@@ -112,6 +113,7 @@ pub fn greedy(h: &EngineHandle, prompt: &[u32], n: usize, logprobs: usize) -> Re
         params: p,
         lora: None,
         cache_salt: None,
+        mm: None,
     })
     .expect("submitted")
     .wait()

@@ -91,6 +91,7 @@ fn check(name: &str, tol: f32, exact: bool) -> f32 {
                 params: p,
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .unwrap()
             .wait()

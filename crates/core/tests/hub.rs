@@ -191,6 +191,7 @@ fn downloads_into_the_cache_then_resolves_offline_and_runs() {
             params,
             lora: None,
             cache_salt: None,
+            mm: None,
         })
         .unwrap()
         .wait()

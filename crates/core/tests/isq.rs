@@ -32,6 +32,7 @@ fn every_format_loads_reports_and_stays_close_to_f32() {
                 params: p,
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .unwrap()
             .wait()

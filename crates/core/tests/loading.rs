@@ -189,6 +189,8 @@ fn the_model_runs_from_input_embeddings_as_from_token_ids() {
         ),
         adapter_slots: None,
         adapter_runs: Vec::new(),
+        image_rows: Vec::new(),
+        mrope_positions: None,
     };
     let kv = || {
         KvCache::new(

@@ -48,6 +48,7 @@ fn submit(h: &EngineHandle, prompt: &[u32], n: usize, lora: Option<&str>) -> Out
         params: p,
         lora: lora.map(str::to_owned),
         cache_salt: None,
+        mm: None,
     })
     .unwrap()
 }
@@ -168,6 +169,7 @@ fn adapters_load_and_unload_while_requests_run() {
             params: p,
             lora: Some("qv".into()),
             cache_salt: None,
+            mm: None,
         })
         .err()
         .unwrap();
@@ -201,6 +203,7 @@ fn adapters_off_or_misconfigured_are_clear_errors() {
             params: SamplingParams::greedy(2),
             lora: Some("qv".into()),
             cache_salt: None,
+            mm: None,
         })
         .err()
         .unwrap();

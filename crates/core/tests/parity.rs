@@ -26,6 +26,7 @@ fn check_model(name: &str) {
                 params: p,
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submit")
         })

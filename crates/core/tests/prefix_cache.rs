@@ -35,6 +35,7 @@ fn submit(
         params: p,
         lora: None,
         cache_salt: salt.map(str::to_owned),
+        mm: None,
     })
     .expect("submitted")
     .wait()
@@ -51,6 +52,7 @@ fn run(h: &EngineHandle, count: u32, p: &SamplingParams) -> Vec<RequestOutput> {
                 params: p.clone(),
                 lora: None,
                 cache_salt: None,
+                mm: None,
             })
             .expect("submitted")
         })

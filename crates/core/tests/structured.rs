@@ -18,6 +18,7 @@ fn request(prompt: Vec<u32>, p: SamplingParams) -> EngineRequest {
         params: p,
         lora: None,
         cache_salt: None,
+        mm: None,
     }
 }
 

@@ -35,6 +35,7 @@ fn prefill(h: &EngineHandle, len: usize, salt: usize) -> Result<f64> {
         params: params(1),
         lora: None,
         cache_salt: None,
+        mm: None,
     })?
     .wait()?;
     Ok(t.elapsed().as_secs_f64())
@@ -56,6 +57,7 @@ fn decode(
             params: params(out_len),
             lora: None,
             cache_salt: None,
+            mm: None,
         })?);
     }
     let mut first = Vec::new();

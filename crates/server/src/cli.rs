@@ -269,6 +269,18 @@ pub struct ServeArgs {
     /// llama3_json (Llama 3.1/3.2) or mistral (`[TOOL_CALLS]`).
     #[arg(long, value_parser = parse_tool_parser)]
     pub tool_call_parser: Option<crate::openai::tools::ToolParser>,
+    /// Images one prompt may hold: `image=N` or `{"image": N}` (default 8).
+    #[arg(long, value_parser = crate::openai::media::parse_limit)]
+    pub limit_mm_per_prompt: Option<usize>,
+    /// Hosts image URLs may be fetched from, comma-separated (default: any).
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_media_domains: Option<Vec<String>>,
+    /// A directory whose images `file://` URLs may name (default: no file URLs).
+    #[arg(long)]
+    pub allowed_local_media_path: Option<std::path::PathBuf>,
+    /// Seconds allowed to fetch one image over HTTP.
+    #[arg(long, default_value_t = 5.0)]
+    pub media_fetch_timeout: f64,
 }
 
 #[derive(Debug, Args)]

@@ -107,6 +107,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         params,
         lora: None,
         cache_salt: None,
+        mm: None,
     })?;
     let mut stdout = std::io::stdout();
     while let Some(delta) = stream.blocking_next() {

@@ -6,10 +6,12 @@
 //! same input; user errors become `ValueError`.
 
 use crate::openai::error::ApiError;
+use crate::openai::media::{fetch, image_urls, MediaConfig};
 use crate::openai::params::{chat_prompt, offline_params};
 use crate::openai::types::ChatMessage;
 use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use rserve_core::loader::GenerationDefaults;
 use rserve_core::RequestId;
 use rserve_core::{
@@ -18,6 +20,10 @@ use rserve_core::{
 };
 use std::sync::Mutex;
 use std::time::Duration;
+
+fn parse_messages(json: &str) -> PyResult<Vec<ChatMessage>> {
+    serde_json::from_str(json).map_err(|e| PyValueError::new_err(format!("invalid messages: {e}")))
+}
 
 fn value_err(e: ApiError) -> PyErr {
     PyValueError::new_err(e.message)
@@ -209,8 +215,7 @@ impl PyEngine {
         add_generation_prompt: bool,
         tools_json: Option<&str>,
     ) -> PyResult<Vec<u32>> {
-        let msgs: Vec<ChatMessage> = serde_json::from_str(messages_json)
-            .map_err(|e| PyValueError::new_err(format!("invalid messages: {e}")))?;
+        let msgs = parse_messages(messages_json)?;
         let tools: Option<Vec<serde_json::Value>> = tools_json
             .map(serde_json::from_str)
             .transpose()
@@ -225,6 +230,30 @@ impl PyEngine {
                 .map_err(value_err)?
                 .1,
         )
+    }
+
+    /// The encoded images of a conversation's `image_url` parts (`data:` URIs or `http(s)`
+    /// URLs), in order, for [`PyEngine::submit`]; ValueError for a bad URL, a failed fetch, too
+    /// many images or a model that takes none.
+    fn chat_images<'py>(
+        &self,
+        py: Python<'py>,
+        messages_json: &str,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let msgs = parse_messages(messages_json)?;
+        let urls = image_urls(&msgs).map_err(value_err)?;
+        if !urls.is_empty() && self.handle.info().processor.is_none() {
+            return Err(PyValueError::new_err("this model does not take images"));
+        }
+        let cfg = MediaConfig::default();
+        let bytes: Vec<Vec<u8>> = py
+            .detach(|| {
+                urls.iter()
+                    .map(|u| fetch(u, &cfg))
+                    .collect::<Result<_, _>>()
+            })
+            .map_err(value_err)?;
+        Ok(bytes.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
     /// Registers LoRA adapter `name` from `path` (read and checked now, the GIL released).
@@ -262,12 +291,14 @@ impl PyEngine {
 
     /// Submits a prompt (text or token ids) with sampling parameters (JSON), with the LoRA
     /// adapter registered as `lora` when given.
-    #[pyo3(signature = (prompt, params_json, lora = None))]
+    #[pyo3(signature = (prompt, params_json, lora = None, images = None))]
     fn submit(
         &self,
+        py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
         params_json: &str,
         lora: Option<String>,
+        images: Option<Vec<Bound<'_, PyBytes>>>,
     ) -> PyResult<PyRequestStream> {
         let info = self.handle.info();
         let ids: Vec<u32> = if let Ok(text) = prompt.extract::<String>() {
@@ -281,6 +312,33 @@ impl PyEngine {
         };
         let params = offline_params(params_json, &info.generation, info.model_config.vocab_size)
             .map_err(value_err)?;
+        let (ids, mm) = match images.filter(|v| !v.is_empty()) {
+            None => (ids, None),
+            Some(list) => {
+                let proc = info
+                    .processor
+                    .clone()
+                    .ok_or_else(|| PyValueError::new_err("this model does not take images"))?;
+                if list.len() > MediaConfig::default().max_images {
+                    return Err(PyValueError::new_err(format!(
+                        "at most {} images may be given with one prompt",
+                        MediaConfig::default().max_images
+                    )));
+                }
+                let raw: Vec<Vec<u8>> = list.iter().map(|b| b.as_bytes().to_vec()).collect();
+                let decoded = py
+                    .detach(|| {
+                        raw.iter()
+                            .map(|b| proc.decode(b))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .map_err(|e| PyValueError::new_err(format!("invalid image: {e}")))?;
+                let (ids, mm) = proc
+                    .expand(&ids, decoded)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                (ids, Some(std::sync::Arc::new(mm)))
+            }
+        };
         let stream = self
             .handle
             .submit(EngineRequest {
@@ -288,6 +346,7 @@ impl PyEngine {
                 params,
                 lora,
                 cache_salt: None,
+                mm,
             })
             .map_err(engine_err)?;
         Ok(PyRequestStream {

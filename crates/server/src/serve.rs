@@ -98,6 +98,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(t) = args.tokenizer_threads {
         edge.prep_threads = t.max(1);
     }
+    if let Some(n) = args.limit_mm_per_prompt {
+        edge.media.max_images = n;
+    }
+    edge.media.allowed_domains = args.allowed_media_domains.clone();
+    edge.media.allowed_local_path = args.allowed_local_media_path.clone();
+    if !(args.media_fetch_timeout > 0.0 && args.media_fetch_timeout.is_finite()) {
+        anyhow::bail!("--media-fetch-timeout must be a positive number of seconds");
+    }
+    edge.media.fetch_timeout = std::time::Duration::from_secs_f64(args.media_fetch_timeout);
     let state = Arc::new(AppState::new(name.clone(), api_key, edge));
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -234,6 +234,7 @@ impl Engine {
             },
             lora: lora.as_ref().map(|(r, _)| r.clone()),
             grammars: Arc::new(grammars),
+            processor: loaded.processor.clone(),
         });
         info.grammars.warm_up_in_background();
         let stats = Arc::new(EngineStats::default());
@@ -381,6 +382,13 @@ impl Engine {
             Command::Shutdown => return false,
             Command::Check(reply) => {
                 let _ = reply.send(self.scheduler.check_integrity());
+            }
+            Command::EncodeImages(images, reply) => {
+                let _ = reply.send(
+                    self.runner
+                        .encode_images(&images)
+                        .map_err(|e| e.to_string()),
+                );
             }
             Command::ResetPrefixCache(reply) => {
                 let n = self.scheduler.reset_prefix_cache();

@@ -84,6 +84,7 @@ impl Requests {
         let Attached { lora, grammar } = with;
         let p = req.params;
         let cache_salt = req.cache_salt;
+        let mm = req.mm;
         let prompt_len = req.prompt_token_ids.len();
         let max_tokens = p
             .max_tokens
@@ -103,6 +104,7 @@ impl Requests {
             meta: Arc::new(RequestMeta {
                 adapter: lora,
                 cache_salt,
+                mm,
                 ..RequestMeta::of(&p)
             }),
             prompt_logprobs_done: usize::from(p.prompt_logprobs.is_some()),

@@ -147,6 +147,8 @@ impl Bucket {
             attn: Arc::new(attn),
             adapter_slots: adapter_slots.clone(),
             adapter_runs: Vec::new(),
+            image_rows: Vec::new(),
+            mrope_positions: None,
         };
         Ok(Self {
             size,
@@ -413,6 +415,8 @@ mod tests {
             logits_indices: (0..n as u32).collect(),
             pending: Vec::new(),
             adapter_slots: Vec::new(),
+            images: Vec::new(),
+            mrope: Vec::new(),
         }
     }
 

@@ -41,6 +41,15 @@ pub struct HfConfig {
     /// scaling (`rope_freqs.weight`); never in `config.json`.
     #[serde(skip)]
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// A multimodal model's language model, when its fields are nested (transformers 5's
+    /// layout); [`HfConfig::text`] folds it into the top level.
+    pub text_config: Option<Value>,
+    /// A multimodal model's vision tower, read by its architecture.
+    pub vision_config: Option<Value>,
+    /// The placeholder token of one image patch group (Qwen2-VL's `<|image_pad|>`).
+    pub image_token_id: Option<u32>,
+    /// LLaVA's name for the placeholder token.
+    pub image_token_index: Option<u32>,
 }
 
 fn bad(field: &str, reason: impl Into<String>) -> LoadError {
@@ -63,6 +72,63 @@ fn num(v: &Value, key: &str) -> Option<f32> {
 }
 
 impl HfConfig {
+    /// The config with a nested `text_config`'s fields at the top level (where the top level
+    /// does not set them), as published checkpoints of multimodal models also write them.
+    pub fn text(&self) -> Result<HfConfig, LoadError> {
+        let Some(Value::Object(text)) = &self.text_config else {
+            return Ok(self.clone());
+        };
+        let mut inner: HfConfig = serde_json::from_value(Value::Object(text.clone()))
+            .map_err(|e| bad("text_config", e.to_string()))?;
+        macro_rules! keep {
+            ($($f:ident),*) => { $( if self.$f.is_some() { inner.$f = self.$f.clone(); } )* };
+        }
+        keep!(
+            architectures,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            rope_parameters,
+            max_position_embeddings,
+            tie_word_embeddings,
+            torch_dtype,
+            dtype,
+            bos_token_id,
+            eos_token_id,
+            vision_config,
+            image_token_id,
+            image_token_index
+        );
+        inner.text_config = None;
+        Ok(inner)
+    }
+
+    /// Qwen2-VL's M-RoPE: how many rotary frequencies follow the temporal, height and width
+    /// positions (`mrope_section` of `rope_scaling` or `rope_parameters`).
+    pub fn mrope_section(&self) -> Result<Option<[usize; 3]>, LoadError> {
+        let params = [&self.rope_parameters, &self.rope_scaling];
+        let Some(v) = params
+            .into_iter()
+            .flatten()
+            .find_map(|p| p.get("mrope_section"))
+        else {
+            return Ok(None);
+        };
+        let s: Vec<usize> = serde_json::from_value(v.clone())
+            .map_err(|e| bad("rope_scaling.mrope_section", e.to_string()))?;
+        match s[..] {
+            [t, h, w] => Ok(Some([t, h, w])),
+            _ => Err(bad("rope_scaling.mrope_section", "needs three sizes")),
+        }
+    }
+
     /// The checkpoint's dtype name (`torch_dtype` or `dtype`), if any.
     pub fn dtype_name(&self) -> Option<&str> {
         self.dtype.as_deref().or(self.torch_dtype.as_deref())
@@ -96,7 +162,7 @@ impl HfConfig {
             _ if self.rope_freq_factors.is_some() => {
                 RopeScaling::Factors(self.rope_freq_factors.clone().unwrap_or_default())
             }
-            "default" => RopeScaling::None,
+            "default" | "mrope" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
                 factor: get("factor")?,
             },
@@ -170,6 +236,7 @@ impl HfConfig {
             mlp_bias: false,
             qk_norm: false,
             sliding_window: vec![None; num_layers],
+            mrope_section: None,
         })
     }
 }

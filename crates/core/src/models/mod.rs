@@ -7,15 +7,19 @@ pub mod layers;
 pub mod llama;
 pub mod mistral;
 pub mod qwen2;
+pub mod qwen2_5_vl;
+pub mod qwen2_5_vl_vision;
 pub mod qwen3;
 
 use crate::batch::ForwardBatch;
 use crate::kv_cache::KvCache;
 use crate::load_error::LoadError;
+use crate::multimodal::{ImageInput, Processor};
 use crate::weights::Weights;
 use candle_core::{Result, Tensor};
 pub use hf_config::HfConfig;
 pub use layers::decoder::{Decoder, DecoderConfig};
+use std::path::Path;
 
 /// A loaded model that computes logits for a flattened batch over the paged cache.
 pub trait Model: Send {
@@ -30,9 +34,20 @@ pub trait Model: Send {
     /// `kv`; returns f32 logits `[batch.logits_indices.len(), vocab]` for the selected rows.
     fn forward_embeds(&self, embeds: &Tensor, batch: &ForwardBatch, kv: &KvCache)
         -> Result<Tensor>;
-    /// [`Model::forward_embeds`] of the embeddings of `batch.input_ids`.
+    /// [`Model::forward_embeds`] of the embeddings of `batch.input_ids`, with the image
+    /// features of `batch.image_rows` written over their placeholder rows.
     fn forward(&self, batch: &ForwardBatch, kv: &KvCache) -> Result<Tensor> {
-        self.forward_embeds(&self.embed(&batch.input_ids)?, batch, kv)
+        let embeds = self.embed(&batch.input_ids)?;
+        for (row, feats) in &batch.image_rows {
+            embeds.slice_set(&feats.to_dtype(embeds.dtype())?, 0, *row)?;
+        }
+        self.forward_embeds(&embeds, batch, kv)
+    }
+    /// Runs the vision encoder over `images` (batched): per image, the `[num_tokens, hidden]`
+    /// features its placeholder rows take.
+    fn encode_images(&self, images: &[&ImageInput]) -> Result<Vec<Tensor>> {
+        let _ = images;
+        candle_core::bail!("this model takes no images")
     }
     /// [`Model::forward`] with the logits written into the first rows of `logits` (contiguous
     /// f32, such as a buffer a CUDA graph owns).
@@ -49,17 +64,23 @@ pub trait Model: Send {
 /// to support. A plain decoder uses [`build_decoder`]; an architecture that is not one (a vision
 /// encoder in front, another layout) brings its own.
 pub type BuildFn =
-    fn(DecoderConfig, &Weights, usize) -> std::result::Result<Box<dyn Model>, LoadError>;
+    fn(&HfConfig, DecoderConfig, &Weights, usize) -> std::result::Result<Box<dyn Model>, LoadError>;
+
+/// How a vision architecture's images are preprocessed, from its config and directory.
+pub type ProcessorFn = fn(&HfConfig, &Path) -> std::result::Result<Processor, LoadError>;
 
 /// An architecture: its `architectures` name, how to read its config and how to build it.
 pub struct Architecture {
     pub name: &'static str,
     pub config: fn(&HfConfig) -> std::result::Result<DecoderConfig, LoadError>,
     pub build: BuildFn,
+    /// Vision models only.
+    pub processor: Option<ProcessorFn>,
 }
 
 /// The shared decoder stack.
 pub fn build_decoder(
+    _: &HfConfig,
     cfg: DecoderConfig,
     w: &Weights,
     max_positions: usize,
@@ -73,21 +94,31 @@ pub const REGISTRY: &[Architecture] = &[
         name: "LlamaForCausalLM",
         config: llama::config,
         build: build_decoder,
+        processor: None,
     },
     Architecture {
         name: "MistralForCausalLM",
         config: mistral::config,
         build: build_decoder,
+        processor: None,
     },
     Architecture {
         name: "Qwen2ForCausalLM",
         config: qwen2::config,
         build: build_decoder,
+        processor: None,
     },
     Architecture {
         name: "Qwen3ForCausalLM",
         config: qwen3::config,
         build: build_decoder,
+        processor: None,
+    },
+    Architecture {
+        name: "Qwen2_5_VLForConditionalGeneration",
+        config: qwen2_5_vl::config,
+        build: qwen2_5_vl::build,
+        processor: Some(qwen2_5_vl::processor),
     },
 ];
 
@@ -122,5 +153,13 @@ pub fn build(
     max_positions: usize,
 ) -> std::result::Result<Box<dyn Model>, LoadError> {
     let arch = architecture(cfg)?;
-    (arch.build)((arch.config)(cfg)?, weights, max_positions)
+    (arch.build)(cfg, (arch.config)(cfg)?, weights, max_positions)
+}
+
+/// The image processor of a vision model (`None`: a text-only model).
+pub fn processor(cfg: &HfConfig, dir: &Path) -> std::result::Result<Option<Processor>, LoadError> {
+    match architecture(cfg)?.processor {
+        Some(f) => f(cfg, dir).map(Some),
+        None => Ok(None),
+    }
 }

@@ -6,8 +6,11 @@
 //! Pure functions over bytes and vectors; no tensors, no model state.
 
 pub mod clip;
+pub mod prompt;
 pub mod qwen2_vl;
 pub mod resample;
+
+pub use prompt::{ImageInput, ImageProcessor, ImageSpan, MmPrompt, MropePositions, Processor};
 
 use sha2::{Digest, Sha256};
 use std::io::Cursor;

@@ -3,6 +3,7 @@
 //! bindings parse through the same code, so both ways in accept and reject exactly the same input.
 
 pub mod error;
+pub mod media;
 pub mod params;
 pub mod parse;
 pub mod structured;

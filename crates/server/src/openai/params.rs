@@ -213,8 +213,10 @@ pub fn offline_params(
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
-/// Chat messages -> the JSON the template sees; text parts are joined, other parts refused.
-pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+/// Chat messages -> the JSON the template sees. For a text model (`vision` false) text parts
+/// are joined and other parts refused; a vision model's templates get the list of parts, each
+/// image as `{"type": "image"}` (the form Hugging Face templates test for).
+pub fn template_messages(messages: &[ChatMessage], vision: bool) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
     }
@@ -233,10 +235,15 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
             Some(Value::String(s)) => Value::String(s.clone()),
             Some(Value::Array(parts)) => {
                 let mut texts = Vec::new();
+                let mut listed = Vec::new();
                 for part in parts {
                     match part.get("type").and_then(Value::as_str) {
+                        Some("image_url") if vision => listed.push(json!({"type": "image"})),
                         Some("text") => match part.get("text").and_then(Value::as_str) {
-                            Some(t) => texts.push(t.to_string()),
+                            Some(t) => {
+                                texts.push(t.to_string());
+                                listed.push(json!({"type": "text", "text": t}));
+                            }
                             None => {
                                 return Err(ApiError::bad_request(format!("messages[{i}]: a text part needs a `text` string")).with_param("messages"))
                             }
@@ -250,7 +257,11 @@ pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiErro
                         None => return Err(ApiError::bad_request(format!("messages[{i}]: content part without a type")).with_param("messages")),
                     }
                 }
-                Value::String(texts.join("\n"))
+                if vision {
+                    Value::Array(listed)
+                } else {
+                    Value::String(texts.join("\n"))
+                }
             }
             Some(_) => {
                 return Err(ApiError::bad_request(format!(
@@ -368,7 +379,7 @@ pub fn chat_prompt(
     extra: Option<&serde_json::Map<String, Value>>,
     tools: Option<&[Value]>,
 ) -> Result<(String, Vec<u32>), ApiError> {
-    let msgs = template_messages(messages)?;
+    let msgs = template_messages(messages, info.processor.is_some())?;
     let tpl = info.chat_template.as_ref().ok_or_else(|| {
         ApiError::bad_request(
             "this model has no chat template; pass --chat-template or use /v1/completions",

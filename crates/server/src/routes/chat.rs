@@ -5,8 +5,9 @@ use super::choices::{keep_best, prompt_logprobs_json};
 use super::stream::{sse_response, usage_json, ChunkFormat};
 use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
+use crate::openai::media::chat_inputs;
 use crate::openai::params::{
-    chat_prompt, check_text_fits, logprobs_count, requested_n, sampling_params, validate, TextLen,
+    check_text_fits, logprobs_count, requested_n, sampling_params, validate, TextLen,
 };
 use crate::openai::structured::{constraint, field_of};
 use crate::openai::tool_choice::{self, call_id, ReplyStream, ToolMode};
@@ -306,14 +307,16 @@ pub async fn chat_completions(
     let (messages, kwargs) = (req.messages, req.chat_template_kwargs);
     let work = info.clone();
     let template_tools = tools.template_tools;
-    let (_, prompt_ids) = st
+    let media = st.edge.media.clone();
+    let (prompt_ids, mm) = st
         .blocking(move || {
-            chat_prompt(
+            chat_inputs(
                 &work,
                 &messages,
                 add_gen,
                 kwargs.as_ref(),
                 template_tools.as_deref(),
+                &media,
             )
         })
         .await?;
@@ -323,6 +326,7 @@ pub async fn chat_completions(
         params,
         lora: adapter.clone(),
         cache_salt,
+        mm,
     })?;
     if stream {
         return Ok(sse_response(

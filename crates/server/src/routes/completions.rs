@@ -177,6 +177,7 @@ pub async fn completions(
             params: params.clone(),
             lora: adapter.clone(),
             cache_salt: cache_salt.clone(),
+            mm: None,
         });
     }
     let tracked: Vec<(Tracked, usize, usize)> = st

@@ -3,7 +3,8 @@
 
 use super::{parse_body, Shared};
 use crate::openai::error::ApiError;
-use crate::openai::params::{chat_prompt, check_text_fits, token_ids, TextLen};
+use crate::openai::media::chat_inputs;
+use crate::openai::params::{check_text_fits, token_ids, TextLen};
 use crate::openai::types::{DetokenizeRequest, TokenizeRequest};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -158,6 +159,7 @@ pub async fn tokenize(
         }
     }
     let work = info.clone();
+    let media = st.edge.media.clone();
     let tokens = st
         .blocking(move || match (req.prompt, req.messages) {
             (Some(p), _) => work
@@ -167,7 +169,8 @@ pub async fn tokenize(
             (None, m) => {
                 let m = m.unwrap_or_default();
                 let add = req.add_generation_prompt.unwrap_or(true);
-                Ok(chat_prompt(&work, &m, add, None, None)?.1)
+                // image tokens count as the engine will see them
+                Ok(chat_inputs(&work, &m, add, None, None, &media)?.0)
             }
         })
         .await?;

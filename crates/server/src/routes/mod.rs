@@ -50,6 +50,8 @@ pub struct EdgeConfig {
     pub tokenizer_info: bool,
     /// With `--enable-auto-tool-choice`: how the model writes tool calls (`tool_choice: auto`).
     pub auto_tools: Option<crate::openai::tools::ToolParser>,
+    /// Where images may come from and how many a prompt may hold.
+    pub media: crate::openai::media::MediaConfig,
 }
 
 impl Default for EdgeConfig {
@@ -61,6 +63,7 @@ impl Default for EdgeConfig {
             prep_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             tokenizer_info: false,
             auto_tools: None,
+            media: crate::openai::media::MediaConfig::default(),
         }
     }
 }
@@ -116,7 +119,14 @@ impl AppState {
     pub fn set_engine(&self, handle: EngineHandle) {
         if self.edge.body_limit.is_none() {
             let info = handle.info();
-            let limit = default_body_limit(info.max_model_len, info.tokenizer.max_token_chars());
+            let mut limit =
+                default_body_limit(info.max_model_len, info.tokenizer.max_token_chars());
+            if info.processor.is_some() {
+                // base64 images: 4 characters per 3 bytes
+                let m = &self.edge.media;
+                let images = m.max_images.saturating_mul(m.max_bytes / 3 * 4 + 4);
+                limit = limit.saturating_add(images).min(1 << 30);
+            }
             self.body_limit.store(limit, Ordering::Relaxed);
         }
         let _ = self.engine.set(handle);

@@ -324,6 +324,7 @@ pub async fn responses(
         params,
         lora: adapter.clone(),
         cache_salt: None,
+        mm: None,
     })?;
     let head = Head {
         id: format!("resp_{}", super::misc::random_id()),

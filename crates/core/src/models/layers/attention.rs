@@ -6,7 +6,7 @@
 
 use super::linear::Linear;
 use super::norm::RmsNorm;
-use super::rotary::RotaryEmbedding;
+use super::rotary::StepRope;
 use crate::batch::ForwardBatch;
 use crate::kv_cache::LayerKv;
 use crate::load_error::LoadError;
@@ -105,7 +105,7 @@ impl Attention {
     pub fn forward(
         &self,
         x: &Tensor,
-        rotary: &RotaryEmbedding,
+        rope: &StepRope,
         batch: &ForwardBatch,
         cache: &LayerKv,
     ) -> Result<Tensor> {
@@ -124,7 +124,7 @@ impl Attention {
             qkv = Tensor::cat(&[q, k, qkv.narrow(1, h + kvh, kvh)?], 1)?;
         }
         let qkv = qkv.contiguous()?;
-        rotary.rotate_and_cache_(&qkv, &batch.positions, (h, kvh), cache, &batch.attn)?;
+        rope.rotate_and_cache_(&qkv, (h, kvh), cache, &batch.attn)?;
         let q = qkv.narrow(1, 0, h)?;
         let fp8 = rserve_kernels::is_fp8_cache(&cache.k);
         let params = PagedAttentionParams {

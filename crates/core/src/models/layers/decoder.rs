@@ -35,6 +35,8 @@ pub struct DecoderConfig {
     pub qk_norm: bool,
     /// Per layer: the sliding window, if that layer uses one.
     pub sliding_window: Vec<Option<usize>>,
+    /// Qwen2-VL's M-RoPE sections (temporal, height, width frequencies), if the model uses it.
+    pub mrope_section: Option<[usize; 3]>,
 }
 
 struct Layer {
@@ -107,6 +109,10 @@ impl Decoder {
             w.dtype(),
             w.device(),
         )
+        .and_then(|r| match cfg.mrope_section {
+            Some(s) => r.with_mrope(s),
+            None => Ok(r),
+        })
         .map_err(|e| LoadError::Tensor {
             name: "rotary tables".into(),
             reason: e.to_string(),
@@ -120,6 +126,13 @@ impl Decoder {
             rotary,
             max_positions,
         })
+    }
+}
+
+impl Decoder {
+    /// The device the weights are on.
+    pub fn device(&self) -> &candle_core::Device {
+        self.embed_tokens.device()
     }
 }
 
@@ -180,6 +193,7 @@ impl Decoder {
         kv: &KvCache,
     ) -> Result<Option<Tensor>> {
         let ctx = batch.layer_ctx();
+        let rope = self.rotary.for_step(batch)?;
         // the residual stream and the last sub-layer's output, added lazily by the next norm
         let mut residual = embeds; // [T, hidden]
         let mut out: Option<Tensor> = None;
@@ -192,7 +206,7 @@ impl Decoder {
                     normed
                 }
             };
-            let a = layer.self_attn.forward(&h, &self.rotary, batch, cache)?;
+            let a = layer.self_attn.forward(&h, &rope, batch, cache)?;
             let (sum, h) = layer.post_attention_layernorm.forward_add(&a, &residual)?;
             residual = sum;
             out = Some(layer.mlp.forward(&h, &ctx)?);

@@ -1,7 +1,13 @@
 //! Rotary position embeddings (rotate-half layout) with Hugging Face's frequency rules: default,
 //! `linear` and `llama3` scaling. Tables are precomputed in f32 exactly as transformers does, then
 //! gathered per token by position so any mix of positions runs in one call.
+//!
+//! Qwen2-VL's M-RoPE splits the frequencies into three sections that follow a token's temporal,
+//! height and width positions: a step with image tokens gathers per-token tables once
+//! ([`RotaryEmbedding::for_step`]) and the same kernel rotates by them. Text tokens have three
+//! equal positions, so steps without image tokens take the plain path.
 
+use crate::batch::ForwardBatch;
 use crate::kv_cache::LayerKv;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -74,6 +80,41 @@ pub fn inv_freq(head_dim: usize, cfg: &RopeConfig) -> Vec<f32> {
 pub struct RotaryEmbedding {
     cos: Tensor, // [max_positions, head_dim / 2]
     sin: Tensor, // [max_positions, head_dim / 2]
+    /// M-RoPE: the frequencies following the temporal, height and width positions.
+    mrope: Option<[usize; 3]>,
+}
+
+/// One step's rotary tables and the row of each token in them.
+#[derive(Debug, Clone)]
+pub struct StepRope {
+    cos: Tensor,       // [rows, head_dim / 2]
+    sin: Tensor,       // [rows, head_dim / 2]
+    positions: Tensor, // [num_tokens] u32: each token's row
+}
+
+impl StepRope {
+    /// Rotates the q and k heads of `qkv` (`[num_tokens, heads + 2 * kv_heads, head_dim]`,
+    /// contiguous) in place and writes its k and v heads into this layer's cache at the step's
+    /// slots (one kernel on CUDA).
+    pub fn rotate_and_cache_(
+        &self,
+        qkv: &Tensor,
+        heads: (usize, usize),
+        cache: &LayerKv,
+        meta: &rserve_kernels::AttentionMetadata,
+    ) -> Result<()> {
+        rserve_kernels::rotary_qk_cache_(
+            qkv,
+            &self.positions,
+            &self.cos,
+            &self.sin,
+            heads,
+            &cache.k,
+            &cache.v,
+            meta,
+            cache.scales,
+        )
+    }
 }
 
 impl RotaryEmbedding {
@@ -97,31 +138,55 @@ impl RotaryEmbedding {
         }
         let cos = Tensor::from_vec(cos, (max_positions, half), device)?.to_dtype(dtype)?;
         let sin = Tensor::from_vec(sin, (max_positions, half), device)?.to_dtype(dtype)?;
-        Ok(Self { cos, sin })
+        Ok(Self {
+            cos,
+            sin,
+            mrope: None,
+        })
     }
 
-    /// Rotates the q and k heads of `qkv` (`[num_tokens, heads + 2 * kv_heads, head_dim]`,
-    /// contiguous) in place and writes its k and v heads into this layer's cache at the step's
-    /// slots (one kernel on CUDA).
-    pub fn rotate_and_cache_(
-        &self,
-        qkv: &Tensor,
-        positions: &Tensor,
-        heads: (usize, usize),
-        cache: &LayerKv,
-        meta: &rserve_kernels::AttentionMetadata,
-    ) -> Result<()> {
-        rserve_kernels::rotary_qk_cache_(
-            qkv,
-            positions,
-            &self.cos,
-            &self.sin,
-            heads,
-            &cache.k,
-            &cache.v,
-            meta,
-            cache.scales,
-        )
+    /// The same tables rotating by M-RoPE with these section sizes (which must sum to
+    /// `head_dim / 2`).
+    pub fn with_mrope(mut self, section: [usize; 3]) -> Result<Self> {
+        let half = self.cos.dim(1)?;
+        if section.iter().sum::<usize>() != half {
+            candle_core::bail!("mrope_section {section:?} does not sum to head_dim / 2 = {half}");
+        }
+        self.mrope = Some(section);
+        Ok(self)
+    }
+
+    /// The tables of `batch`: the whole tables indexed by `batch.positions`, or, with M-RoPE
+    /// and 3-D positions in the batch, one gathered row per token.
+    pub fn for_step(&self, batch: &ForwardBatch) -> Result<StepRope> {
+        let (Some(section), Some(pos3)) = (self.mrope, batch.mrope_positions.as_ref()) else {
+            return Ok(StepRope {
+                cos: self.cos.clone(),
+                sin: self.sin.clone(),
+                positions: batch.positions.clone(),
+            });
+        };
+        let t = pos3.dim(1)?; // [3, T]
+        let gather = |table: &Tensor| -> Result<Tensor> {
+            let mut parts = Vec::with_capacity(3);
+            let mut off = 0;
+            for (k, &n) in section.iter().enumerate() {
+                let pos = pos3.get(k)?;
+                parts.push(
+                    table
+                        .narrow(1, off, n)?
+                        .contiguous()?
+                        .index_select(&pos, 0)?,
+                );
+                off += n;
+            }
+            Tensor::cat(&parts, 1)?.contiguous()
+        };
+        Ok(StepRope {
+            cos: gather(&self.cos)?,
+            sin: gather(&self.sin)?,
+            positions: Tensor::arange(0u32, t as u32, pos3.device())?,
+        })
     }
 }
 

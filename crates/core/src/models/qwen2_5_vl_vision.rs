@@ -1,0 +1,400 @@
+//! Qwen2.5-VL's vision encoder: patch embedding (a 3-D convolution whose stride equals its
+//! kernel, so one matrix product over flattened patches), blocks of RMSNorm, attention with a
+//! 2-D rotary embedding and a gated MLP, then the merger that folds each 2x2 group of patches
+//! into one token of the language model's width.
+//!
+//! Most blocks attend within windows of `window_size` pixels (8x8 patches for the released
+//! models); `fullatt_block_indexes` attend over whole images. The patches are reordered once so
+//! that each window is contiguous, the attention runs per segment (segments of one length are
+//! batched into one product, which runs on tensor cores on a GPU), and the merger's output is put
+//! back in the processor's order. Long segments are processed in query chunks to bound the score
+//! matrix.
+
+use super::layers::linear::Linear;
+use super::layers::mlp::Mlp;
+use super::layers::norm::RmsNorm;
+use crate::batch::LayerCtx;
+use crate::load_error::LoadError;
+use crate::weights::Weights;
+use candle_core::{DType, Device, Result, Tensor};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// `vision_config` of a Qwen2.5-VL checkpoint (defaults: the released 3B/7B/72B towers).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct VisionConfig {
+    pub depth: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub out_hidden_size: usize,
+    pub patch_size: usize,
+    pub spatial_merge_size: usize,
+    pub temporal_patch_size: usize,
+    pub window_size: usize,
+    pub fullatt_block_indexes: Vec<usize>,
+    #[serde(alias = "in_channels")]
+    pub in_chans: usize,
+    pub hidden_act: String,
+}
+
+impl Default for VisionConfig {
+    fn default() -> Self {
+        Self {
+            depth: 32,
+            hidden_size: 1280,
+            intermediate_size: 3420,
+            num_heads: 16,
+            out_hidden_size: 3584,
+            patch_size: 14,
+            spatial_merge_size: 2,
+            temporal_patch_size: 2,
+            window_size: 112,
+            fullatt_block_indexes: vec![7, 15, 23, 31],
+            in_chans: 3,
+            hidden_act: "silu".into(),
+        }
+    }
+}
+
+impl VisionConfig {
+    fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads.max(1)
+    }
+
+    fn patch_dim(&self) -> usize {
+        self.in_chans * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), LoadError> {
+        let bad = |reason: &str| LoadError::Config {
+            field: "vision_config".into(),
+            reason: reason.into(),
+        };
+        if self.hidden_act != "silu" {
+            return Err(bad("only a silu MLP is supported"));
+        }
+        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
+            return Err(bad("hidden_size must be a multiple of num_heads"));
+        }
+        if !self.head_dim().is_multiple_of(4) {
+            return Err(bad("the head size must be a multiple of 4 (2-D rotary)"));
+        }
+        let unit = self.spatial_merge_size * self.patch_size;
+        if self.spatial_merge_size == 0 || unit == 0 || self.window_size < unit {
+            return Err(bad(
+                "window_size must cover at least one merged patch group",
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct Block {
+    norm1: RmsNorm,
+    qkv: Linear, // [3 * hidden, hidden]
+    proj: Linear,
+    norm2: RmsNorm,
+    mlp: Mlp,
+    full: bool,
+}
+
+/// The loaded encoder.
+pub struct Qwen25Vision {
+    cfg: VisionConfig,
+    patch_embed: Tensor, // [hidden, patch_dim]
+    blocks: Vec<Block>,
+    ln_q: RmsNorm,
+    merger_in: Linear,  // [4 * hidden, 4 * hidden]
+    merger_out: Linear, // [out_hidden, 4 * hidden]
+    inv_freq: Vec<f32>, // [head_dim / 4]
+}
+
+/// The host-side layout of one batch of images.
+struct Layout {
+    /// Patch rows in window order (indices into the processor's order).
+    order: Vec<u32>,
+    /// Merged tokens back from window order to the processor's order.
+    unorder: Vec<u32>,
+    /// Per patch in window order: the (h, w) rotary position.
+    hw: Vec<(u32, u32)>,
+    /// Segment bounds for the windowed and the full blocks.
+    windows: Vec<usize>,
+    images: Vec<usize>,
+}
+
+impl Qwen25Vision {
+    pub fn load(cfg: VisionConfig, w: &Weights) -> std::result::Result<Self, LoadError> {
+        cfg.validate()?;
+        let hid = cfg.hidden_size;
+        let patch = w.get(
+            &[
+                hid,
+                cfg.in_chans,
+                cfg.temporal_patch_size,
+                cfg.patch_size,
+                cfg.patch_size,
+            ],
+            "patch_embed.proj.weight",
+        )?;
+        let patch_embed = patch
+            .reshape((hid, cfg.patch_dim()))
+            .map_err(|e| LoadError::Tensor {
+                name: w.name_of("patch_embed.proj.weight"),
+                reason: e.to_string(),
+            })?;
+        let mut blocks = Vec::with_capacity(cfg.depth);
+        for i in 0..cfg.depth {
+            let b = w.pp("blocks").pp(i);
+            blocks.push(Block {
+                norm1: RmsNorm::load(&b.pp("norm1"), hid, 1e-6)?,
+                qkv: Linear::load(&b.pp("attn").pp("qkv"), hid, 3 * hid, true)?,
+                proj: Linear::load(&b.pp("attn").pp("proj"), hid, hid, true)?,
+                norm2: RmsNorm::load(&b.pp("norm2"), hid, 1e-6)?,
+                mlp: Mlp::load(&b.pp("mlp"), hid, cfg.intermediate_size, true)?,
+                full: cfg.fullatt_block_indexes.contains(&i),
+            });
+        }
+        let m = w.pp("merger");
+        let wide = hid * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        let quarter = cfg.head_dim() / 2;
+        let inv_freq = (0..quarter / 2)
+            .map(|i| 1.0 / 10000f32.powf((2 * i) as f32 / quarter as f32))
+            .collect();
+        Ok(Self {
+            ln_q: RmsNorm::load(&m.pp("ln_q"), hid, 1e-6)?,
+            merger_in: Linear::load(&m.pp("mlp").pp(0), wide, wide, true)?,
+            merger_out: Linear::load(&m.pp("mlp").pp(2), wide, cfg.out_hidden_size, true)?,
+            cfg,
+            patch_embed,
+            blocks,
+            inv_freq,
+        })
+    }
+
+    pub fn config(&self) -> &VisionConfig {
+        &self.cfg
+    }
+
+    /// The window order, rotary positions and segments of images with patch grids `grids`.
+    fn layout(&self, grids: &[[usize; 3]]) -> Layout {
+        let m = self.cfg.spatial_merge_size;
+        let unit = m * m;
+        let win = self.cfg.window_size / m / self.cfg.patch_size; // merged groups per window side
+        let mut l = Layout {
+            order: Vec::new(),
+            unorder: Vec::new(),
+            hw: Vec::new(),
+            windows: vec![0],
+            images: vec![0],
+        };
+        let mut merged_order: Vec<usize> = Vec::new();
+        let mut base = 0; // merged groups of earlier images
+        for &[gt, gh, gw] in grids {
+            let (lh, lw) = (gh / m, gw / m);
+            let (nh, nw) = (lh.div_ceil(win), lw.div_ceil(win));
+            for t in 0..gt {
+                for wy in 0..nh {
+                    for wx in 0..nw {
+                        let mut n = 0;
+                        for y in wy * win..((wy + 1) * win).min(lh) {
+                            for x in wx * win..((wx + 1) * win).min(lw) {
+                                merged_order.push(base + (t * lh + y) * lw + x);
+                                n += 1;
+                            }
+                        }
+                        if n > 0 {
+                            l.windows
+                                .push(l.windows.last().copied().unwrap_or(0) + n * unit);
+                        }
+                    }
+                }
+                l.images
+                    .push(l.images.last().copied().unwrap_or(0) + gh * gw);
+            }
+            base += gt * lh * lw;
+        }
+        // a merged group's patches are contiguous in the processor's order: group g (row y,
+        // column x of its frame's merged grid) holds patches m*m*g.., at (m*y + i/m, m*x + i%m)
+        let mut geo = Vec::with_capacity(base); // per merged group: (y, x)
+        for &[gt, gh, gw] in grids {
+            let (lh, lw) = (gh / m, gw / m);
+            for _ in 0..gt {
+                for y in 0..lh {
+                    for x in 0..lw {
+                        geo.push((y, x));
+                    }
+                }
+            }
+        }
+        for &g in &merged_order {
+            let (y, x) = geo.get(g).copied().unwrap_or((0, 0));
+            for i in 0..unit {
+                l.order.push((g * unit + i) as u32);
+                l.hw.push(((y * m + i / m) as u32, (x * m + i % m) as u32));
+            }
+        }
+        l.unorder = vec![0; merged_order.len()];
+        for (pos, &g) in merged_order.iter().enumerate() {
+            if let Some(slot) = l.unorder.get_mut(g) {
+                *slot = pos as u32;
+            }
+        }
+        l
+    }
+
+    /// Per patch (window order): rotary cos and sin tables `[N, head_dim / 2]`: the height
+    /// position's frequencies, then the width position's.
+    fn rotary(&self, hw: &[(u32, u32)], dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let q = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(hw.len() * 2 * q);
+        let mut sin = Vec::with_capacity(hw.len() * 2 * q);
+        for &(h, w) in hw {
+            for p in [h, w] {
+                for f in &self.inv_freq {
+                    let a = p as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        }
+        let n = hw.len();
+        Ok((
+            Tensor::from_vec(cos, (n, 2 * q), dev)?.to_dtype(dtype)?,
+            Tensor::from_vec(sin, (n, 2 * q), dev)?.to_dtype(dtype)?,
+        ))
+    }
+
+    /// Encodes the patches of several images: `pixels` `[N, patch_dim]` (the processor's rows,
+    /// images one after another) with their grids; returns `[N / merge^2, out_hidden]` in the
+    /// processor's order.
+    pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
+        let dev = pixels.device().clone();
+        let dtype = self.patch_embed.dtype();
+        let l = self.layout(grids);
+        let n = l.order.len();
+        if pixels.dim(0)? != n {
+            candle_core::bail!("{} patch rows for grids totalling {n}", pixels.dim(0)?);
+        }
+        let order = Tensor::from_vec(l.order.clone(), n, &dev)?;
+        let x = pixels.to_dtype(dtype)?.index_select(&order, 0)?;
+        let mut x = x.matmul(&self.patch_embed.t()?)?; // [N, hidden]
+        let (cos, sin) = self.rotary(&l.hw, dtype, &dev)?;
+        let positions = Tensor::arange(0u32, n as u32, &dev)?;
+        let ctx = LayerCtx::default();
+        let (heads, hd) = (self.cfg.num_heads, self.cfg.head_dim());
+        for b in &self.blocks {
+            let h = b.norm1.forward(&x)?;
+            let qkv = b
+                .qkv
+                .forward(&h, &ctx)?
+                .reshape((n, 3 * heads, hd))?
+                .contiguous()?;
+            rserve_kernels::rotary_qk_(&qkv, &positions, &cos, &sin, 2 * heads)?;
+            let bounds = if b.full { &l.images } else { &l.windows };
+            let a = segment_attention(&qkv, heads, bounds)?; // [N, hidden]
+            x = (x + b.proj.forward(&a, &ctx)?)?;
+            let h = b.norm2.forward(&x)?;
+            x = (&x + b.mlp.forward(&h, &ctx)?)?;
+        }
+        let wide = self.merger_in.shape().1;
+        let y = self
+            .ln_q
+            .forward(&x)?
+            .reshape((n * self.cfg.hidden_size / wide, wide))?;
+        let y = self.merger_in.forward(&y, &ctx)?.gelu_erf()?;
+        let y = self.merger_out.forward(&y, &ctx)?;
+        let unorder = Tensor::from_vec(l.unorder.clone(), l.unorder.len(), &dev)?;
+        y.index_select(&unorder, 0)
+    }
+}
+
+/// Largest number of query rows whose scores are computed at once.
+const QUERY_CHUNK: usize = 4096;
+
+/// Bidirectional attention within each segment `[bounds[i], bounds[i + 1])` of `qkv`
+/// (`[N, 3 * heads, head_dim]`: q heads, k heads, v heads); `[N, heads * head_dim]`. Segments of
+/// equal length run as one batched product.
+fn segment_attention(qkv: &Tensor, heads: usize, bounds: &[usize]) -> Result<Tensor> {
+    let (n, _, hd) = qkv.dims3()?;
+    let dev = qkv.device();
+    let scale = (hd as f64).powf(-0.5);
+    let mut by_len: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for w in bounds.windows(2) {
+        if w[1] > w[0] {
+            by_len.entry(w[1] - w[0]).or_default().push(w[0]);
+        }
+    }
+    let mut rows: Vec<u32> = Vec::with_capacity(n);
+    let mut parts = Vec::with_capacity(by_len.len());
+    for (&len, starts) in &by_len {
+        let idx: Vec<u32> = starts
+            .iter()
+            .flat_map(|&s| (s..s + len).map(|r| r as u32))
+            .collect();
+        rows.extend_from_slice(&idx);
+        let g = starts.len();
+        let sel = qkv.index_select(&Tensor::from_vec(idx, g * len, dev)?, 0)?;
+        // [g, 3 * heads, len, hd]
+        let sel = sel.reshape((g, len, 3 * heads, hd))?.transpose(1, 2)?;
+        let q = sel.narrow(1, 0, heads)?.contiguous()?;
+        let k = sel.narrow(1, heads, heads)?.contiguous()?;
+        let v = sel.narrow(1, 2 * heads, heads)?.contiguous()?;
+        let kt = k.transpose(2, 3)?.contiguous()?;
+        let mut outs = Vec::new();
+        let mut q0 = 0;
+        while q0 < len {
+            let ql = QUERY_CHUNK.min(len - q0);
+            let qc = q.narrow(2, q0, ql)?;
+            let s = (qc.matmul(&kt)? * scale)?;
+            let p =
+                candle_nn::ops::softmax_last_dim(&s.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
+            outs.push(p.matmul(&v)?);
+            q0 += ql;
+        }
+        let o = Tensor::cat(&outs, 2)?; // [g, heads, len, hd]
+        parts.push(o.transpose(1, 2)?.reshape((g * len, heads * hd))?);
+    }
+    let o = Tensor::cat(&parts, 0)?;
+    // back to row order: row r of `o` is token rows[r]
+    let mut inv = vec![0u32; n];
+    for (i, &r) in rows.iter().enumerate() {
+        if let Some(slot) = inv.get_mut(r as usize) {
+            *slot = i as u32;
+        }
+    }
+    o.index_select(&Tensor::from_vec(inv, n, dev)?, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_attention_equals_per_segment_softmax() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, heads, hd) = (7, 2, 4);
+        let qkv = Tensor::randn(0f32, 1.0, (n, 3 * heads, hd), &dev)?;
+        let got = segment_attention(&qkv, heads, &[0, 3, 5, 7])?;
+        for (s, e) in [(0, 3), (3, 5), (5, 7)] {
+            for h in 0..heads {
+                let q = qkv.narrow(0, s, e - s)?.narrow(1, h, 1)?.squeeze(1)?;
+                let k = qkv
+                    .narrow(0, s, e - s)?
+                    .narrow(1, heads + h, 1)?
+                    .squeeze(1)?;
+                let v = qkv
+                    .narrow(0, s, e - s)?
+                    .narrow(1, 2 * heads + h, 1)?
+                    .squeeze(1)?;
+                let p = candle_nn::ops::softmax_last_dim(&(q.matmul(&k.t()?)? * 0.5)?)?;
+                let want = p.matmul(&v)?;
+                let g = got.narrow(0, s, e - s)?.narrow(1, h * hd, hd)?;
+                let d = (g - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(d < 1e-5, "segment {s}..{e} head {h}: {d}");
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,249 @@
+//! Qwen2.5-VL parity with transformers (`tests/fixtures/make_vl_models.py`): the prompt rserve
+//! builds from a conversation with images (chat template, tokenizer, placeholder expansion)
+//! equals the processor's `input_ids`, the M-RoPE positions equal `get_rope_index`'s, the
+//! encoder's features match, and greedy decoding gives the same tokens with logprobs within
+//! 1e-4, for prompts with 0, 1 and 2 images alone, together, and prefilled in chunks that end
+//! inside images.
+
+mod common;
+
+use common::*;
+use rserve_core::multimodal::{MmPrompt, Processor};
+use rserve_core::{EngineHandle, EngineRequest, SamplingParams};
+use serde::Deserialize;
+use std::sync::Arc;
+
+const NAME: &str = "qwen2_5_vl";
+
+#[derive(Deserialize)]
+struct VlGolden {
+    cases: Vec<VlCase>,
+}
+
+#[derive(Deserialize)]
+struct VlCase {
+    name: String,
+    images: Vec<String>,
+    text: String,
+    rendered: String,
+    input_ids: Vec<u32>,
+    #[serde(default)]
+    positions: Option<Vec<Vec<u32>>>,
+    #[serde(default)]
+    rope_delta: Option<i64>,
+    #[serde(default)]
+    image0_features: Option<Vec<f32>>,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+}
+
+fn load_golden() -> VlGolden {
+    let p = repo()
+        .join("tests/fixtures/goldens")
+        .join(format!("{NAME}.json"));
+    let text = std::fs::read_to_string(&p).expect("golden");
+    serde_json::from_str(&text).expect("golden parses")
+}
+
+fn messages(c: &VlCase) -> Vec<serde_json::Value> {
+    let content = if c.images.is_empty() {
+        serde_json::json!(c.text)
+    } else {
+        let mut parts: Vec<serde_json::Value> = c
+            .images
+            .iter()
+            .map(|_| serde_json::json!({"type": "image"}))
+            .collect();
+        parts.push(serde_json::json!({"type": "text", "text": c.text}));
+        serde_json::Value::Array(parts)
+    };
+    vec![serde_json::json!({"role": "user", "content": content})]
+}
+
+/// The prompt ids and images of a case, built the way an edge builds them.
+fn prompt(h: &EngineHandle, c: &VlCase) -> (Vec<u32>, Option<Arc<MmPrompt>>) {
+    let info = h.info();
+    let tpl = info.chat_template.as_ref().expect("chat template");
+    let text = tpl.render(&messages(c), true, None, None).expect("renders");
+    assert_eq!(text, c.rendered, "{}: rendered prompt", c.name);
+    let ids = info.tokenizer.encode(&text, false).expect("tokenizes");
+    let proc: &Processor = info.processor.as_deref().expect("a vision model");
+    let images = c
+        .images
+        .iter()
+        .map(|n| {
+            let bytes = std::fs::read(repo().join(format!("tests/fixtures/vision/{n}.png")))
+                .expect("image");
+            proc.decode(&bytes).expect("decodes")
+        })
+        .collect();
+    let (ids, mm) = proc.expand(&ids, images).expect("expands");
+    let mm = (!mm.images.is_empty()).then(|| Arc::new(mm));
+    (ids, mm)
+}
+
+fn request(ids: Vec<u32>, mm: Option<Arc<MmPrompt>>, n: usize) -> EngineRequest {
+    let mut p = SamplingParams::greedy(n);
+    p.ignore_eos = true;
+    p.logprobs = Some(1);
+    EngineRequest {
+        prompt_token_ids: ids,
+        params: p,
+        lora: None,
+        cache_salt: None,
+        mm,
+    }
+}
+
+fn check(h: &EngineHandle, g: &VlGolden, with_text_only: bool) {
+    let tol = tolerance();
+    let mut streams = Vec::new();
+    for c in &g.cases {
+        let (ids, mm) = prompt(h, c);
+        streams.push(h.submit(request(ids, mm, c.tokens.len())).expect("submit"));
+        if with_text_only {
+            // a text-only request between the image ones
+            let ids: Vec<u32> = (20..60).collect();
+            streams.push(h.submit(request(ids, None, 4)).expect("submit"));
+        }
+    }
+    let mut outs = streams.into_iter().map(|s| s.wait().expect("completes"));
+    for c in &g.cases {
+        let out = outs.next().expect("an output");
+        let o = &out.outputs[0];
+        assert_eq!(o.token_ids, c.tokens, "{}", c.name);
+        let lps = o.logprobs.as_ref().expect("logprobs");
+        for (i, (got, want)) in lps.iter().zip(&c.logprobs).enumerate() {
+            assert!(
+                (got.logprob - want).abs() < tol,
+                "{} step {i}: {} vs {want}",
+                c.name,
+                got.logprob
+            );
+        }
+        assert_eq!(out.prompt_token_ids.len(), c.input_ids.len(), "{}", c.name);
+        if with_text_only {
+            outs.next().expect("the text-only output");
+        }
+    }
+    assert_sound(h);
+}
+
+#[test]
+fn prompts_positions_and_features_match_the_processor_and_encoder() {
+    let g = load_golden();
+    let h = start(NAME, |_| {});
+    for c in &g.cases {
+        let (ids, mm) = prompt(&h, c);
+        assert_eq!(ids, c.input_ids, "{}: input_ids", c.name);
+        let Some(mm) = mm else {
+            assert!(c.images.is_empty());
+            continue;
+        };
+        let pos = mm.mrope.as_ref().expect("M-RoPE positions");
+        let want = c.positions.as_ref().expect("golden positions");
+        assert_eq!(
+            [&pos.t, &pos.h, &pos.w],
+            [&want[0], &want[1], &want[2]],
+            "{}",
+            c.name
+        );
+        assert_eq!(Some(pos.delta), c.rope_delta, "{}", c.name);
+    }
+}
+
+#[test]
+fn greedy_decoding_matches_transformers_alone_and_mixed_with_text() {
+    let g = load_golden();
+    let h = start(NAME, |_| {});
+    for c in &g.cases {
+        let (ids, mm) = prompt(&h, c);
+        let out = h
+            .submit(request(ids, mm, c.tokens.len()))
+            .expect("submit")
+            .wait()
+            .expect("completes");
+        assert_eq!(out.outputs[0].token_ids, c.tokens, "{} alone", c.name);
+    }
+    check(&h, &g, true);
+}
+
+#[test]
+fn chunked_prefill_splits_images_and_keeps_their_encodings() {
+    let g = load_golden();
+    // chunks of 7 tokens end inside every image of the goldens
+    let h = start(NAME, |cfg| {
+        cfg.max_num_batched_tokens = Some(7);
+        cfg.enable_prefix_caching = false;
+    });
+    check(&h, &g, false);
+}
+
+#[test]
+fn the_encoder_matches_transformers_features() {
+    let g = load_golden();
+    let h = start(NAME, |_| {});
+    let c = g
+        .cases
+        .iter()
+        .find(|c| c.image0_features.is_some())
+        .expect("a case");
+    let (_, mm) = prompt(&h, c);
+    let mm = mm.expect("images");
+    let want = c.image0_features.as_ref().expect("features");
+    let got = h
+        .encode_images(vec![mm.images[0].clone()])
+        .expect("encodes");
+    assert_eq!(got[0].len(), want.len());
+    let worst = got[0]
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "largest feature difference {worst}");
+}
+
+#[test]
+fn images_that_do_not_match_their_placeholders_are_refused() {
+    let g = load_golden();
+    let h = start(NAME, |_| {});
+    let c = g
+        .cases
+        .iter()
+        .find(|c| c.images.len() == 1)
+        .expect("a case");
+    let (mut ids, mm) = prompt(&h, c);
+    let span = mm.as_ref().expect("images").spans[0];
+    ids[span.offset] = 5; // a placeholder overwritten
+    let err = h.submit(request(ids, mm, 2)).err().expect("refused");
+    assert!(err.to_string().contains("placeholder"), "{err}");
+    // more images than placeholders
+    let proc = h.info().processor.clone().expect("processor");
+    let (ids, _) = prompt(&h, c);
+    let bytes = std::fs::read(repo().join("tests/fixtures/vision/rgb_50x70.png")).expect("image");
+    let imgs = vec![
+        proc.decode(&bytes).expect("image"),
+        proc.decode(&bytes).expect("image"),
+    ];
+    let err = proc
+        .expand(&ids, imgs)
+        .expect_err("two images, one placeholder");
+    assert!(err.to_string().contains("placeholders"), "{err}");
+}
+
+#[test]
+fn a_text_model_refuses_images() {
+    let vl = start(NAME, |_| {});
+    let g = load_golden();
+    let c = g
+        .cases
+        .iter()
+        .find(|c| c.images.len() == 1)
+        .expect("a case");
+    let (ids, mm) = prompt(&vl, c);
+    let text = start("qwen2", |_| {});
+    assert!(text.info().processor.is_none());
+    let ids: Vec<u32> = ids.into_iter().map(|t| t.min(900)).collect();
+    let err = text.submit(request(ids, mm, 2)).err().expect("refused");
+    assert!(err.to_string().contains("does not take images"), "{err}");
+}
