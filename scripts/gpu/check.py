@@ -17,6 +17,9 @@ Parts (choose with --parts, comma-separated):
            startup ISQ line, teacher-forced log-prob error against the bf16 model, batch-1 decode,
            and 256 concurrent requests for the formats in RSERVE_QUANT_C256 (default bf16,fp8); a
            format FORMAT+kv8 adds --kv-cache-dtype fp8 (bf16+kv8: the FP8 cache alone)
+  vision   Qwen2.5-VL-7B's shape (scripts/gpu/check_vision.py): parity with an image, TTFT of a
+           1024x1024 image against transformers, 64 concurrent image requests against text-only,
+           decode speed with an image
   lora     the first --big shape with 64 rank-16 adapters: 64 concurrent requests over 1, 8 and 64
            adapters against the base, batch-1 decode with one adapter, a runtime adapter load
 
@@ -1008,6 +1011,12 @@ def part_coldstart(a, out: Path) -> None:
         emit(out, {"part": "coldstart", "cache": label, "ready_s": srv.ready_s, "first_request_s": first})
 
 
+def part_vision(a, out: Path) -> None:
+    from check_vision import part_vision as run
+
+    run(a, out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--binary", type=Path, required=True)
@@ -1021,7 +1030,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
              "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora,
-             "prefix": part_prefix, "structured": part_structured}
+             "prefix": part_prefix, "structured": part_structured, "vision": part_vision}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

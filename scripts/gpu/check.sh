@@ -2,7 +2,7 @@
 # The whole GPU check-and-measure, run from the repository root on a GPU machine; builds nothing.
 # Needs the bundle that `make gpu-bundle` leaves in target/gpu-bundle (the CUDA rserve binary and the
 # CUDA test binaries), python3 with torch + transformers, and the CUDA 13 runtime libraries.
-#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured
+#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision
 # `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
 # and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
 # Results: $OUT (default /tmp/rserve-gpu) holds each step's log, results.jsonl and summary.txt.
@@ -54,6 +54,7 @@ if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin lora-serving lora_serving
   RSERVE_TEST_DEVICE=cuda test_bin prefix-cache prefix_cache
   RSERVE_TEST_DEVICE=cuda test_bin structured structured
+  RSERVE_TEST_DEVICE=cuda test_bin vision vision
 fi
 if has wheel; then
   rm -rf /tmp/rserve-site
@@ -62,7 +63,7 @@ if has wheel; then
   PYTHONPATH=/tmp/rserve-site step wheel python3 scripts/gpu/check_wheel.py
 fi
 py_parts=()
-for p in coldstart tiny batch big profile speed quant lora prefix structured; do has $p && py_parts+=("$p"); done
+for p in coldstart tiny batch big profile speed quant lora prefix structured vision; do has $p && py_parts+=("$p"); done
 if ((${#py_parts[@]})); then
   step python python3 scripts/gpu/check.py --binary "$BUNDLE/rserve" --out "$OUT" \
     --parts "$(IFS=,; echo "${py_parts[*]}")" ${RSERVE_BIG:+--big "$RSERVE_BIG"}

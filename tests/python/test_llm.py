@@ -112,8 +112,10 @@ class SpyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit(self, prompt: Any, params_json: str, lora: str | None = None) -> SpyStream:
-        s = SpyStream(self.inner.submit(prompt, params_json, lora))
+    def submit(
+        self, prompt: Any, params_json: str, lora: str | None = None, images: list[bytes] | None = None
+    ) -> SpyStream:
+        s = SpyStream(self.inner.submit(prompt, params_json, lora, images))
         self.streams.append(s)
         return s
 

@@ -16,7 +16,8 @@ import pytest
 from rserve import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
-VL = REPO / "tests" / "fixtures" / "models" / "qwen2_5_vl"
+MODELS_DIR = REPO / "tests" / "fixtures" / "models"
+VL = MODELS_DIR / "qwen2_5_vl"
 QWEN2 = REPO / "tests" / "fixtures" / "models" / "qwen2"
 VISION = REPO / "tests" / "fixtures" / "vision"
 CASES = {c["name"]: c for c in json.loads((REPO / "tests/fixtures/goldens/qwen2_5_vl.json").read_text())["cases"]}
@@ -106,5 +107,23 @@ def test_a_text_model_refuses_images() -> None:
         msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
         with pytest.raises(ValueError, match="image"):
             engine.chat(msgs, greedy(2))
+    finally:
+        engine.shutdown()
+
+
+def test_llava_generate_and_chat_match_transformers() -> None:
+    cases = {c["name"]: c for c in json.loads((REPO / "tests/fixtures/goldens/llava.json").read_text())["cases"]}
+    engine = LLM(str(MODELS_DIR / "llava"), max_model_len=256)
+    try:
+        names = ["one_image", "two_images", "text_only"]
+        outs = engine.generate([prompt(cases[n]) for n in names], greedy(8))
+        assert [o.outputs[0].token_ids for o in outs] == [cases[n]["tokens"] for n in names]
+        case = cases["wide_image"]
+        url = "data:image/png;base64," + base64.b64encode(image("rgb_160x120")).decode()
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": case["text"]}]}]
+        out = engine.chat(msgs, greedy(8))[0]
+        assert out.outputs[0].token_ids == case["tokens"]
+        assert out.prompt_token_ids == case["input_ids"]
     finally:
         engine.shutdown()

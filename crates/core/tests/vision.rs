@@ -1,4 +1,4 @@
-//! Qwen2.5-VL parity with transformers (`tests/fixtures/make_vl_models.py`): the prompt rserve
+//! Qwen2.5-VL and LLaVA parity with transformers (`tests/fixtures/make_vl_models.py`): the prompt rserve
 //! builds from a conversation with images (chat template, tokenizer, placeholder expansion)
 //! equals the processor's `input_ids`, the M-RoPE positions equal `get_rope_index`'s, the
 //! encoder's features match, and greedy decoding gives the same tokens with logprobs within
@@ -13,7 +13,7 @@ use rserve_core::{EngineHandle, EngineRequest, SamplingParams};
 use serde::Deserialize;
 use std::sync::Arc;
 
-const NAME: &str = "qwen2_5_vl";
+const MODELS: [&str; 2] = ["qwen2_5_vl", "llava"];
 
 #[derive(Deserialize)]
 struct VlGolden {
@@ -37,10 +37,10 @@ struct VlCase {
     logprobs: Vec<f32>,
 }
 
-fn load_golden() -> VlGolden {
+fn load_golden(name: &str) -> VlGolden {
     let p = repo()
         .join("tests/fixtures/goldens")
-        .join(format!("{NAME}.json"));
+        .join(format!("{name}.json"));
     let text = std::fs::read_to_string(&p).expect("golden");
     serde_json::from_str(&text).expect("golden parses")
 }
@@ -130,83 +130,145 @@ fn check(h: &EngineHandle, g: &VlGolden, with_text_only: bool) {
 }
 
 #[test]
-fn prompts_positions_and_features_match_the_processor_and_encoder() {
-    let g = load_golden();
-    let h = start(NAME, |_| {});
-    for c in &g.cases {
-        let (ids, mm) = prompt(&h, c);
-        assert_eq!(ids, c.input_ids, "{}: input_ids", c.name);
-        let Some(mm) = mm else {
-            assert!(c.images.is_empty());
-            continue;
-        };
-        let pos = mm.mrope.as_ref().expect("M-RoPE positions");
-        let want = c.positions.as_ref().expect("golden positions");
-        assert_eq!(
-            [&pos.t, &pos.h, &pos.w],
-            [&want[0], &want[1], &want[2]],
-            "{}",
-            c.name
-        );
-        assert_eq!(Some(pos.delta), c.rope_delta, "{}", c.name);
+fn prompts_and_positions_match_the_processor() {
+    for name in MODELS {
+        let g = load_golden(name);
+        let h = start(name, |_| {});
+        for c in &g.cases {
+            let (ids, mm) = prompt(&h, c);
+            assert_eq!(ids, c.input_ids, "{name} {}: input_ids", c.name);
+            let Some(mm) = mm else {
+                assert!(c.images.is_empty());
+                continue;
+            };
+            match (&mm.mrope, &c.positions) {
+                (Some(pos), Some(want)) => {
+                    assert_eq!(
+                        [&pos.t, &pos.h, &pos.w],
+                        [&want[0], &want[1], &want[2]],
+                        "{}",
+                        c.name
+                    );
+                    assert_eq!(Some(pos.delta), c.rope_delta, "{}", c.name);
+                }
+                (None, None) => {}
+                other => panic!("{name} {}: positions {other:?}", c.name),
+            }
+        }
     }
 }
 
 #[test]
 fn greedy_decoding_matches_transformers_alone_and_mixed_with_text() {
-    let g = load_golden();
-    let h = start(NAME, |_| {});
-    for c in &g.cases {
-        let (ids, mm) = prompt(&h, c);
-        let out = h
-            .submit(request(ids, mm, c.tokens.len()))
-            .expect("submit")
-            .wait()
-            .expect("completes");
-        assert_eq!(out.outputs[0].token_ids, c.tokens, "{} alone", c.name);
+    for name in MODELS {
+        let g = load_golden(name);
+        let h = start(name, |_| {});
+        for c in &g.cases {
+            let (ids, mm) = prompt(&h, c);
+            let out = h
+                .submit(request(ids, mm, c.tokens.len()))
+                .expect("submit")
+                .wait()
+                .expect("completes");
+            assert_eq!(
+                out.outputs[0].token_ids, c.tokens,
+                "{name} {} alone",
+                c.name
+            );
+        }
+        check(&h, &g, true);
     }
-    check(&h, &g, true);
 }
 
 #[test]
 fn chunked_prefill_splits_images_and_keeps_their_encodings() {
-    let g = load_golden();
-    // chunks of 7 tokens end inside every image of the goldens
-    let h = start(NAME, |cfg| {
-        cfg.max_num_batched_tokens = Some(7);
-        cfg.enable_prefix_caching = false;
-    });
-    check(&h, &g, false);
+    for name in MODELS {
+        let g = load_golden(name);
+        // chunks of 7 tokens end inside every image of the goldens
+        let h = start(name, |cfg| {
+            cfg.max_num_batched_tokens = Some(7);
+            cfg.enable_prefix_caching = false;
+        });
+        check(&h, &g, false);
+    }
 }
 
 #[test]
-fn the_encoder_matches_transformers_features() {
-    let g = load_golden();
-    let h = start(NAME, |_| {});
+fn the_encoders_match_transformers_features() {
+    for name in MODELS {
+        let g = load_golden(name);
+        let h = start(name, |_| {});
+        let c = g
+            .cases
+            .iter()
+            .find(|c| c.image0_features.is_some())
+            .expect("a case");
+        let (_, mm) = prompt(&h, c);
+        let mm = mm.expect("images");
+        let want = c.image0_features.as_ref().expect("features");
+        let got = h
+            .encode_images(vec![mm.images[0].clone()])
+            .expect("encodes");
+        assert_eq!(got[0].len(), want.len(), "{name}");
+        let worst = got[0]
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: largest feature difference {worst}");
+    }
+}
+
+#[test]
+fn the_prefix_cache_keys_blocks_by_image_content() {
+    let g = load_golden("qwen2_5_vl");
+    let h = start("qwen2_5_vl", |cfg| cfg.block_size = 4);
     let c = g
         .cases
         .iter()
-        .find(|c| c.image0_features.is_some())
+        .find(|c| c.name == "one_image")
         .expect("a case");
-    let (_, mm) = prompt(&h, c);
-    let mm = mm.expect("images");
-    let want = c.image0_features.as_ref().expect("features");
-    let got = h
-        .encode_images(vec![mm.images[0].clone()])
-        .expect("encodes");
-    assert_eq!(got[0].len(), want.len());
-    let worst = got[0]
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert!(worst < 1e-4, "largest feature difference {worst}");
+    let (ids, mm) = prompt(&h, c);
+    let span = mm.as_ref().expect("images").spans[0];
+    let run = |mm: Option<Arc<MmPrompt>>, n: usize| {
+        h.submit(request(ids.clone(), mm, n))
+            .expect("submit")
+            .wait()
+            .expect("completes")
+    };
+    let first = run(mm.clone(), c.tokens.len());
+    let again = run(mm.clone(), c.tokens.len());
+    assert_eq!(first.outputs[0].token_ids, c.tokens);
+    assert_eq!(again.outputs[0].token_ids, c.tokens);
+    // the same image again: every full block of the prompt is cached
+    let cached = again.num_cached_tokens.unwrap_or(0);
+    assert!(
+        cached + 4 > ids.len() - 1,
+        "{cached} of {} cached",
+        ids.len()
+    );
+    // another image of the same size in the same place: only the blocks before it are shared
+    let proc = h.info().processor.clone().expect("processor");
+    let other = std::fs::read(repo().join("tests/fixtures/vision/grey_64x64.png")).expect("image");
+    let img = proc.decode(&other).expect("image");
+    assert_eq!(img.num_tokens, span.len, "a same-size image");
+    let text = h.info().tokenizer.encode(&c.rendered, false).expect("ids");
+    let (ids2, mm2) = proc.expand(&text, vec![img]).expect("expands");
+    assert_eq!(ids2, ids, "the same token ids");
+    let out = run(Some(Arc::new(mm2)), 2);
+    let shared = out.num_cached_tokens.unwrap_or(0);
+    assert!(
+        shared <= span.offset,
+        "{shared} cached tokens reach into the image at {}",
+        span.offset
+    );
+    assert_sound(&h);
 }
 
 #[test]
 fn images_that_do_not_match_their_placeholders_are_refused() {
-    let g = load_golden();
-    let h = start(NAME, |_| {});
+    let g = load_golden("qwen2_5_vl");
+    let h = start("qwen2_5_vl", |_| {});
     let c = g
         .cases
         .iter()
@@ -233,8 +295,8 @@ fn images_that_do_not_match_their_placeholders_are_refused() {
 
 #[test]
 fn a_text_model_refuses_images() {
-    let vl = start(NAME, |_| {});
-    let g = load_golden();
+    let vl = start("qwen2_5_vl", |_| {});
+    let g = load_golden("qwen2_5_vl");
     let c = g
         .cases
         .iter()

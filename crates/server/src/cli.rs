@@ -329,6 +329,29 @@ pub enum BenchSub {
     /// Structured output's host cost for a model's vocabulary: grammar compile time and the
     /// time to compute each token mask.
     Grammar(BenchGrammarArgs),
+    /// A vision model's cost per image: host decode and preprocessing, the encoder on one image
+    /// and on a batch.
+    Vision(BenchVisionArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchVisionArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Side of the square image timed alone, in pixels.
+    #[arg(long, default_value_t = 1024)]
+    pub size: usize,
+    /// Images encoded together in the batch measurement.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Side of each image of the batch, in pixels.
+    #[arg(long, default_value_t = 512)]
+    pub batch_size: usize,
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Print the results as one JSON line.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -50,6 +50,12 @@ pub struct HfConfig {
     pub image_token_id: Option<u32>,
     /// LLaVA's name for the placeholder token.
     pub image_token_index: Option<u32>,
+    /// LLaVA: the tower block whose hidden states are read (negative: from the end).
+    pub vision_feature_layer: Option<Value>,
+    /// LLaVA: `default` drops the class token, `full` keeps it.
+    pub vision_feature_select_strategy: Option<String>,
+    pub projector_hidden_act: Option<String>,
+    pub multimodal_projector_bias: Option<bool>,
 }
 
 fn bad(field: &str, reason: impl Into<String>) -> LoadError {

@@ -2,9 +2,11 @@
 //! architecture from `config.json`'s `architectures`. Each architecture is a thin file that maps
 //! its config onto the shared decoder in `layers/`.
 
+pub mod clip_vision;
 pub mod hf_config;
 pub mod layers;
 pub mod llama;
+pub mod llava;
 pub mod mistral;
 pub mod qwen2;
 pub mod qwen2_5_vl;
@@ -60,6 +62,73 @@ pub trait Model: Send {
     }
 }
 
+/// A vision encoder in front of the shared decoder: per image, the `[num_tokens, hidden]`
+/// features its placeholder rows take, computed on `dev`.
+pub trait ImageEncoder: Send {
+    fn encode(&self, images: &[&ImageInput], dev: &candle_core::Device) -> Result<Vec<Tensor>>;
+}
+
+/// A vision-language model: the shared decoder and an [`ImageEncoder`]; everything but the
+/// images is the decoder's.
+pub struct WithVision<E> {
+    pub decoder: Decoder,
+    pub encoder: E,
+}
+
+impl<E: ImageEncoder> Model for WithVision<E> {
+    fn config(&self) -> &DecoderConfig {
+        self.decoder.config()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.decoder.max_positions()
+    }
+
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.decoder.embed(input_ids)
+    }
+
+    fn forward_embeds(
+        &self,
+        embeds: &Tensor,
+        batch: &ForwardBatch,
+        kv: &KvCache,
+    ) -> Result<Tensor> {
+        self.decoder.forward_embeds(embeds, batch, kv)
+    }
+
+    fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
+        self.decoder.forward_into(batch, kv, logits)
+    }
+
+    fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
+        self.decoder.kv_cache_scales()
+    }
+
+    fn encode_images(&self, images: &[&ImageInput]) -> Result<Vec<Tensor>> {
+        if images.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.encoder.encode(images, self.decoder.device())
+    }
+}
+
+/// A vision model's `preprocessor_config.json` (`Null` when the directory has none).
+pub fn read_preprocessor_config(dir: &Path) -> std::result::Result<serde_json::Value, LoadError> {
+    let path = dir.join("preprocessor_config.json");
+    if !path.is_file() {
+        return Ok(serde_json::Value::Null);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| LoadError::Io {
+        file: path.clone(),
+        reason: e.to_string(),
+    })?;
+    serde_json::from_str(&text).map_err(|e| LoadError::Json {
+        file: path,
+        reason: e.to_string(),
+    })
+}
+
 /// How an architecture builds its model from its config, the weights and the number of positions
 /// to support. A plain decoder uses [`build_decoder`]; an architecture that is not one (a vision
 /// encoder in front, another layout) brings its own.
@@ -113,6 +182,12 @@ pub const REGISTRY: &[Architecture] = &[
         config: qwen3::config,
         build: build_decoder,
         processor: None,
+    },
+    Architecture {
+        name: "LlavaForConditionalGeneration",
+        config: llava::config,
+        build: llava::build,
+        processor: Some(llava::processor),
     },
     Architecture {
         name: "Qwen2_5_VLForConditionalGeneration",

@@ -6,9 +6,7 @@
 use super::layers::decoder::Decoder;
 use super::qwen2::qwen_windows;
 use super::qwen2_5_vl_vision::{Qwen25Vision, VisionConfig};
-use super::{DecoderConfig, HfConfig, Model};
-use crate::batch::ForwardBatch;
-use crate::kv_cache::KvCache;
+use super::{DecoderConfig, HfConfig, ImageEncoder, Model, WithVision};
 use crate::load_error::LoadError;
 use crate::multimodal::qwen2_vl::Qwen2VlConfig;
 use crate::multimodal::{ImageInput, ImageProcessor, Processor, DEFAULT_MAX_IMAGE_PIXELS};
@@ -35,9 +33,8 @@ fn vision_config(c: &HfConfig) -> std::result::Result<VisionConfig, LoadError> {
     })
 }
 
-/// The decoder and its vision encoder.
+/// The vision encoder (the decoder is the shared one, see [`WithVision`]).
 pub struct Qwen25Vl {
-    decoder: Decoder,
     vision: Qwen25Vision,
 }
 
@@ -57,25 +54,29 @@ pub fn build(
             ),
         });
     }
-    let vision = Qwen25Vision::load(vcfg, &w.pp("visual").dense())?;
-    let decoder = Decoder::load(cfg, w, max_positions)?;
-    Ok(Box::new(Qwen25Vl { decoder, vision }))
+    // published checkpoints: `model.*` and `visual.*`; transformers 5's own layout nests both
+    let nested = w.contains("model.language_model.embed_tokens.weight");
+    let (text, visual) = if nested {
+        ("model.language_model", "model.visual")
+    } else {
+        ("model", "visual")
+    };
+    let vision = Qwen25Vision::load(vcfg, &w.pp(visual).dense())?;
+    let decoder = Decoder::load_under(cfg, w, text, max_positions)?;
+    Ok(Box::new(WithVision {
+        decoder,
+        encoder: Qwen25Vl { vision },
+    }))
 }
 
 /// `preprocessor_config.json` (defaults where absent) and the placeholder token.
 pub fn processor(c: &HfConfig, dir: &Path) -> std::result::Result<Processor, LoadError> {
-    let path = dir.join("preprocessor_config.json");
-    let mut cfg: Qwen2VlConfig = if path.is_file() {
-        let text = std::fs::read_to_string(&path).map_err(|e| LoadError::Io {
-            file: path.clone(),
+    let mut cfg: Qwen2VlConfig = match super::read_preprocessor_config(dir)? {
+        serde_json::Value::Null => Qwen2VlConfig::default(),
+        v => serde_json::from_value(v).map_err(|e| LoadError::Json {
+            file: dir.join("preprocessor_config.json"),
             reason: e.to_string(),
-        })?;
-        serde_json::from_str(&text).map_err(|e| LoadError::Json {
-            file: path.clone(),
-            reason: e.to_string(),
-        })?
-    } else {
-        Qwen2VlConfig::default()
+        })?,
     };
     let v = vision_config(c)?;
     cfg.patch_size = v.patch_size;
@@ -92,41 +93,9 @@ pub fn processor(c: &HfConfig, dir: &Path) -> std::result::Result<Processor, Loa
     })
 }
 
-impl Model for Qwen25Vl {
-    fn config(&self) -> &DecoderConfig {
-        self.decoder.config()
-    }
-
-    fn max_positions(&self) -> usize {
-        self.decoder.max_positions()
-    }
-
-    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.decoder.embed(input_ids)
-    }
-
-    fn forward_embeds(
-        &self,
-        embeds: &Tensor,
-        batch: &ForwardBatch,
-        kv: &KvCache,
-    ) -> Result<Tensor> {
-        self.decoder.forward_embeds(embeds, batch, kv)
-    }
-
-    fn forward_into(&self, batch: &ForwardBatch, kv: &KvCache, logits: &Tensor) -> Result<()> {
-        self.decoder.forward_into(batch, kv, logits)
-    }
-
-    fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
-        self.decoder.kv_cache_scales()
-    }
-
-    fn encode_images(&self, images: &[&ImageInput]) -> Result<Vec<Tensor>> {
-        if images.is_empty() {
-            return Ok(Vec::new());
-        }
-        let dev = self.vision_device();
+impl ImageEncoder for Qwen25Vl {
+    fn encode(&self, images: &[&ImageInput], dev: &candle_core::Device) -> Result<Vec<Tensor>> {
+        let dev = dev.clone();
         let cols = images[0].shape[1];
         let mut rows = Vec::with_capacity(images.len());
         for img in images {
@@ -145,11 +114,5 @@ impl Model for Qwen25Vl {
             at += img.num_tokens;
         }
         Ok(out)
-    }
-}
-
-impl Qwen25Vl {
-    fn vision_device(&self) -> candle_core::Device {
-        self.decoder.device().clone()
     }
 }

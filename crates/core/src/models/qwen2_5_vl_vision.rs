@@ -13,12 +13,13 @@
 use super::layers::linear::Linear;
 use super::layers::mlp::Mlp;
 use super::layers::norm::RmsNorm;
+use super::layers::vision::Profile;
+use super::layers::vision::SegmentPlan;
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{DType, Device, Result, Tensor};
 use serde::Deserialize;
-use std::collections::BTreeMap;
 
 /// `vision_config` of a Qwen2.5-VL checkpoint (defaults: the released 3B/7B/72B towers).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -244,8 +245,8 @@ impl Qwen25Vision {
         l
     }
 
-    /// Per patch (window order): rotary cos and sin tables `[N, head_dim / 2]`: the height
-    /// position's frequencies, then the width position's.
+    /// Per patch (window order): rotary cos and sin tables `[N, head_dim / 2]` (computed in f32):
+    /// the height position's frequencies, then the width position's.
     fn rotary(&self, hw: &[(u32, u32)], dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
         let q = self.inv_freq.len();
         let mut cos = Vec::with_capacity(hw.len() * 2 * q);
@@ -282,8 +283,12 @@ impl Qwen25Vision {
         let mut x = x.matmul(&self.patch_embed.t()?)?; // [N, hidden]
         let (cos, sin) = self.rotary(&l.hw, dtype, &dev)?;
         let positions = Tensor::arange(0u32, n as u32, &dev)?;
+        let windows = SegmentPlan::new(&l.windows, n, &dev)?;
+        let images = SegmentPlan::new(&l.images, n, &dev)?;
         let ctx = LayerCtx::default();
         let (heads, hd) = (self.cfg.num_heads, self.cfg.head_dim());
+        let profile = Profile::from_env(&dev);
+        profile.mark("patch embedding")?;
         for b in &self.blocks {
             let h = b.norm1.forward(&x)?;
             let qkv = b
@@ -291,12 +296,20 @@ impl Qwen25Vision {
                 .forward(&h, &ctx)?
                 .reshape((n, 3 * heads, hd))?
                 .contiguous()?;
+            // one fused kernel; tables in the model's dtype (f32 tables in unfused ops cost
+            // more than they bring: see benchmarks/gpu-notes.md)
             rserve_kernels::rotary_qk_(&qkv, &positions, &cos, &sin, 2 * heads)?;
-            let bounds = if b.full { &l.images } else { &l.windows };
-            let a = segment_attention(&qkv, heads, bounds)?; // [N, hidden]
+            let plan = if b.full { &images } else { &windows };
+            let a = plan.attend(&qkv, heads)?; // [N, hidden]
+            profile.mark(if b.full {
+                "full attention"
+            } else {
+                "window attention"
+            })?;
             x = (x + b.proj.forward(&a, &ctx)?)?;
             let h = b.norm2.forward(&x)?;
             x = (&x + b.mlp.forward(&h, &ctx)?)?;
+            profile.mark("proj + MLP")?;
         }
         let wide = self.merger_in.shape().1;
         let y = self
@@ -306,95 +319,9 @@ impl Qwen25Vision {
         let y = self.merger_in.forward(&y, &ctx)?.gelu_erf()?;
         let y = self.merger_out.forward(&y, &ctx)?;
         let unorder = Tensor::from_vec(l.unorder.clone(), l.unorder.len(), &dev)?;
-        y.index_select(&unorder, 0)
-    }
-}
-
-/// Largest number of query rows whose scores are computed at once.
-const QUERY_CHUNK: usize = 4096;
-
-/// Bidirectional attention within each segment `[bounds[i], bounds[i + 1])` of `qkv`
-/// (`[N, 3 * heads, head_dim]`: q heads, k heads, v heads); `[N, heads * head_dim]`. Segments of
-/// equal length run as one batched product.
-fn segment_attention(qkv: &Tensor, heads: usize, bounds: &[usize]) -> Result<Tensor> {
-    let (n, _, hd) = qkv.dims3()?;
-    let dev = qkv.device();
-    let scale = (hd as f64).powf(-0.5);
-    let mut by_len: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-    for w in bounds.windows(2) {
-        if w[1] > w[0] {
-            by_len.entry(w[1] - w[0]).or_default().push(w[0]);
-        }
-    }
-    let mut rows: Vec<u32> = Vec::with_capacity(n);
-    let mut parts = Vec::with_capacity(by_len.len());
-    for (&len, starts) in &by_len {
-        let idx: Vec<u32> = starts
-            .iter()
-            .flat_map(|&s| (s..s + len).map(|r| r as u32))
-            .collect();
-        rows.extend_from_slice(&idx);
-        let g = starts.len();
-        let sel = qkv.index_select(&Tensor::from_vec(idx, g * len, dev)?, 0)?;
-        // [g, 3 * heads, len, hd]
-        let sel = sel.reshape((g, len, 3 * heads, hd))?.transpose(1, 2)?;
-        let q = sel.narrow(1, 0, heads)?.contiguous()?;
-        let k = sel.narrow(1, heads, heads)?.contiguous()?;
-        let v = sel.narrow(1, 2 * heads, heads)?.contiguous()?;
-        let kt = k.transpose(2, 3)?.contiguous()?;
-        let mut outs = Vec::new();
-        let mut q0 = 0;
-        while q0 < len {
-            let ql = QUERY_CHUNK.min(len - q0);
-            let qc = q.narrow(2, q0, ql)?;
-            let s = (qc.matmul(&kt)? * scale)?;
-            let p =
-                candle_nn::ops::softmax_last_dim(&s.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-            outs.push(p.matmul(&v)?);
-            q0 += ql;
-        }
-        let o = Tensor::cat(&outs, 2)?; // [g, heads, len, hd]
-        parts.push(o.transpose(1, 2)?.reshape((g * len, heads * hd))?);
-    }
-    let o = Tensor::cat(&parts, 0)?;
-    // back to row order: row r of `o` is token rows[r]
-    let mut inv = vec![0u32; n];
-    for (i, &r) in rows.iter().enumerate() {
-        if let Some(slot) = inv.get_mut(r as usize) {
-            *slot = i as u32;
-        }
-    }
-    o.index_select(&Tensor::from_vec(inv, n, dev)?, 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn segment_attention_equals_per_segment_softmax() -> Result<()> {
-        let dev = Device::Cpu;
-        let (n, heads, hd) = (7, 2, 4);
-        let qkv = Tensor::randn(0f32, 1.0, (n, 3 * heads, hd), &dev)?;
-        let got = segment_attention(&qkv, heads, &[0, 3, 5, 7])?;
-        for (s, e) in [(0, 3), (3, 5), (5, 7)] {
-            for h in 0..heads {
-                let q = qkv.narrow(0, s, e - s)?.narrow(1, h, 1)?.squeeze(1)?;
-                let k = qkv
-                    .narrow(0, s, e - s)?
-                    .narrow(1, heads + h, 1)?
-                    .squeeze(1)?;
-                let v = qkv
-                    .narrow(0, s, e - s)?
-                    .narrow(1, 2 * heads + h, 1)?
-                    .squeeze(1)?;
-                let p = candle_nn::ops::softmax_last_dim(&(q.matmul(&k.t()?)? * 0.5)?)?;
-                let want = p.matmul(&v)?;
-                let g = got.narrow(0, s, e - s)?.narrow(1, h * hd, hd)?;
-                let d = (g - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                assert!(d < 1e-5, "segment {s}..{e} head {h}: {d}");
-            }
-        }
-        Ok(())
+        let y = y.index_select(&unorder, 0)?;
+        profile.mark("merger")?;
+        profile.report(n);
+        Ok(y)
     }
 }

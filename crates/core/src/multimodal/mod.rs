@@ -112,8 +112,9 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
     limits.max_image_height = Some(height);
     limits.max_alloc = Some(max_pixels.saturating_mul(16));
     reader.limits(limits);
-    let img = reader
-        .decode()
+    // a decoder bug on malformed data must not take the caller down
+    let img = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reader.decode()))
+        .map_err(|_| ImageError::Decode("the decoder failed on malformed data".into()))?
         .map_err(|e| ImageError::Decode(e.to_string()))?;
     let (w, h) = (img.width() as usize, img.height() as usize);
     let data = if img.color().has_alpha() {
@@ -126,6 +127,39 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
         img.to_rgb8().into_raw()
     };
     RgbImage::new(w, h, data)
+}
+
+/// A noisy gradient image (benchmarks): every pixel differs from its neighbours, as in a photo.
+pub fn test_pattern(width: usize, height: usize, seed: u64) -> RgbImage {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut data = Vec::with_capacity(width * height * 3);
+    for y in 0..height {
+        for x in 0..width {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let base = (x * 255 / width.max(1) + y * 97 / height.max(1)) as u64;
+            for c in 0..3u64 {
+                data.push(((base * (c + 1) + (state >> (8 * c)) % 64) & 0xff) as u8);
+            }
+        }
+    }
+    RgbImage {
+        width,
+        height,
+        data,
+    }
+}
+
+/// The image as a PNG file.
+pub fn encode_png(img: &RgbImage) -> Result<Vec<u8>, ImageError> {
+    let buf = image::RgbImage::from_raw(img.width as u32, img.height as u32, img.data.clone())
+        .ok_or(ImageError::Empty)?;
+    let mut out = Cursor::new(Vec::new());
+    image::DynamicImage::ImageRgb8(buf)
+        .write_to(&mut out, image::ImageFormat::Png)
+        .map_err(|e| ImageError::Decode(e.to_string()))?;
+    Ok(out.into_inner())
 }
 
 /// One RGBA pixel composited onto opaque white, as Pillow's `alpha_composite` computes it

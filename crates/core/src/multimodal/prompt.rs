@@ -93,10 +93,12 @@ impl MmPrompt {
 pub enum ImageProcessor {
     /// Qwen2-VL / Qwen2.5-VL: dynamic resolution, M-RoPE positions.
     Qwen2Vl(Qwen2VlConfig),
-    /// LLaVA-1.5: CLIP's resize and crop, a fixed number of tokens per image.
+    /// LLaVA-1.5: CLIP's resize and crop, a fixed number of tokens per image (one per patch,
+    /// plus the class token when `keep_cls`).
     Clip {
         config: ClipConfig,
         patch_size: usize,
+        keep_cls: bool,
     },
 }
 
@@ -127,13 +129,17 @@ impl Processor {
                     hash,
                 })
             }
-            ImageProcessor::Clip { config, patch_size } => {
+            ImageProcessor::Clip {
+                config,
+                patch_size,
+                keep_cls,
+            } => {
                 let pixels = config.preprocess(img)?;
                 let side = config.crop_size / (*patch_size).max(1);
                 Ok(ImageInput {
                     shape: [3, config.crop_size * config.crop_size],
                     grid_thw: [1, side, side],
-                    num_tokens: side * side,
+                    num_tokens: side * side + usize::from(*keep_cls),
                     pixels,
                     hash,
                 })

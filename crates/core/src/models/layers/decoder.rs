@@ -64,7 +64,18 @@ impl Decoder {
         w: &Weights,
         max_positions: usize,
     ) -> std::result::Result<Self, LoadError> {
-        let m = w.pp("model");
+        Self::load_under(cfg, w, "model", max_positions)
+    }
+
+    /// [`Decoder::load`] with the stack under `prefix` instead of `model` (the output head stays
+    /// at `lm_head`): multimodal checkpoints saved as `model.language_model.*`.
+    pub fn load_under(
+        cfg: DecoderConfig,
+        w: &Weights,
+        prefix: &str,
+        max_positions: usize,
+    ) -> std::result::Result<Self, LoadError> {
+        let m = w.pp(prefix);
         let embed_tokens = m.get(&[cfg.vocab_size, cfg.hidden_size], "embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {

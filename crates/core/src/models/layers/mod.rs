@@ -9,3 +9,4 @@ pub mod linear;
 pub mod mlp;
 pub mod norm;
 pub mod rotary;
+pub mod vision;

@@ -1,0 +1,290 @@
+"""The `vision` part of scripts/gpu/check.py: Qwen2.5-VL-7B's shape with random bf16 weights made
+here, served by rserve next to transformers on the same GPU.
+
+- parity: teacher-forced log-probs of a chat prompt with one 448x448 image (ids from rserve's
+  /tokenize, pixels from transformers' processor) against transformers bf16.
+- TTFT of one 1024x1024 image + 32 text tokens (rserve streamed; transformers: processor + generate
+  of one token), and the encoder's share (the same prompt length as text only).
+- 64 concurrent requests, one distinct 512x512 image + 64 text tokens each, 128 out: output tok/s
+  next to the same load as text-only prompts of the same length.
+- decode speed of one request with an image against text-only at the same length.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import struct
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+
+IMAGE = 151655
+VISION_START = 151652
+VISION_END = 151653
+VOCAB = 152064
+
+# words of the word-level tokenizer: t<id>; an image part is its three special tokens
+CHAT_TEMPLATE = (
+    "{% for m in messages %}t3 {% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}"
+    f"t{VISION_START} t{IMAGE} t{VISION_END} "
+    "{% elif p.type == 'text' %}{{ p.text }} {% endif %}{% endfor %}{% endif %}t4 {% endfor %}"
+    "{% if add_generation_prompt %}t5 {% endif %}"
+)
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A noisy gradient image as PNG (no imaging library needed)."""
+    rng = random.Random(seed)
+    rows = []
+    for y in range(height):
+        row = bytearray([0])
+        for x in range(width):
+            base = (x * 255 // max(width - 1, 1) + y * 97 // max(height - 1, 1)) & 0xFF
+            row += bytes(((base + rng.randrange(64)) & 0xFF, (base * 3 + rng.randrange(64)) & 0xFF,
+                          (255 - base + rng.randrange(64)) & 0xFF))
+        rows.append(bytes(row))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"".join(rows), 1))
+            + chunk(b"IEND", b""))
+
+
+def data_uri(b: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(b).decode()
+
+
+def words(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(f"t{rng.randrange(1000, 100000)}" for _ in range(n))
+
+
+def make_vl(root: Path):
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from check import word_tokenizer
+
+    path = root / "qwen2.5-vl-7b"
+    text = dict(vocab_size=VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1000000.0},
+                rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+    ids = dict(image_token_id=IMAGE, video_token_id=151656, vision_start_token_id=VISION_START,
+               vision_end_token_id=VISION_END)
+    try:
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    except TypeError:
+        cfg = Qwen2_5_VLConfig(**text, vision_config=vision, tie_word_embeddings=False, **ids)
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(0)
+    t0 = time.time()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    torch.set_default_dtype(torch.float32)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
+    word_tokenizer(VOCAB, path)
+    tc = json.loads((path / "tokenizer_config.json").read_text())
+    tc["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711]}))
+    return model, path, time.time() - t0
+
+
+def hf_processor():
+    """Transformers' Qwen2-VL image processor with Pillow's resize (what rserve reproduces)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor(min_pixels=3136, max_pixels=12845056)
+
+
+def chat_body(model: str, image: bytes | None, text: str, **kw) -> dict:
+    parts = ([{"type": "image_url", "image_url": {"url": data_uri(image)}}] if image else [])
+    parts.append({"type": "text", "text": text})
+    return {"model": model, "messages": [{"role": "user", "content": parts}], **kw}
+
+
+def stream(srv, path: str, body: dict) -> dict:
+    """A streamed request: seconds to the first token, arrival time of every chunk with text."""
+    req = urllib.request.Request(srv.url + path, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.time()
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            for c in ev.get("choices", []):
+                piece = c.get("delta", {}).get("content") if "delta" in c else c.get("text")
+                if piece:
+                    times.append(time.time() - t0)
+    return {"ttft": times[0] if times else None, "times": times}
+
+
+def decode_tok_s(times: list[float]) -> float:
+    return (len(times) - 1) / max(times[-1] - times[0], 1e-9) if len(times) > 1 else 0.0
+
+
+def load(srv, bodies: list[tuple[str, dict]], conc: int) -> dict:
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(conc) as ex:
+        outs = list(ex.map(lambda pb: srv.post(pb[0], pb[1]), bodies))
+    wall = time.time() - t0
+    done = sum(o["usage"]["completion_tokens"] for o in outs)
+    return {"requests": len(outs), "wall_s": wall, "output_tok_s": done / wall,
+            "prompt_tokens": outs[0]["usage"]["prompt_tokens"]}
+
+
+def part_vision(a, out: Path) -> None:
+    import torch
+
+    from check import Server, compare, emit, log
+
+    root = Path(a.scratch)
+    root.mkdir(parents=True, exist_ok=True)
+    model, path, made = make_vl(root)
+    log(f"qwen2.5-vl-7b: made and saved in {made:.1f}s")
+    # the cost of an image alone: host decode + preprocessing, the encoder (with a breakdown)
+    import subprocess
+
+    r = subprocess.run([str(a.binary), "bench", "vision", str(path), "--device", "cuda", "--json",
+                        "--gpu-memory-utilization", "0.5", "--max-model-len", "8192"],
+                       capture_output=True, text=True, env={**__import__("os").environ,
+                                                            "RSERVE_VISION_PROFILE": "1", "RUST_LOG": "info"})
+    bench = next((json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")), {"error": r.stderr[-2000:]})
+    profile = [ln[-300:] for ln in r.stderr.splitlines() if "vision encoder" in ln]
+    emit(out, {"part": "vision-bench", "model": "qwen2.5-vl-7b", **bench, "encoder_profile": profile[-4:]})
+    proc = hf_processor()
+    srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
+                 "--gpu-memory-utilization", "0.6", tag="-vision")
+    name = "qwen2.5-vl-7b"
+    rec: dict = {"part": "vision", "model": name, "ready_s": srv.ready_s}
+    try:
+        m = srv.model_name()
+        # parity: one 448x448 image in a chat prompt, teacher-forced
+        img = png(448, 448, 1)
+        body = chat_body(m, img, words(24, 1))
+        ids = srv.post("/tokenize", {"model": m, "messages": body["messages"]})["tokens"]
+        r = srv.post("/v1/chat/completions", {**body, "max_tokens": 1, "temperature": 0,
+                                              "prompt_logprobs": 1})
+        plp = r["prompt_logprobs"]
+        rs_lp = [float(next(v["logprob"] for k, v in p.items() if int(k) == t))
+                 for p, t in zip(plp[1:], ids[1:])]
+        rs_arg = [int(max(p.items(), key=lambda kv: kv[1]["logprob"])[0]) for p in plp[1:]]
+        from PIL import Image
+        import io
+
+        px = proc(images=[Image.open(io.BytesIO(img))], return_tensors="pt")
+        x = torch.tensor([ids], device="cuda")
+        types = (x == IMAGE).int()
+        with torch.no_grad():
+            kw = dict(input_ids=x, pixel_values=px["pixel_values"].cuda(), image_grid_thw=px["image_grid_thw"].cuda())
+            try:
+                logits = model(**kw, mm_token_type_ids=types).logits[0].float()
+            except TypeError:
+                logits = model(**kw).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        tgt = torch.tensor(ids[1:], device="cuda")
+        hf_lp = lp[:-1].gather(1, tgt[:, None])[:, 0].tolist()
+        top2 = torch.topk(logits[:-1], 2, dim=-1)
+        hf = (hf_lp, top2.indices[:, 0].tolist(), (top2.values[:, 0] - top2.values[:, 1]).tolist())
+        rec["parity"] = compare(name, hf, (rs_lp, rs_arg))
+        rec["parity"]["image_tokens"] = int(types.sum())
+        emit(out, {**rec, "step": "parity"})
+
+        # TTFT: one 1024x1024 image + 32 text tokens; warm-up first
+        stream(srv, "/v1/chat/completions", chat_body(m, png(1024, 1024, 99), words(32, 99), max_tokens=1))
+        ttfts = [stream(srv, "/v1/chat/completions",
+                        chat_body(m, png(1024, 1024, 100 + i), words(32, 100 + i), max_tokens=1))["ttft"]
+                 for i in range(5)]
+        n_img = srv.post("/tokenize", {"model": m, "messages": chat_body(m, png(1024, 1024, 5), words(32, 5))["messages"]})["tokens"]
+        text_ids = [random.Random(i).randrange(1000, 100000) for i in range(len(n_img))]
+        text_ttfts = [stream(srv, "/v1/completions", {"model": m, "prompt": [7 + i] + text_ids[1:], "max_tokens": 1})["ttft"]
+                      for i in range(5)]
+        rec["ttft_1024_s"] = sorted(ttfts)[2]
+        rec["ttft_text_same_len_s"] = sorted(text_ttfts)[2]
+        rec["prompt_tokens_1024"] = len(n_img)
+        # transformers: processor + generate of one token, same image size
+        hf_times, hf_pre = [], []
+        for i in range(4):
+            from PIL import Image as _I
+
+            t0 = time.time()
+            pil = _I.open(io.BytesIO(png(1024, 1024, 200 + i)))
+            px = proc(images=[pil], return_tensors="pt")
+            pre = time.time() - t0
+            x = torch.tensor([n_img], device="cuda")
+            kw = dict(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=px["pixel_values"].cuda(),
+                      image_grid_thw=px["image_grid_thw"].cuda(), max_new_tokens=1, do_sample=False)
+            torch.cuda.synchronize()
+            t1 = time.time()
+            with torch.no_grad():
+                try:
+                    model.generate(**kw, mm_token_type_ids=(x == IMAGE).int())
+                except (TypeError, ValueError):
+                    model.generate(**kw)
+            torch.cuda.synchronize()
+            if i:  # the first is a warm-up
+                hf_times.append(time.time() - t1 + pre)
+                hf_pre.append(pre)
+        rec["hf_ttft_1024_s"] = sorted(hf_times)[len(hf_times) // 2]
+        rec["hf_preprocess_1024_s"] = sorted(hf_pre)[len(hf_pre) // 2]
+        rec["ttft_speedup_vs_hf"] = rec["hf_ttft_1024_s"] / rec["ttft_1024_s"]
+        emit(out, {**rec, "step": "ttft"})
+        del model
+        torch.cuda.empty_cache()
+
+        # 64 concurrent: one distinct 512x512 image + 64 text tokens, 128 out
+        bodies = [("/v1/chat/completions", chat_body(m, png(512, 512, 1000 + i), words(64, 1000 + i),
+                                                     max_tokens=128, ignore_eos=True, temperature=0))
+                  for i in range(128)]
+        load(srv, bodies[:8], 8)  # warm-up
+        img_load = load(srv, bodies, 64)
+        n = img_load["prompt_tokens"]
+        rng = random.Random(3)
+        text_bodies = [("/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
+                                            "max_tokens": 128, "ignore_eos": True, "temperature": 0})
+                       for _ in range(128)]
+        text_load = load(srv, text_bodies, 64)
+        rec["c64_image"] = img_load
+        rec["c64_text_same_len"] = text_load
+        rec["c64_image_vs_text"] = img_load["output_tok_s"] / text_load["output_tok_s"]
+        emit(out, {**rec, "step": "c64"})
+
+        # decode speed at batch 1: an image request against text-only of the same length
+        s_img = stream(srv, "/v1/chat/completions",
+                       chat_body(m, png(512, 512, 7), words(64, 7), max_tokens=256, ignore_eos=True, temperature=0))
+        s_txt = stream(srv, "/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
+                                                "max_tokens": 256, "ignore_eos": True, "temperature": 0})
+        rec["decode_image_tok_s"] = decode_tok_s(s_img["times"])
+        rec["decode_text_tok_s"] = decode_tok_s(s_txt["times"])
+        rec["decode_image_vs_text"] = rec["decode_image_tok_s"] / max(rec["decode_text_tok_s"], 1e-9)
+    except Exception as e:  # keep what was measured
+        rec["error"] = repr(e)[-2000:]
+    finally:
+        srv.stop()
+    emit(out, rec)
