@@ -254,8 +254,6 @@ impl ModelRunner {
             images: Vec::new(),
             mrope: Vec::new(),
         };
-        // per token, the three M-RoPE positions, kept while any sequence has them
-        let mut pos3: Vec<[u32; 3]> = Vec::new();
         h.query_start_loc.push(0);
         let mut rows = Vec::new();
         for (i, s) in out.scheduled.iter().enumerate() {
@@ -298,14 +296,7 @@ impl ModelRunner {
                     h.pending.push((h.input_ids.len() as u32, s.seq_id, p));
                 }
                 h.input_ids.push(tok);
-                let p3 = mrope.map_or([p as u32; 3], |m| m.at(p));
-                if mrope.is_some() && pos3.is_empty() {
-                    pos3.extend((0..h.positions.len()).map(|i| [h.positions[i]; 3]));
-                }
-                if !pos3.is_empty() || mrope.is_some() {
-                    pos3.push(p3);
-                }
-                h.positions.push(p3[0]);
+                h.positions.push(mrope.map_or(p as u32, |m| m.at(p)[0]));
                 let block = table.get(p / bs).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
                         "sequence {} has no block for position {p}",
@@ -331,13 +322,30 @@ impl ModelRunner {
             h.seq_lens.push((s.num_computed + s.num_new) as u32);
             h.query_start_loc.push(h.input_ids.len() as u32);
         }
-        // only image tokens have three different positions
-        if !h.images.is_empty() && !pos3.is_empty() {
-            h.mrope = (0..3)
-                .flat_map(|k| pos3.iter().map(move |p| p[k]))
-                .collect();
+        // only image tokens have three different positions: other steps need `positions` alone
+        if !h.images.is_empty() {
+            h.mrope = Self::mrope_rows(sched, out);
         }
         Ok((h, rows))
+    }
+
+    /// `[3, num_tokens]` positions of a step's tokens (all three equal for a sequence without
+    /// M-RoPE), for steps with image tokens.
+    fn mrope_rows(sched: &Scheduler, out: &SchedulerOutput) -> Vec<u32> {
+        let mut rows = [Vec::new(), Vec::new(), Vec::new()];
+        for s in &out.scheduled {
+            let mrope = sched
+                .seq(s.seq_id)
+                .and_then(|q| q.meta.mm.as_ref())
+                .and_then(|m| m.mrope.as_ref());
+            for p in s.num_computed..s.num_computed + s.num_new {
+                let p3 = mrope.map_or([p as u32; 3], |m| m.at(p));
+                for (row, v) in rows.iter_mut().zip(p3) {
+                    row.push(v);
+                }
+            }
+        }
+        rows.concat()
     }
 
     /// Builds the step for `out`: written into a decode graph's inputs when one applies, else
