@@ -6,11 +6,33 @@
 #   make kbench       the kernel micro-benchmark (benchmarks/gpu/kbench.cu) in target/kbench, nvcc only
 #   make gpu-pack     the bundle and kbench in one gzipped tar, target/gpu-pack/bundle.tgz, small
 #                     enough to carry to a GPU machine (unpack there with tar xzf ... -C target)
+# Without CUDA:
+#   make static       a CPU rserve with no dynamic dependencies, target/static/rserve
+#   make image-cpu    OCI image FROM scratch with it: target/image/cpu (layout) and cpu.tar (archive)
+#   make image-cuda   OCI image with the CUDA binary and the CUDA libraries it loads: target/image/cuda
+#                     (MODEL=dir bakes a model in as its own layer)
 SHELL := /bin/bash
 CUDA_ENV = eval "$$(scripts/cuda-toolchain.sh)" && export CARGO_TARGET_DIR=$(CURDIR)/target/cuda
 BUNDLE := target/gpu-bundle
 
-.PHONY: cuda cuda-binary cuda-wheel cuda-check gpu-bundle kbench gpu-pack
+.PHONY: cuda cuda-binary cuda-wheel cuda-check gpu-bundle kbench gpu-pack static image-cpu image-cuda
+STATIC_TRIPLE := x86_64-unknown-linux-gnu
+
+# glibc's crt-static, not position-independent; --target keeps the flags off build scripts and
+# proc-macros. getrandom calls the libc function (a static binary has no dlsym to find it with).
+STATIC_FLAGS := -C target-feature=+crt-static -C relocation-model=static --cfg getrandom_backend="linux_getrandom"
+static:
+	CARGO_TARGET_DIR=$(CURDIR)/target/static RUSTFLAGS='$(STATIC_FLAGS)' \
+	  cargo build --profile static --target $(STATIC_TRIPLE) -p rserve-server --bin rserve
+	cp target/static/$(STATIC_TRIPLE)/static/rserve target/static/rserve
+	@ldd target/static/rserve 2>&1 | sed 's/^/ldd: /'; ls -la target/static/rserve
+
+image-cpu: static
+	python3 scripts/image.py cpu --binary target/static/rserve --out target/image/cpu
+
+image-cuda: cuda-binary
+	$(CUDA_ENV) && python3 scripts/image.py cuda --binary target/cuda/release/rserve \
+	  --cuda-lib "$$CUDA_HOME/lib" --out target/image/cuda $(if $(MODEL),--model $(MODEL))
 
 cuda: cuda-binary cuda-wheel
 
@@ -26,7 +48,7 @@ cuda-check:
 
 gpu-bundle: cuda-binary
 	set -o pipefail && $(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
-	  --test paged_attention --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --message-format=json 2>/dev/null \
+	  --test paged_attention --test candle_sass --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --message-format=json 2>/dev/null \
 	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 	  >target/cuda/test-binaries.txt
 	rm -rf $(BUNDLE) && mkdir -p $(BUNDLE)

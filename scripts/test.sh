@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
+# getrandom calls libc's getrandom() directly rather than finding it with dlsym, which a static
+# binary cannot do (it would fall back to /dev/urandom, absent from an empty root)
+export RUSTFLAGS="${RUSTFLAGS:-} --cfg getrandom_backend=\"linux_getrandom\""
 command -v cargo >/dev/null || { echo "cargo is required (https://rustup.rs)" >&2; exit 1; }
 
 echo "== cargo fmt / clippy"
@@ -18,9 +21,14 @@ scripts/check-cuda-kernels.sh
 echo "== cargo test"
 cargo test --workspace
 
-echo "== build the rserve binary"
-cargo build -p rserve-server --bin rserve
-export RSERVE_BIN="$PWD/target/debug/rserve"
+echo "== build the rserve binary (statically linked, as \`make static\` links the release one)"
+cargo rustc -p rserve-server --bin rserve -- -C target-feature=+crt-static -C relocation-model=static
+export RSERVE_BIN="$PWD/target/debug/rserve" RSERVE_STATIC_BIN="$PWD/target/debug/rserve"
+if [ "$(id -u)" = 0 ] && { ! command -v umoci || ! command -v runc; } >/dev/null && command -v apt-get >/dev/null; then
+    echo "== skopeo, umoci and runc (Debian) for the container image tests"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q skopeo umoci runc >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q skopeo umoci runc >/dev/null; }
+fi
 
 echo "== Python environment"
 PY="${PYTHON:-python3}"

@@ -12,6 +12,10 @@ Parts (choose with --parts, comma-separated):
            of 1,000 positions vs transformers bf16; load time; decode throughput at batch 1 and 64
            next to transformers eager generate in the same run
   coldstart  launch -> /health -> first token with an empty and a warm driver JIT cache
+  startup  `rserve bench startup` (process start -> /health -> first token of a 16-token completion,
+           the server's phases) for the embedded model and the Llama-3.2-1B and Llama-3.1-8B shapes,
+           with the driver's JIT cache disabled (CUDA_CACHE_DISABLE=1) and then enabled and warm;
+           the page cache is warm after the first run (a --cold run when the machine lets us drop it)
   quant    the first --big shape served bf16 and with each --isq format in RSERVE_QUANT (default
            bf16,fp8,q8_0,q4k): load time to /health (weights in the page cache), peak host RSS, the
            startup ISQ line, teacher-forced log-prob error against the bf16 model, batch-1 decode,
@@ -1011,6 +1015,37 @@ def part_coldstart(a, out: Path) -> None:
         emit(out, {"part": "coldstart", "cache": label, "ready_s": srv.ready_s, "first_request_s": first})
 
 
+def part_startup(a, out: Path) -> None:
+    import gc
+
+    import torch
+
+    models = [None]
+    for kind in ("llama-3.2-1b", "llama-3.1-8b"):
+        model, path = make_big(kind, Path(a.scratch))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        models.append(path)
+    for model in models:
+        for label, env in (("jit cache disabled", {"CUDA_CACHE_DISABLE": "1"}),
+                           ("jit cache warm", {"CUDA_CACHE_PATH": "/tmp/rserve-startup-cache"})):
+            cmd = [str(a.binary), "bench", "startup", *([str(model)] if model else []), "--runs", "2",
+                   "--json", "--", "--gpu-memory-utilization", "0.85", *shlex.split(os.environ.get("RSERVE_SERVE_ARGS", ""))]
+            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=400)
+            for line in r.stdout.splitlines():
+                if line.startswith("{"):
+                    emit(out, {"part": "startup", "model": model.name if model else "rserve-tiny",
+                               "cache": label, **json.loads(line)})
+            if r.returncode:
+                emit(out, {"part": "startup", "model": str(model), "cache": label, "error": r.stderr[-2000:]})
+    # once with the page cache dropped, where the machine allows it
+    r = subprocess.run([str(a.binary), "bench", "startup", str(models[-1]), "--runs", "1", "--cold", "--json",
+                        "--", "--gpu-memory-utilization", "0.85"],
+                       capture_output=True, text=True, env={**os.environ, "CUDA_CACHE_DISABLE": "1"}, timeout=400)
+    emit(out, {"part": "startup-cold", "stdout": r.stdout[-3000:], "stderr": r.stderr[-1000:]})
+
+
 def part_vision(a, out: Path) -> None:
     from check_vision import part_vision as run
 
@@ -1030,7 +1065,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     parts = {"tiny": part_tiny, "batch": part_batch, "big": part_big, "coldstart": part_coldstart,
              "profile": part_profile, "speed": part_speed, "quant": part_quant, "lora": part_lora,
-             "prefix": part_prefix, "structured": part_structured, "vision": part_vision}
+             "prefix": part_prefix, "structured": part_structured, "vision": part_vision,
+             "startup": part_startup}
     failed = []
     for name in a.parts.split(","):
         t0 = time.time()

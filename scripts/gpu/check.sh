@@ -2,7 +2,7 @@
 # The whole GPU check-and-measure, run from the repository root on a GPU machine; builds nothing.
 # Needs the bundle that `make gpu-bundle` leaves in target/gpu-bundle (the CUDA rserve binary and the
 # CUDA test binaries), python3 with torch + transformers, and the CUDA 13 runtime libraries.
-#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision
+#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup
 # `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
 # and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
 # Results: $OUT (default /tmp/rserve-gpu) holds each step's log, results.jsonl and summary.txt.
@@ -40,6 +40,7 @@ test_bin() {
 }
 if has kernels; then
   test_bin kernels paged_attention
+  test_bin candle-sass candle_sass
   test_bin fused fused
   test_bin sampling sampling
   test_bin gemv gemv
@@ -63,7 +64,7 @@ if has wheel; then
   PYTHONPATH=/tmp/rserve-site step wheel python3 scripts/gpu/check_wheel.py
 fi
 py_parts=()
-for p in coldstart tiny batch big profile speed quant lora prefix structured vision; do has $p && py_parts+=("$p"); done
+for p in coldstart tiny batch big profile speed quant lora prefix structured vision startup; do has $p && py_parts+=("$p"); done
 if ((${#py_parts[@]})); then
   step python python3 scripts/gpu/check.py --binary "$BUNDLE/rserve" --out "$OUT" \
     --parts "$(IFS=,; echo "${py_parts[*]}")" ${RSERVE_BIG:+--big "$RSERVE_BIG"}

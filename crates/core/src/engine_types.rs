@@ -133,6 +133,8 @@ pub struct EngineInfo {
     pub grammars: Arc<crate::structured::Grammars>,
     /// Preprocesses a vision model's images and lays them into prompts (`None`: text only).
     pub processor: Option<Arc<crate::multimodal::Processor>>,
+    /// The timed phases of the start (set once the engine is ready).
+    pub startup: std::sync::OnceLock<Vec<crate::engine::StartupPhase>>,
 }
 
 /// Live counters the engine thread publishes after each step.

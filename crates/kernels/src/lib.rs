@@ -16,6 +16,8 @@
 //! - `slot_mapping`: `[num_tokens]` i64, flat cache slot (`block * block_size + offset`) per token, -1 to skip
 
 pub mod cache;
+#[cfg(feature = "cuda")]
+pub mod candle_sass;
 pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -222,10 +222,10 @@ pub fn parse_lora_module(s: &str) -> Result<(String, String), String> {
 pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Address to bind.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to bind (0.0.0.0 in the container images).
+    #[arg(long, env = "RSERVE_HOST", default_value = "127.0.0.1")]
     pub host: String,
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, env = "RSERVE_PORT", default_value_t = 8000)]
     pub port: u16,
     /// The model name clients use (defaults to MODEL as given).
     #[arg(long)]
@@ -332,6 +332,36 @@ pub enum BenchSub {
     /// A vision model's cost per image: host decode and preprocessing, the encoder on one image
     /// and on a batch.
     Vision(BenchVisionArgs),
+    /// Process start to `/health` and to the first token of a short completion, over fresh
+    /// server processes (arguments after `--` go to `rserve serve`).
+    Startup(BenchStartupArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStartupArgs {
+    /// A model directory, hub id or GGUF file (default: the embedded model).
+    pub model: Option<String>,
+    /// Fresh server processes to time.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Tokens in the completion.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Drop the page cache before each run (needs root).
+    #[arg(long)]
+    pub cold: bool,
+    /// The server binary (default: this one).
+    #[arg(long)]
+    pub binary: Option<std::path::PathBuf>,
+    /// Seconds to wait for a run before giving up.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Print each run as one JSON line.
+    #[arg(long)]
+    pub json: bool,
+    /// Arguments for `rserve serve`, after `--`.
+    #[arg(last = true)]
+    pub serve_args: Vec<String>,
 }
 
 #[derive(Debug, Args)]

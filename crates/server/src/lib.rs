@@ -7,6 +7,7 @@ pub mod adapters;
 pub mod bench;
 pub mod bench_grammar;
 pub mod bench_serve;
+pub mod bench_startup;
 pub mod bench_vision;
 pub mod cli;
 mod listener;
@@ -159,6 +160,7 @@ where
             Some(cli::BenchSub::Serve(a)) => bench_serve::run(a),
             Some(cli::BenchSub::Grammar(a)) => bench_grammar::run(a),
             Some(cli::BenchSub::Vision(a)) => bench_vision::run(a),
+            Some(cli::BenchSub::Startup(a)) => bench_startup::run(a),
             None => bench::run(b.local),
         },
         Command::Adapters(cli::AdaptersCommand::Inspect(a)) => adapters::inspect(a),

@@ -112,6 +112,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
+    tracing::info!(
+        "startup: runtime and listener {:.3} s after process start",
+        rserve_core::engine::since_process_start()
+    );
     tracing::info!("listening on http://{addr} (model loading)");
     let mut cfg = crate::engine_config(&args.engine)?;
     if let Some(t) = &args.chat_template {
@@ -166,6 +170,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         },
         kv_tokens as f64 / info.max_model_len as f64,
         info.max_model_len
+    );
+    tracing::info!(
+        "startup: ready {:.3} s after process start",
+        rserve_core::engine::since_process_start()
     );
     load_state.set_engine(handle);
     serving.await.context("server task")??;

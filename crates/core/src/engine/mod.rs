@@ -16,6 +16,7 @@
 mod in_flight;
 mod kv_sizing;
 mod requests;
+mod startup;
 mod step;
 mod trace;
 
@@ -41,6 +42,7 @@ use in_flight::InFlight;
 pub use kv_sizing::default_batched_tokens;
 use requests::Requests;
 use rserve_kernels::sampling::ReadbackPool;
+pub use startup::{mark_process_start, since_process_start, StartupPhase};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -83,7 +85,9 @@ impl Engine {
             .lora
             .map(|l| l.validated().map_err(EngineError::InvalidConfig))
             .transpose()?;
+        let mut clock = startup::PhaseClock::new();
         let device = parse_device(&cfg.device)?;
+        clock.done("device init");
         let hf = crate::loader::read_config(&cfg.model)?;
         let dcfg = crate::models::decoder_config(&hf)?;
         let max_model_len = match cfg.max_model_len {
@@ -107,7 +111,8 @@ impl Engine {
         if let Some(r) = &loaded.isq {
             tracing::info!("{}", r.summary());
         }
-        Self::from_loaded(cfg, loaded, device, max_model_len)
+        clock.done("config, tokenizer and weights");
+        Self::from_loaded(cfg, loaded, device, max_model_len, clock)
     }
 
     fn from_loaded(
@@ -115,6 +120,7 @@ impl Engine {
         loaded: LoadedModel,
         device: Device,
         mut max_model_len: usize,
+        mut clock: startup::PhaseClock,
     ) -> Result<EngineHandle, EngineError> {
         let batched_tokens = cfg
             .max_num_batched_tokens
@@ -134,6 +140,7 @@ impl Engine {
         let kv_dtype: DType = cfg.kv_cache_dtype.storage(loaded.dtype);
         let num_blocks =
             kv_sizing::kv_blocks(&cfg, &loaded, &device, batched_tokens, max_model_len)?;
+        clock.done("profiling pass (KV cache sizing)");
         max_model_len = kv_sizing::fit_context(
             max_model_len,
             cfg.max_model_len.is_some(),
@@ -162,6 +169,7 @@ impl Engine {
             num_blocks * cfg.block_size,
             (num_blocks * cfg.block_size) as f64 / max_model_len as f64
         );
+        clock.done("KV cache allocation");
         let sched_cfg = SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: batched_tokens,
@@ -235,6 +243,7 @@ impl Engine {
             lora: lora.as_ref().map(|(r, _)| r.clone()),
             grammars: Arc::new(grammars),
             processor: loaded.processor.clone(),
+            startup: std::sync::OnceLock::new(),
         });
         info.grammars.warm_up_in_background();
         let stats = Arc::new(EngineStats::default());
@@ -265,6 +274,7 @@ impl Engine {
                 slots,
             }),
         };
+        clock.done("engine setup");
         let preload: Vec<String> = cfg.lora_modules.iter().map(|(n, _)| n.clone()).collect();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -284,6 +294,13 @@ impl Engine {
         ready_rx.recv().map_err(|_| {
             EngineError::Model("the engine thread ended while capturing its graphs".into())
         })?;
+        clock.done("adapters and graph capture");
+        #[cfg(feature = "cuda")]
+        tracing::info!(
+            "candle's CUDA modules loaded as SASS (no JIT): {}",
+            rserve_kernels::candle_sass::modules_loaded_as_sass()
+        );
+        let _ = info.startup.set(clock.finish());
         Ok(EngineHandle::new(tx, info, stats))
     }
 
