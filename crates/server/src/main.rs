@@ -2,9 +2,9 @@
 
 fn main() {
     rserve_core::engine::mark_process_start();
-    // candle's own CUDA modules ship as PTX that the driver compiles on first use and caches; give
-    // that cache room for all of them so only the first start on a machine pays (~12-15 s on an
-    // H200), before `/health`, never inside a request. Set here, before any thread exists.
+    // candle's CUDA modules load as SASS built for sm_90 (`candle_sass`); on other GPUs their PTX is
+    // compiled by the driver at first use and cached: give that cache room for all of them so only
+    // the first start on a machine pays. Set here, before any thread exists.
     if std::env::var_os("CUDA_CACHE_MAXSIZE").is_none() {
         std::env::set_var("CUDA_CACHE_MAXSIZE", "4294967296");
     }
