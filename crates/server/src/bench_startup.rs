@@ -6,7 +6,7 @@
 use crate::cli::BenchStartupArgs;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -145,8 +145,6 @@ fn one_run(args: &BenchStartupArgs, binary: &std::path::Path) -> Result<Run> {
         line.clear();
     }
     let completion = start.elapsed().as_secs_f64();
-    let mut rest = Vec::new();
-    let _ = reader.read_to_end(&mut rest);
     drop(child);
     let phases = log.join().map(|(p, _)| p).unwrap_or_default();
     Ok(Run {
