@@ -54,7 +54,8 @@ def ensure_env() -> None:
         import numpy  # noqa: F401
     except ImportError:
         py = VENV / "bin" / "python"
-        if Path(sys.executable).resolve() == py.resolve():
+        # (a venv's python links to the base interpreter: compare the prefixes, not the files)
+        if Path(sys.prefix).resolve() == VENV.resolve():
             raise
         if not py.exists():
             log(f"creating {VENV} and building llama-cpp-python from source")

@@ -82,6 +82,17 @@ struct RowInfo {
     pos: usize,
 }
 
+/// One query row of one head and where its keys are.
+#[derive(Clone, Copy)]
+struct Row<'a, T> {
+    info: RowInfo,
+    q: &'a [T],
+    kv_head: usize,
+    /// KV heads and block size of the cache.
+    kvh: usize,
+    bs: usize,
+}
+
 impl PagedAttention<'_> {
     /// Sequence and position of every query token (metadata was validated on construction).
     fn rows(&self) -> Vec<RowInfo> {
@@ -112,54 +123,100 @@ impl PagedAttention<'_> {
         let (bs, kvh) = (c_dims[1], c_dims[2]);
         let group = num_heads / kvh;
         let rows = self.rows();
-        let width = self.meta.width;
         let mut out = vec![T::from_f32(0.0); num_tokens * num_heads * d];
-        let p = self.params;
         // per-thread scratch (scaled query, accumulator), reused across rows
         let scratch = || (vec![0f32; d], vec![0f32; d]);
+        #[cfg(target_arch = "x86_64")]
+        let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
         out.par_chunks_mut(d)
             .enumerate()
             .for_each_init(scratch, |(qv, acc), (row_head, o)| {
                 let (t, h) = (row_head / num_heads, row_head % num_heads);
-                let r = rows[t];
-                let kv_head = h / group;
-                let q_row = &q[(t * num_heads + h) * d..(t * num_heads + h + 1) * d];
-                for (a, x) in qv.iter_mut().zip(q_row) {
-                    *a = x.to_f32() * p.scale;
+                let row = Row {
+                    info: rows[t],
+                    q: &q[(t * num_heads + h) * d..(t * num_heads + h + 1) * d],
+                    kv_head: h / group,
+                    kvh,
+                    bs,
+                };
+                #[cfg(target_arch = "x86_64")]
+                if wide {
+                    // SAFETY: AVX2 and FMA are present (checked above)
+                    unsafe { self.attend_wide(row, kc, vc, qv, acc, o) };
+                    return;
                 }
-                acc.fill(0.0);
-                let lo = p
-                    .sliding_window
-                    .map_or(0, |w| (r.pos + 1).saturating_sub(w));
-                let mut m = f32::NEG_INFINITY;
-                let mut l = 0f32;
-                let table = &self.meta.block_tables[r.seq * width..(r.seq + 1) * width];
-                for j in lo..=r.pos {
-                    let block = table[j / bs] as usize;
-                    let base = ((block * bs + j % bs) * kvh + kv_head) * d;
-                    let s = dot(qv, &kc[base..base + d]);
-                    let v = &vc[base..base + d];
-                    if s > m {
-                        let c = (m - s).exp();
-                        l = l * c + 1.0;
-                        for (a, vv) in acc.iter_mut().zip(v) {
-                            *a = *a * c + vv.value();
-                        }
-                        m = s;
-                    } else {
-                        let e = (s - m).exp();
-                        l += e;
-                        for (a, vv) in acc.iter_mut().zip(v) {
-                            *a += e * vv.value();
-                        }
-                    }
-                }
-                let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-                for (o, a) in o.iter_mut().zip(acc.iter()) {
-                    *o = T::from_f32(a * inv);
-                }
+                self.attend(row, kc, vc, qv, acc, o);
             });
         Ok(out)
+    }
+
+    /// [`Self::attend`] compiled for AVX2 (the same operations in the same order, on wider
+    /// vectors).
+    ///
+    /// # Safety
+    /// The host has AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn attend_wide<T: Elem, C: CacheRead>(
+        &self,
+        row: Row<'_, T>,
+        kc: &[C],
+        vc: &[C],
+        qv: &mut [f32],
+        acc: &mut [f32],
+        o: &mut [T],
+    ) {
+        self.attend(row, kc, vc, qv, acc, o)
+    }
+
+    /// One query row of one head: online softmax over its keys.
+    #[inline(always)]
+    fn attend<T: Elem, C: CacheRead>(
+        &self,
+        row: Row<'_, T>,
+        kc: &[C],
+        vc: &[C],
+        qv: &mut [f32],
+        acc: &mut [f32],
+        o: &mut [T],
+    ) {
+        let p = self.params;
+        let (r, d) = (row.info, qv.len());
+        for (a, x) in qv.iter_mut().zip(row.q) {
+            *a = x.to_f32() * p.scale;
+        }
+        acc.fill(0.0);
+        let lo = p
+            .sliding_window
+            .map_or(0, |w| (r.pos + 1).saturating_sub(w));
+        let mut m = f32::NEG_INFINITY;
+        let mut l = 0f32;
+        let width = self.meta.width;
+        let table = &self.meta.block_tables[r.seq * width..(r.seq + 1) * width];
+        for j in lo..=r.pos {
+            let block = table[j / row.bs] as usize;
+            let base = ((block * row.bs + j % row.bs) * row.kvh + row.kv_head) * d;
+            let s = dot(qv, &kc[base..base + d]);
+            let v = &vc[base..base + d];
+            if s > m {
+                let c = (m - s).exp();
+                l = l * c + 1.0;
+                for (a, vv) in acc.iter_mut().zip(v) {
+                    *a = *a * c + vv.value();
+                }
+                m = s;
+            } else {
+                let e = (s - m).exp();
+                l += e;
+                for (a, vv) in acc.iter_mut().zip(v) {
+                    *a += e * vv.value();
+                }
+            }
+        }
+        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        for (o, a) in o.iter_mut().zip(acc.iter()) {
+            *o = T::from_f32(a * inv);
+        }
     }
 
     fn dispatch<T: Elem + CacheRead>(

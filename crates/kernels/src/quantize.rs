@@ -439,6 +439,16 @@ pub fn dequantize(t: BlockType, data: &[u8]) -> Vec<f32> {
     out
 }
 
+/// [`dequantize`] into `out` (`data`'s values), on the calling thread.
+pub fn dequantize_into(t: BlockType, data: &[u8], out: &mut [f32]) {
+    for (o, b) in out
+        .chunks_exact_mut(t.block_values())
+        .zip(data.chunks_exact(t.block_bytes()))
+    {
+        dequantize_block(t, b, o);
+    }
+}
+
 fn dequantize_block(t: BlockType, b: &[u8], o: &mut [f32]) {
     match t {
         BlockType::Q8_0 => {

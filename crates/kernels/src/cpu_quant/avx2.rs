@@ -1,299 +1,501 @@
-//! The block products of `mod.rs` in AVX2 intrinsics. Each 32-value block: the weight's levels
-//! unpacked into 32 bytes, multiplied with the activation bytes pairwise into 16-bit sums
-//! (`maddubs`, unsigned by signed: signed weights go through the sign trick), summed into eight
-//! 32-bit lanes (`madd`, with ones or with per-16-value scales), converted to f32 and accumulated
-//! with the blocks' scales by FMA. The integer sums equal the portable code's exactly. Up to four
-//! activation rows share each unpacked weight block.
+//! The block products of `mod.rs` in AVX2 intrinsics, over the grouped layout of `x8.rs`: one
+//! 32-byte load holds four consecutive levels of each of eight weight rows, so every vector lane
+//! belongs to one weight row from the load to the result and no horizontal sums are needed.
+//!
+//! Per group of four values: the levels (unsigned, below 64) times the activation's four bytes
+//! broadcast to every lane (`maddubs`, pairwise into 16 bits), summed in 16 bits while the sums
+//! cannot overflow, then into 32-bit lanes (`madd`, with ones or with the rows' sub-block
+//! scales). Each 32-value activation block's integer sums are converted once and scaled by the
+//! eight rows' f16 scales at once (F16C) and the activation block's scale. `q8_0`'s signed levels
+//! go through the sign trick; the unsigned formats' offsets (`q4_0`'s 8, `q5_0`'s 16, `q6_K`'s 32)
+//! and `q4_K`'s minimums are taken off through the activation blocks' sums. The integer sums equal
+//! the portable code's exactly; up to four activation rows share each unpacked weight vector.
 
-use super::{scale_min_k4, Acts, QFormat, QK};
+// the loops walk several per-row arrays (sums, accumulators, activation blocks) by one index
+#![allow(clippy::needless_range_loop)]
+
+use super::x8::{Group, Layout};
+use super::{Acts, QK};
 use crate::quantize::BlockType;
 use std::arch::x86_64::*;
 
-/// An f16 scale, converted by F16C (every AVX2 host has it; checked with AVX2).
+/// How far ahead of the blocks being multiplied the loops ask the cache for the levels: about
+/// two kilobytes, a memory latency's worth of one core's stream.
+const AHEAD: usize = 2048;
+
+/// Bytes of 8-bit activations a tile of prefill rows holds (a quarter of a core's L2 on current
+/// x86 server parts).
+const TILE_BYTES: usize = 128 * 1024;
+
+/// Asks the cache for the `bytes` (a multiple of 64) at `p` (which need not be valid memory).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_at(b: &[u8]) -> f32 {
-    let bits = u16::from_le_bytes([b[0], b[1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+fn prefetch(p: *const u8, bytes: usize) {
+    for l in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l).cast());
+    }
 }
 
-/// Horizontal sum of eight f32 lanes.
+/// Four activation bytes (values `4g..4g + 4` of the block at `p`) in every lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// Bit `i` of `x` as byte `i` (0xFF where set), for 32 bits.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn bytes_from_bits(x: u32) -> __m256i {
-    let shuf = _mm256_set_epi64x(
-        0x0303030303030303,
-        0x0202020202020202,
-        0x0101010101010101,
-        0x0000000000000000,
-    );
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
-    let bits = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bits), bits)
-}
-
-/// Low nibbles of 16 bytes as values 0..16, high nibbles as 16..32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn nibbles(p: &[u8]) -> __m256i {
-    debug_assert!(p.len() >= 16);
-    // SAFETY: 16 readable bytes (the caller passes a whole block)
-    let lo = unsafe { _mm_loadu_si128(p.as_ptr().cast()) };
-    let hi = _mm_srli_epi16(lo, 4);
-    _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0F))
+unsafe fn bcast(p: *const i8, g: usize) -> __m256i {
+    // SAFETY: the caller's block holds 32 bytes
+    _mm256_set1_epi32(unsafe { p.add(4 * g).cast::<i32>().read_unaligned() })
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load32(p: &[u8]) -> __m256i {
-    debug_assert!(p.len() >= 32);
-    // SAFETY: 32 readable bytes (checked above in debug builds; callers pass whole blocks)
-    unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
+unsafe fn load(p: *const u8) -> __m256i {
+    // SAFETY: 32 readable bytes (caller)
+    unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
+/// Eight f16 scales.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load_act(acts: &Acts, b: usize) -> __m256i {
-    let q = &acts.q[b * QK..(b + 1) * QK];
-    // SAFETY: 32 readable bytes
-    unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+unsafe fn scales8(p: *const u8) -> __m256 {
+    // SAFETY: 16 readable bytes (caller)
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
 }
 
-/// One weight row times the activation rows starting at blocks `a0[r]`, each weight block
-/// unpacked once for all `R` rows.
+/// Eight unsigned (`SIGNED` false) or signed byte scales, each as two equal 16-bit halves of
+/// its lane (the multiplier of `madd`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_pairs<const SIGNED: bool>(p: *const u8) -> __m256i {
+    // SAFETY: 8 readable bytes (caller)
+    let b = unsafe { _mm_loadl_epi64(p.cast()) };
+    let x = if SIGNED {
+        _mm256_and_si256(_mm256_cvtepi8_epi32(b), _mm256_set1_epi32(0xFFFF))
+    } else {
+        _mm256_cvtepu8_epi32(b)
+    };
+    _mm256_or_si256(x, _mm256_slli_epi32::<16>(x))
+}
+
+/// Activation blocks of 32 values to 8 bits, as `quantize_block` in `mod.rs` does (the same
+/// levels, sums and scales: `vroundps` rounds ties to even as its portable rounding does).
 ///
 /// # Safety
-/// The host must have AVX2 and FMA; `w` holds whole blocks of `format` and `acts` the matching
-/// activation blocks from each `a0[r]` on.
+/// The host has AVX2, FMA and F16C; `x` and `q` hold `d.len()` and `half.len()` blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn rows_dot<const R: usize>(
-    format: QFormat,
-    w: &[u8],
+pub(super) unsafe fn quantize_blocks(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    half: &mut [[i32; 2]],
+) {
+    assert!(x.len() == q.len() && x.len() == QK * d.len() && d.len() == half.len());
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    for b in 0..d.len() {
+        // SAFETY: block `b` is within the slices (asserted)
+        let v: [__m256; 4] =
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(QK * b + 8 * i)) });
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+            _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let s = amax / 127.0;
+        let id = _mm256_set1_ps(if s > 0.0 { 1.0 / s } else { 0.0 });
+        let r: [__m256i; 4] = std::array::from_fn(|i| {
+            _mm256_cvtps_epi32(_mm256_round_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(_mm256_mul_ps(v[i], id)))
+        });
+        // 32-bit lanes -> bytes in order (packs interleave the 128-bit halves; the permute undoes it)
+        let p16 = [
+            _mm256_packs_epi32(r[0], r[1]),
+            _mm256_packs_epi32(r[2], r[3]),
+        ];
+        let p8 = _mm256_packs_epi16(p16[0], p16[1]);
+        let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: 32 bytes of block `b`
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().add(QK * b).cast(), p8) };
+        let sums = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_set1_epi8(1), p8),
+            _mm256_set1_epi16(1),
+        );
+        let mut lanes = [0i32; 8];
+        // SAFETY: eight i32 values
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sums) };
+        half[b] = [lanes[..4].iter().sum(), lanes[4..].iter().sum()];
+        d[b] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(
+            _mm_set_ss(s),
+        )));
+    }
+}
+
+/// `acc[r] += (sum as f32) * dw * d_a` for activation block `blk` of row `r`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_into(acc: &mut __m256, sum: __m256i, dw: __m256, da: f32) {
+    *acc = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(sum),
+        _mm256_mul_ps(dw, _mm256_set1_ps(da)),
+        *acc,
+    );
+}
+
+/// The eight rows of group `g` times activation rows starting at blocks `a0[r]`: one vector per
+/// activation row, lane `j` the product with weight row `j`.
+///
+/// # Safety
+/// The host has AVX2, FMA and F16C; `g` points into a live weight of `format` whose rows hold
+/// `g.nb` blocks, and `acts` holds the matching blocks from each `a0[r]` on.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn group_dot<const R: usize>(
+    format: BlockType,
+    g: &Group,
     acts: &Acts,
     a0: [usize; R],
-) -> [f32; R] {
-    match format {
-        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => legacy(format, w, acts, a0),
-        BlockType::Q4K => q4k(w, acts, a0),
-        BlockType::Q6K => q6k(w, acts, a0),
-    }
-}
-
-/// Bytes ahead of each weight row's current block that [`legacy_rows8`] asks the cache for.
-const PREFETCH_AHEAD: usize = 256;
-
-/// Eight weight rows times the one activation row starting at block `a0` (batch-1 decode). Each
-/// block's eight integer dot products are reduced together into one vector, one lane per row
-/// (`hadd`), scaled by the eight rows' scales at once and accumulated, so the per-row costs of
-/// converting, scaling and summing shrink eightfold; the rows are read as eight streams.
-/// `q4_0` and `q5_0` levels enter unsigned and their offset is taken off through the activation
-/// block's sum.
-///
-/// # Safety
-/// As [`rows_dot`], for every row of `w`; `format` is `q8_0`, `q4_0` or `q5_0`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn legacy_rows8(
-    format: QFormat,
-    w: [&[u8]; 8],
-    acts: &Acts,
-    a0: usize,
-) -> [f32; 8] {
-    let nb = w[0].len() / format.block_bytes();
-    assert!(w.iter().all(|r| r.len() == w[0].len()) && acts.d.len() >= a0 + nb);
-    let rows = w.map(|r| r.as_ptr());
-    // SAFETY: every row holds `nb` whole blocks and the activations `nb` blocks from `a0`
-    // (asserted above); the format is one of the three
+) -> [__m256; R] {
+    let per_row = g.nb * format.block_values() / QK;
+    assert!(a0.iter().all(|&a| acts.d.len() >= a + per_row));
+    // SAFETY: the activation blocks are in bounds (asserted); the weight's (caller)
     unsafe {
         match format {
-            BlockType::Q8_0 => rows8::<0>(rows, nb, acts, a0),
-            BlockType::Q4_0 => rows8::<1>(rows, nb, acts, a0),
-            _ => rows8::<2>(rows, nb, acts, a0),
+            BlockType::Q8_0 => q8_0(g, acts, a0),
+            BlockType::Q4_0 => q4_0::<false, R>(g, acts, a0),
+            BlockType::Q5_0 => q4_0::<true, R>(g, acts, a0),
+            BlockType::Q4K => q4k(g, acts, a0),
+            BlockType::Q6K => q6k(g, acts, a0),
         }
     }
 }
 
-/// [`legacy_rows8`] for one format (`F`: 0 `q8_0`, 1 `q4_0`, 2 `q5_0`), over raw row pointers.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let [qs, d, ..] = g.region;
+    let ones = _mm256_set1_epi16(1);
+    let aq = acts.q.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..g.nb {
+        // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
+        // activation block `a0[r] + b` (caller)
+        let w = unsafe { qs.add(256 * b) };
+        prefetch(w.wrapping_add(AHEAD), 256);
+        let mut sum = [_mm256_setzero_si256(); R];
+        for gi in 0..8 {
+            let wv = unsafe { load(w.add(32 * gi)) };
+            let aw = _mm256_sign_epi8(wv, wv);
+            for r in 0..R {
+                let ap = unsafe { aq.add((a0[r] + b) * QK) };
+                let sa = _mm256_sign_epi8(unsafe { bcast(ap, gi) }, wv);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
+                sum[r] = _mm256_add_epi32(sum[r], p);
+            }
+        }
+        let dw = unsafe { scales8(d.add(16 * b)) };
+        for r in 0..R {
+            scale_into(&mut acc[r], sum[r], dw, unsafe {
+                *acts.d.get_unchecked(a0[r] + b)
+            });
+        }
+    }
+    acc
+}
+
+/// The fifth bits of group `gi`'s four levels per row, at bit 4 of each byte (`x8`'s
+/// permutation puts value `4g + i`'s bit at `8i + g`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(qh: __m256i, gi: usize) -> __m256i {
+    let v = match gi {
+        0 => _mm256_slli_epi32::<4>(qh),
+        1 => _mm256_slli_epi32::<3>(qh),
+        2 => _mm256_slli_epi32::<2>(qh),
+        3 => _mm256_slli_epi32::<1>(qh),
+        4 => qh,
+        5 => _mm256_srli_epi32::<1>(qh),
+        6 => _mm256_srli_epi32::<2>(qh),
+        _ => _mm256_srli_epi32::<3>(qh),
+    };
+    _mm256_and_si256(v, _mm256_set1_epi8(0x10))
+}
+
+/// `q4_0`, and `q5_0` when `FIVE` (the fifth bits from their own region).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0<const FIVE: bool, const R: usize>(
+    g: &Group,
+    acts: &Acts,
+    a0: [usize; R],
+) -> [__m256; R] {
+    let qs = g.region[0];
+    let (qh, d) = if FIVE {
+        (g.region[1], g.region[2])
+    } else {
+        (g.region[1], g.region[1])
+    };
+    let offset = if FIVE { 16 } else { 8 };
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let aq = acts.q.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..g.nb {
+        // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
+        // activation block `a0[r] + b` (caller)
+        let w = unsafe { qs.add(128 * b) };
+        prefetch(w.wrapping_add(AHEAD), 128);
+        if FIVE && b % 2 == 0 {
+            prefetch(qh.wrapping_add(32 * b + AHEAD / 4), 64);
+        }
+        let mut lv = [_mm256_setzero_si256(); 8];
+        for t in 0..4 {
+            let v = unsafe { load(w.add(32 * t)) };
+            lv[t] = _mm256_and_si256(v, m4);
+            lv[t + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+        }
+        if FIVE {
+            let h = unsafe { load(qh.add(32 * b)) };
+            for (gi, l) in lv.iter_mut().enumerate() {
+                *l = _mm256_or_si256(*l, fifth_bits(h, gi));
+            }
+        }
+        let dw = unsafe { scales8(d.add(16 * b)) };
+        for r in 0..R {
+            let blk = a0[r] + b;
+            let ap = unsafe { aq.add(blk * QK) };
+            // 16-bit sums: four groups of 5-bit levels, eight of 4-bit ones, cannot overflow
+            let mut s = [_mm256_setzero_si256(); 2];
+            for (gi, l) in lv.iter().enumerate() {
+                let p = _mm256_maddubs_epi16(*l, unsafe { bcast(ap, gi) });
+                let h = if FIVE { gi / 4 } else { 0 };
+                s[h] = _mm256_add_epi16(s[h], p);
+            }
+            let mut s32 = _mm256_madd_epi16(s[0], ones);
+            if FIVE {
+                s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s[1], ones));
+            }
+            let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
+            s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(offset * (h0 + h1)));
+            scale_into(&mut acc[r], s32, dw, unsafe { *acts.d.get_unchecked(blk) });
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let [qs, d, dmin, sc, mn] = g.region;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let aq = acts.q.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for sb in 0..g.nb {
+        // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
+        // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        let (dv, dmv) = unsafe { (scales8(d.add(16 * sb)), scales8(dmin.add(16 * sb))) };
+        prefetch(qs.wrapping_add(1024 * sb + AHEAD), 1024);
+        prefetch(sc.wrapping_add(64 * sb + AHEAD / 8), 64);
+        prefetch(mn.wrapping_add(64 * sb + AHEAD / 8), 64);
+        for c in 0..4 {
+            let w = unsafe { qs.add(1024 * sb + 256 * c) };
+            let mut s = [[_mm256_setzero_si256(); 2]; R];
+            for t in 0..8 {
+                let v = unsafe { load(w.add(32 * t)) };
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                for r in 0..R {
+                    let ap = unsafe { aq.add((a0[r] + 8 * sb + 2 * c) * QK) };
+                    let p0 = _mm256_maddubs_epi16(lo, unsafe { bcast(ap, t) });
+                    let p1 = _mm256_maddubs_epi16(hi, unsafe { bcast(ap.add(QK), t) });
+                    s[r][0] = _mm256_add_epi16(s[r][0], p0);
+                    s[r][1] = _mm256_add_epi16(s[r][1], p1);
+                }
+            }
+            for h in 0..2 {
+                let sub = 2 * c + h;
+                let scp = unsafe { scale_pairs::<false>(sc.add(64 * sb + 8 * sub)) };
+                let mins = unsafe { _mm_loadl_epi64(mn.add(64 * sb + 8 * sub).cast()) };
+                let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins));
+                for r in 0..R {
+                    let blk = a0[r] + 8 * sb + sub;
+                    let da = unsafe { *acts.d.get_unchecked(blk) };
+                    scale_into(&mut acc[r], _mm256_madd_epi16(s[r][h], scp), dv, da);
+                    let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
+                    let m = _mm256_mul_ps(dmv, _mm256_set1_ps(da * (h0 + h1) as f32));
+                    acc[r] = _mm256_fnmadd_ps(mins, m, acc[r]);
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// The 6-bit levels of activation block `q` (values `32q..32q + 32` of a half) for group `t`:
+/// low bits from the nibbles of `ql`, high bits from `qh`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6_levels(ql: __m256i, qh: __m256i, q: usize) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let lo = if q < 2 {
+        _mm256_and_si256(ql, m4)
+    } else {
+        _mm256_and_si256(_mm256_srli_epi16::<4>(ql), m4)
+    };
+    let hi = match q {
+        0 => _mm256_slli_epi16::<4>(qh),
+        1 => _mm256_slli_epi16::<2>(qh),
+        2 => qh,
+        _ => _mm256_srli_epi16::<2>(qh),
+    };
+    _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let [ql, qh, sc, d, _] = g.region;
+    let aq = acts.q.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for sb in 0..g.nb {
+        // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
+        // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        let dv = unsafe { scales8(d.add(16 * sb)) };
+        prefetch(ql.wrapping_add(1024 * sb + AHEAD), 1024);
+        prefetch(qh.wrapping_add(512 * sb + AHEAD / 2), 512);
+        prefetch(sc.wrapping_add(128 * sb + AHEAD / 8), 128);
+        // the 16 sub-blocks' scales of the eight rows, as `madd` multipliers
+        let mut scp = [_mm256_setzero_si256(); 16];
+        for (s, v) in scp.iter_mut().enumerate() {
+            *v = unsafe { scale_pairs::<true>(sc.add(128 * sb + 8 * s)) };
+        }
+        for h in 0..2 {
+            let lsrc = unsafe { ql.add(1024 * sb + 512 * h) };
+            let hsrc = unsafe { qh.add(512 * sb + 256 * h) };
+            // values 128h + 32q + (0..32): activation block 4h + q; sub-block 8h + 2q + t / 4
+            let mut s = [[_mm256_setzero_si256(); R]; 4];
+            for tp in 0..4 {
+                let mut p16 = [[_mm256_setzero_si256(); R]; 4];
+                for t in [2 * tp, 2 * tp + 1] {
+                    let (la, lb, hv) = unsafe {
+                        (
+                            load(lsrc.add(32 * t)),
+                            load(lsrc.add(256 + 32 * t)),
+                            load(hsrc.add(32 * t)),
+                        )
+                    };
+                    let lv = [
+                        q6_levels(la, hv, 0),
+                        q6_levels(lb, hv, 1),
+                        q6_levels(la, hv, 2),
+                        q6_levels(lb, hv, 3),
+                    ];
+                    for q in 0..4 {
+                        for r in 0..R {
+                            let ap = unsafe { aq.add((a0[r] + 8 * sb + 4 * h + q) * QK) };
+                            // two groups of 6-bit levels fit 16 bits
+                            let p = _mm256_maddubs_epi16(lv[q], unsafe { bcast(ap, t) });
+                            p16[q][r] = _mm256_add_epi16(p16[q][r], p);
+                        }
+                    }
+                }
+                for q in 0..4 {
+                    let m = scp[8 * h + 2 * q + tp / 2];
+                    for r in 0..R {
+                        s[q][r] = _mm256_add_epi32(s[q][r], _mm256_madd_epi16(p16[q][r], m));
+                    }
+                }
+            }
+            for q in 0..4 {
+                let s0 = 8 * h + 2 * q;
+                for r in 0..R {
+                    let blk = a0[r] + 8 * sb + 4 * h + q;
+                    // the offset 32: 32 (sc0 * sum of values 0..16 + sc1 * sum of 16..32)
+                    let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
+                    let off = _mm256_add_epi32(
+                        _mm256_madd_epi16(scp[s0], _mm256_set1_epi32(h0 & 0xFFFF)),
+                        _mm256_madd_epi16(scp[s0 + 1], _mm256_set1_epi32(h1 & 0xFFFF)),
+                    );
+                    let sum = _mm256_sub_epi32(s[q][r], _mm256_slli_epi32::<5>(off));
+                    scale_into(&mut acc[r], sum, dv, unsafe { *acts.d.get_unchecked(blk) });
+                }
+            }
+        }
+    }
+    acc
+}
+
+/// Groups `groups` of the weight times all `m` activation rows (each `nb` blocks), four
+/// activation rows at a time, into `out[(8 (g - groups.start) + j) * m + i]` (weight row `8g + j`,
+/// activation row `i`).
 ///
 /// # Safety
-/// Each of `rows` points at `nb` whole blocks; `acts` holds `nb` blocks from `a0`.
+/// As [`group_dot`], for every group in `groups`; `out` holds `8 m` values per group.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows8<const F: u8>(rows: [*const u8; 8], nb: usize, acts: &Acts, a0: usize) -> [f32; 8] {
-    let bb = [34, 18, 22][F as usize];
-    let offset = [0, 8, 16][F as usize];
-    let ones = _mm256_set1_epi16(1);
-    let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let aq = acts.q.as_ptr().wrapping_add(a0 * QK);
-    for b in 0..nb {
-        // SAFETY (the loads): within the row's `nb` blocks and the activations' (caller)
-        let a = unsafe { _mm256_loadu_si256(aq.add(b * QK).cast()) };
-        let mut p = [_mm256_setzero_si256(); 8];
-        let mut d = [0u16; 8];
-        for r in 0..8 {
-            let blk = unsafe { rows[r].add(b * bb) };
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_AHEAD).cast());
-            d[r] = unsafe { blk.cast::<u16>().read_unaligned() };
-            p[r] = if F == 0 {
-                let wv = unsafe { _mm256_loadu_si256(blk.add(2).cast()) };
-                let sy = _mm256_sign_epi8(a, wv);
-                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), sy), ones)
-            } else {
-                let q = unsafe { _mm_loadu_si128(blk.add(if F == 1 { 2 } else { 6 }).cast()) };
-                let mut v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-                if F == 2 {
-                    let qh = unsafe { blk.add(2).cast::<u32>().read_unaligned() };
-                    let hi = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
-                    v = _mm256_or_si256(v, hi);
+pub(super) unsafe fn products(
+    format: BlockType,
+    layout: &Layout,
+    groups: std::ops::Range<usize>,
+    acts: &Acts,
+    nb: usize,
+    out: &mut [f32],
+) {
+    let m = out.len() / 8 / groups.len().max(1);
+    if m == 1 {
+        // batch-1 decode: the lanes are the outputs
+        let one: unsafe fn(&Group, &Acts, [usize; 1]) -> [__m256; 1] = match format {
+            BlockType::Q8_0 => q8_0::<1>,
+            BlockType::Q4_0 => q4_0::<false, 1>,
+            BlockType::Q5_0 => q4_0::<true, 1>,
+            BlockType::Q4K => q4k::<1>,
+            BlockType::Q6K => q6k::<1>,
+        };
+        assert!(acts.d.len() >= nb && out.len() >= 8 * groups.len());
+        for (o, g) in out.chunks_exact_mut(8).zip(groups) {
+            // SAFETY: the caller's guarantees; eight f32 values
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), one(&layout.group(g), acts, [0])[0]) };
+        }
+        return;
+    }
+    // activation rows in tiles that stay in the core's L2 while every group of the task passes
+    // over them (each group's weight bytes stay in L1 for the tile's rows)
+    let tile = (TILE_BYTES / (nb * QK)).max(4) / 4 * 4;
+    for t0 in (0..m).step_by(tile) {
+        let t1 = (t0 + tile).min(m);
+        for g in groups.clone() {
+            let grp = layout.group(g);
+            let start = (g - groups.start) * 8 * m;
+            let out = &mut out[start..start + 8 * m];
+            let mut i = t0;
+            while i < t1 {
+                let rows = (t1 - i).min(4);
+                let a = |r: usize| (i + r) * nb;
+                let mut v = [[0f32; 8]; 4];
+                // SAFETY: the caller's guarantees; eight f32 values per store
+                unsafe {
+                    let put = |v: &mut [f32; 8], x: __m256| _mm256_storeu_ps(v.as_mut_ptr(), x);
+                    match rows {
+                        4 => {
+                            let x = group_dot(format, &grp, acts, [a(0), a(1), a(2), a(3)]);
+                            for (o, x) in v.iter_mut().zip(x) {
+                                put(o, x);
+                            }
+                        }
+                        3 => {
+                            let x = group_dot(format, &grp, acts, [a(0), a(1), a(2)]);
+                            for (o, x) in v.iter_mut().zip(x) {
+                                put(o, x);
+                            }
+                        }
+                        2 => {
+                            let x = group_dot(format, &grp, acts, [a(0), a(1)]);
+                            for (o, x) in v.iter_mut().zip(x) {
+                                put(o, x);
+                            }
+                        }
+                        _ => put(&mut v[0], group_dot(format, &grp, acts, [a(0)])[0]),
+                    }
                 }
-                _mm256_madd_epi16(_mm256_maddubs_epi16(v, a), ones)
-            };
-        }
-        let t0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        let t1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        let mut tot = _mm256_add_epi32(
-            _mm256_permute2x128_si256(t0, t1, 0x20),
-            _mm256_permute2x128_si256(t0, t1, 0x31),
-        );
-        if offset != 0 {
-            let [h0, h1] = acts.half[a0 + b];
-            tot = _mm256_sub_epi32(tot, _mm256_set1_epi32(offset * (h0 + h1)));
-        }
-        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(d.as_ptr().cast()) });
-        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(acts.d[a0 + b]));
-        acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(tot), acc);
-    }
-    let mut out = [0f32; 8];
-    // SAFETY: eight f32 values
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
-    out
-}
-
-/// The weight levels of one `q8_0`, `q4_0` or `q5_0` block as signed bytes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn legacy_levels(format: QFormat, blk: &[u8]) -> __m256i {
-    match format {
-        BlockType::Q8_0 => load32(&blk[2..34]),
-        BlockType::Q4_0 => _mm256_sub_epi8(nibbles(&blk[2..18]), _mm256_set1_epi8(8)),
-        _ => {
-            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            let hi = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
-            let v = _mm256_or_si256(nibbles(&blk[6..22]), hi);
-            _mm256_sub_epi8(v, _mm256_set1_epi8(16))
-        }
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn sums<const R: usize>(acc: [__m256; R], minus: [f32; R]) -> [f32; R] {
-    let mut out = [0f32; R];
-    for r in 0..R {
-        out[r] = hsum(acc[r]) - minus[r];
-    }
-    out
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn legacy<const R: usize>(format: QFormat, w: &[u8], acts: &Acts, a0: [usize; R]) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
-        let wv = legacy_levels(format, blk);
-        let dw = f16_at(blk);
-        let ax = _mm256_sign_epi8(wv, wv);
-        for r in 0..R {
-            let sy = _mm256_sign_epi8(load_act(acts, a0[r] + b), wv);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1));
-            let d = _mm256_set1_ps(dw * acts.d[a0[r] + b]);
-            acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    sums(acc, [0.0; R])
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4k<const R: usize>(w: &[u8], acts: &Acts, a0: [usize; R]) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut mins = [0f32; R];
-    let ones = _mm256_set1_epi16(1);
-    let mask = _mm256_set1_epi8(0x0F);
-    for (sb, blk) in w.chunks_exact(144).enumerate() {
-        let (d, dmin) = (f16_at(&blk[0..2]), f16_at(&blk[2..4]));
-        for c in 0..4 {
-            let q = load32(&blk[16 + 32 * c..48 + 32 * c]);
-            let lv = [
-                _mm256_and_si256(q, mask),
-                _mm256_and_si256(_mm256_srli_epi16(q, 4), mask),
-            ];
-            for (half, l) in lv.into_iter().enumerate() {
-                let j = 2 * c + half;
-                let (sc, mn) = scale_min_k4(j, &blk[4..16]);
-                let (dsc, dmn) = (d * f32::from(sc), dmin * f32::from(mn));
-                for r in 0..R {
-                    let b = a0[r] + 8 * sb + j;
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(l, load_act(acts, b)), ones);
-                    let da = acts.d[b];
-                    let f = _mm256_set1_ps(da * dsc);
-                    acc[r] = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(p), acc[r]);
-                    let bsum = acts.half[b][0] + acts.half[b][1];
-                    mins[r] += da * dmn * bsum as f32;
+                for (r, vr) in v.iter().take(rows).enumerate() {
+                    for (j, &x) in vr.iter().enumerate() {
+                        out[j * m + i + r] = x;
+                    }
                 }
+                i += rows;
             }
         }
     }
-    sums(acc, mins)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q6k<const R: usize>(w: &[u8], acts: &Acts, a0: [usize; R]) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut offsets = [0f32; R];
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m2 = _mm256_set1_epi8(3);
-    for (sb, blk) in w.chunks_exact(210).enumerate() {
-        let d = f16_at(&blk[208..210]);
-        for h in 0..2 {
-            let ql0 = load32(&blk[64 * h..64 * h + 32]);
-            let ql1 = load32(&blk[64 * h + 32..64 * h + 64]);
-            let qh = load32(&blk[128 + 32 * h..160 + 32 * h]);
-            let high = [
-                _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
-            ];
-            let chunks = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), high[0]),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), high[1]),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high[2]),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high[3]),
-            ];
-            for (c, lv) in chunks.into_iter().enumerate() {
-                let s0 = i16::from(blk[192 + 8 * h + 2 * c] as i8);
-                let s1 = i16::from(blk[193 + 8 * h + 2 * c] as i8);
-                let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                for r in 0..R {
-                    let b = a0[r] + 8 * sb + 4 * h + c;
-                    let p16 = _mm256_maddubs_epi16(lv, load_act(acts, b));
-                    let p = _mm256_madd_epi16(p16, scales);
-                    let f = acts.d[b] * d;
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(p), acc[r]);
-                    let [h0, h1] = acts.half[b];
-                    offsets[r] +=
-                        f * 32.0 * (f32::from(s0) * h0 as f32 + f32::from(s1) * h1 as f32);
-                }
-            }
-        }
-    }
-    sums(acc, offsets)
 }

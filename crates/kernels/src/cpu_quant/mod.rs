@@ -1,5 +1,6 @@
 //! Quantized matrix products on the CPU for GGML's `q8_0`, `q4_0`, `q5_0`, `q4_K` and `q6_K`
-//! weights (llama.cpp's block layouts, bytes as stored).
+//! weights. The weight is held in [`X8Weight`]'s layout (`x8.rs`: llama.cpp's blocks, rows in
+//! groups of eight interleaved four bytes at a time), which gives back ggml's bytes exactly.
 //!
 //! As ggml does, each activation row is quantized to 8 bits, and every block product is an
 //! integer dot product scaled by the blocks' scales. Activations are cut into blocks of 32 with
@@ -7,17 +8,21 @@
 //! one activation layout serve every format), and each block carries the sums of its two halves
 //! for the K-quants' minimums and offsets.
 //!
-//! Two implementations of each block product: portable Rust (the reference the tests hold the
-//! other to, exactly), and hand-written AVX2 (`avx2.rs`: bytes multiplied pairwise into 16-bit
-//! sums, then into 32-bit lanes, with the scales applied in f32), chosen at run time, so one
-//! portable binary or wheel uses the vector units of the host it runs on. Rows of the weight are
-//! spread over the rayon pool; each weight row is read once for every activation row.
+//! Two implementations of each block product: portable Rust over ggml's bytes (the reference the
+//! tests hold the other to, exactly), and hand-written AVX2 over the grouped layout (`avx2.rs`:
+//! one vector lane per weight row, bytes multiplied pairwise into 16-bit sums, then into 32-bit
+//! lanes, the scales applied in f32), chosen at run time, so one portable binary or wheel uses
+//! the vector units of the host it runs on. Groups of rows are spread over the rayon pool; each
+//! weight group is read once for every four activation rows.
 //!
 //! Reference: the weight dequantized to f32 times the activations (tests here and in
 //! `rserve-core`'s `quant::ggml`).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod x8;
+
+pub use x8::{X8Weight, ROWS};
 
 use crate::quantize::BlockType;
 use half::f16;
@@ -37,22 +42,52 @@ pub(crate) struct Acts {
     pub q: Vec<i8>,          // [m * k]
 }
 
+/// `v` rounded to the nearest integer, ties to even (as `vroundps` rounds), for `|v| <= 2^22`.
+fn round_even(v: f32) -> f32 {
+    (v + 12582912.0) - 12582912.0
+}
+
+/// One 32-value block of activations: its levels, the sums of its halves and its scale.
+fn quantize_block(xb: &[f32], qb: &mut [i8]) -> ([i32; 2], f32) {
+    let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let s = amax / 127.0;
+    let id = if s > 0.0 { 1.0 / s } else { 0.0 };
+    for (o, &v) in qb.iter_mut().zip(xb) {
+        *o = round_even(v * id) as i8;
+    }
+    let sum = |r: &[i8]| r.iter().map(|&v| i32::from(v)).sum::<i32>();
+    ([sum(&qb[..16]), sum(&qb[16..])], f16::from_f32(s).to_f32())
+}
+
 fn quantize_acts(x: &[f32]) -> Acts {
     let nb = x.len() / QK;
-    let mut d = Vec::with_capacity(nb);
-    let mut half = Vec::with_capacity(nb);
+    let mut d = vec![0f32; nb];
+    let mut half = vec![[0i32; 2]; nb];
     let mut q = vec![0i8; x.len()];
-    for (xb, qb) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
-        let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
-        let s = amax / 127.0;
-        let id = if s > 0.0 { 1.0 / s } else { 0.0 };
-        for (o, &v) in qb.iter_mut().zip(xb) {
-            *o = (v * id).round() as i8;
-        }
-        let sum = |r: &[i8]| r.iter().map(|&v| i32::from(v)).sum::<i32>();
-        half.push([sum(&qb[..16]), sum(&qb[16..])]);
-        d.push(f16::from_f32(s).to_f32());
-    }
+    // blocks of rows in parallel once there are many (prefill)
+    let per_task = 256;
+    x.par_chunks(per_task * QK)
+        .zip(q.par_chunks_mut(per_task * QK))
+        .zip(
+            d.par_chunks_mut(per_task)
+                .zip(half.par_chunks_mut(per_task)),
+        )
+        .for_each(|((xc, qc), (dc, hc))| {
+            #[cfg(target_arch = "x86_64")]
+            if uses_avx2() {
+                // SAFETY: AVX2, FMA and F16C are present; the chunks hold whole blocks
+                unsafe { avx2::quantize_blocks(xc, qc, dc, hc) };
+                return;
+            }
+            for (((xb, qb), db), hb) in xc
+                .chunks_exact(QK)
+                .zip(qc.chunks_exact_mut(QK))
+                .zip(dc.iter_mut())
+                .zip(hc.iter_mut())
+            {
+                (*hb, *db) = quantize_block(xb, qb);
+            }
+        });
     Acts { d, half, q }
 }
 
@@ -190,48 +225,100 @@ pub fn uses_avx2() -> bool {
     }
 }
 
-/// One weight row times every activation row, into `out` (`m` values).
-fn row_products(
-    format: QFormat,
-    avx2: bool,
-    w_row: &[u8],
-    acts: &Acts,
-    nb: usize,
-    out: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY (each call): `avx2` is only true when the host has AVX2, FMA and F16C
-        // (`uses_avx2`), and the slices hold whole blocks (checked by `matmul_with`)
-        let mut i = 0;
-        while i < out.len() {
-            let g = (out.len() - i).min(4);
-            let a = |r: usize| (i + r) * nb;
-            let o = &mut out[i..i + g];
-            match g {
-                4 => o.copy_from_slice(&unsafe {
-                    avx2::rows_dot(format, w_row, acts, [a(0), a(1), a(2), a(3)])
-                }),
-                3 => o.copy_from_slice(&unsafe {
-                    avx2::rows_dot(format, w_row, acts, [a(0), a(1), a(2)])
-                }),
-                2 => {
-                    o.copy_from_slice(&unsafe { avx2::rows_dot(format, w_row, acts, [a(0), a(1)]) })
-                }
-                _ => o.copy_from_slice(&unsafe { avx2::rows_dot(format, w_row, acts, [a(0)]) }),
-            }
-            i += g;
-        }
-        return;
+impl X8Weight {
+    /// `y = x W^T`: `x` `[m, k]` f32 row-major; returns `[m, n]`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, String> {
+        self.matmul_with(uses_avx2(), x, m)
     }
-    let _ = avx2;
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = row_dot(format, w_row, acts, i * nb);
+
+    /// [`Self::matmul`] with the code path chosen by the caller (`avx2` is ignored where the host
+    /// lacks it): AVX2 over the grouped layout, or the portable block products over each group's
+    /// rows in ggml's bytes.
+    pub fn matmul_with(&self, avx2: bool, x: &[f32], m: usize) -> Result<Vec<f32>, String> {
+        let (n, k) = self.shape();
+        if x.len() != m * k {
+            return Err(format!(
+                "{} activations do not make rows of {k} values",
+                x.len()
+            ));
+        }
+        if m == 0 || n == 0 {
+            return Ok(Vec::new());
+        }
+        let avx2 = avx2 && uses_avx2();
+        let acts = quantize_acts(x);
+        let nb = k / QK;
+        let format = self.format();
+        let rb = format.row_bytes(k);
+        let groups = self.groups();
+        // out_t[row, i]: one weight row's products with every activation row
+        let mut out_t = vec![0f32; groups * ROWS * m];
+        // several tasks per thread; over many activation rows, few enough groups per task that
+        // their weight bytes stay in L2 while tiles of activation rows pass over them
+        let cap = if m > 4 {
+            (256 * 1024 / self.group_bytes()).clamp(1, 32)
+        } else {
+            32
+        };
+        let per_task = groups
+            .div_ceil(8 * rayon::current_num_threads())
+            .clamp(1, cap);
+        let layout = self.layout();
+        out_t
+            .par_chunks_mut(per_task * ROWS * m)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let first = c * per_task;
+                #[cfg(target_arch = "x86_64")]
+                if avx2 {
+                    let groups = first..first + chunk.len() / (ROWS * m);
+                    // SAFETY: AVX2, FMA and F16C are present (`uses_avx2`); the groups are this
+                    // weight's and `acts` holds `m` rows of `k` values
+                    unsafe { avx2::products(format, &layout, groups, &acts, nb, chunk) };
+                    return;
+                }
+                let mut buf = Vec::new();
+                for (i, out) in chunk.chunks_mut(ROWS * m).enumerate() {
+                    self.group_to_ggml(first + i, &mut buf);
+                    for (j, row) in buf.chunks_exact(rb).enumerate() {
+                        for (a, o) in out[j * m..(j + 1) * m].iter_mut().enumerate() {
+                            *o = row_dot(format, row, &acts, a * nb);
+                        }
+                    }
+                }
+            });
+        if m == 1 {
+            out_t.truncate(n);
+            return Ok(out_t);
+        }
+        let mut y = vec![0f32; m * n];
+        for j in 0..n {
+            for i in 0..m {
+                y[i * n + j] = out_t[j * m + i];
+            }
+        }
+        Ok(y)
+    }
+
+    /// The weight dequantized to f32, `[n, k]`: the reference, and the operand of products over
+    /// many rows (prefill), where an f32 matrix product beats integer block products.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let (n, k) = self.shape();
+        let format = self.format();
+        let rb = format.row_bytes(k);
+        let mut out = vec![0f32; n * k];
+        out.par_chunks_mut(ROWS * k).enumerate().for_each(|(g, o)| {
+            let mut buf = Vec::new();
+            self.group_to_ggml(g, &mut buf);
+            let rows = o.len() / k;
+            crate::quantize::dequantize_into(format, &buf[..rows * rb], o);
+        });
+        out
     }
 }
 
-/// `y = x W^T`: `x` `[m, k]` f32 row-major, `w` `[n, k]` as GGML blocks; returns `[m, n]`.
-/// `k` must be a multiple of the format's block and `w` exactly `n` rows of blocks.
+/// `y = x W^T` with `w` in ggml's bytes, `[n, k]` (laid out for the products first; callers that
+/// multiply the same weight again keep an [`X8Weight`]).
 pub fn matmul(
     format: QFormat,
     w: &[u8],
@@ -240,80 +327,7 @@ pub fn matmul(
     x: &[f32],
     m: usize,
 ) -> Result<Vec<f32>, String> {
-    matmul_with(format, uses_avx2(), w, n, k, x, m)
-}
-
-/// [`matmul`] with the code path chosen by the caller (`avx2` is ignored where the host lacks it).
-pub fn matmul_with(
-    format: QFormat,
-    avx2: bool,
-    w: &[u8],
-    n: usize,
-    k: usize,
-    x: &[f32],
-    m: usize,
-) -> Result<Vec<f32>, String> {
-    let bv = format.block_values();
-    if k == 0 || !k.is_multiple_of(bv) {
-        return Err(format!("rows of {k} values are not whole blocks of {bv}"));
-    }
-    let row_bytes = format.row_bytes(k);
-    if w.len() != n * row_bytes || x.len() != m * k {
-        return Err(format!(
-            "shapes do not match: {} weight bytes for [{n}, {k}], {} activations for [{m}, {k}]",
-            w.len(),
-            x.len()
-        ));
-    }
-    let avx2 = avx2 && uses_avx2();
-    let acts = quantize_acts(x);
-    let nb = k / QK;
-    // out_t[j, i]: one weight row's products with every activation row
-    let mut out_t = vec![0f32; n * m];
-    let rows_per_task = (4096 / m.max(1)).clamp(1, 64);
-    out_t
-        .par_chunks_mut(rows_per_task * m)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            let row = |j: usize| &w[j * row_bytes..(j + 1) * row_bytes];
-            let first = c * rows_per_task;
-            #[cfg(target_arch = "x86_64")]
-            if avx2 && m == 1 && format.block_values() == QK {
-                // batch-1 decode of the 32-value formats: eight weight rows at a time
-                let done = chunk.len() / 8 * 8;
-                let mut octs = chunk.chunks_exact_mut(8);
-                for (q, out) in (&mut octs).enumerate() {
-                    let j = first + 8 * q;
-                    let rows = std::array::from_fn(|r| row(j + r));
-                    // SAFETY: AVX2, FMA and F16C are present (`uses_avx2`); whole blocks
-                    out.copy_from_slice(&unsafe { avx2::legacy_rows8(format, rows, &acts, 0) });
-                }
-                for (r, out) in octs.into_remainder().chunks_mut(1).enumerate() {
-                    row_products(format, avx2, row(first + done + r), &acts, nb, out);
-                }
-                return;
-            }
-            for (r, out) in chunk.chunks_mut(m).enumerate() {
-                row_products(format, avx2, row(first + r), &acts, nb, out);
-            }
-        });
-    if m == 1 {
-        return Ok(out_t);
-    }
-    let mut y = vec![0f32; m * n];
-    for j in 0..n {
-        for i in 0..m {
-            y[i * n + j] = out_t[j * m + i];
-        }
-    }
-    Ok(y)
-}
-
-/// The weight dequantized to f32, `[n, k]`: the reference, and the operand of products over many
-/// rows (prefill), where an f32 matrix product beats integer block products.
-pub fn dequantize(format: QFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
-    let bytes = n * format.row_bytes(k);
-    crate::quantize::dequantize(format, &w[..bytes.min(w.len())])
+    X8Weight::from_ggml(format, w, n, k)?.matmul(x, m)
 }
 
 #[cfg(test)]
@@ -339,14 +353,17 @@ mod tests {
         let (n, k) = (70, 512);
         let wf0 = values(n * k, 3);
         for format in ALL {
-            let w = crate::quantize::quantize(format, &wf0, k).expect("quantize");
-            let wf = dequantize(format, &w, n, k);
-            for m in [1, 3, 17] {
+            let q = crate::quantize::quantize(format, &wf0, k).expect("quantize");
+            let w = X8Weight::from_ggml(format, &q, n, k).expect("layout");
+            let wf = w.dequantize();
+            assert_eq!(wf, crate::quantize::dequantize(format, &q), "{format:?}");
+            // 300 rows: more than one tile of activation rows (256 of 512 values)
+            for m in [1, 3, 4, 6, 17, 300] {
                 let x = values(m * k, 9 + m as u64);
                 let want = reference(&wf, n, k, &x, m);
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let base = matmul_with(format, false, &w, n, k, &x, m).expect("baseline");
-                let fast = matmul_with(format, true, &w, n, k, &x, m).expect("avx2");
+                let base = w.matmul_with(false, &x, m).expect("baseline");
+                let fast = w.matmul_with(true, &x, m).expect("avx2");
                 for (b, f) in base.iter().zip(&fast) {
                     // the same integer sums; only the order of the f32 sums differs
                     assert!(
@@ -362,6 +379,25 @@ mod tests {
                 assert!(err <= 0.02 * scale, "{format:?} m={m}: {err} vs {scale}");
             }
         }
+    }
+
+    #[test]
+    fn activations_quantize_alike_on_both_code_paths() {
+        // ties (0.5 steps of the level), zeros, a block of zeros, extremes
+        let mut x = values(64 * QK, 5);
+        x[..QK].fill(0.0);
+        for (i, v) in x[QK..2 * QK].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5 * (127.0 / 16.0) / 127.0 * 8.0;
+        }
+        x[2 * QK] = 1e30;
+        let nb = x.len() / QK;
+        let mut q = vec![0i8; x.len()];
+        let (mut d, mut half) = (vec![0f32; nb], vec![[0i32; 2]; nb]);
+        for (b, (xb, qb)) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)).enumerate() {
+            (half[b], d[b]) = quantize_block(xb, qb);
+        }
+        let acts = quantize_acts(&x);
+        assert_eq!((acts.q, acts.d, acts.half), (q, d, half));
     }
 
     #[test]
@@ -388,5 +424,7 @@ mod tests {
         assert!(matmul(BlockType::Q8_0, &w, 2, 33, &[0.0; 33], 1).is_err());
         assert!(matmul(BlockType::Q8_0, &w, 3, 32, &[0.0; 32], 1).is_err());
         assert!(matmul(BlockType::Q4K, &w, 1, 32, &[0.0; 32], 1).is_err());
+        assert!(matmul(BlockType::Q8_0, &w, 2, 32, &[0.0; 31], 1).is_err());
+        assert_eq!(matmul(BlockType::Q8_0, &w, 2, 32, &[], 0), Ok(Vec::new()));
     }
 }
