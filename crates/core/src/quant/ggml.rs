@@ -159,6 +159,21 @@ impl GgmlLinear {
                 shape: (rows, first.shape.1),
             }));
         }
+        let cpu: Vec<&X8Weight> = parts
+            .iter()
+            .filter_map(|p| match &p.weight {
+                Packed::Cpu(w) => Some(w.as_ref()),
+                _ => None,
+            })
+            .collect();
+        if cpu.len() == parts.len() {
+            if let Some(w) = X8Weight::stack(&cpu) {
+                return Ok(Some(Self {
+                    weight: Packed::Cpu(Arc::new(w)),
+                    shape: (rows, first.shape.1),
+                }));
+            }
+        }
         let mut bytes = Vec::new();
         for p in parts {
             bytes.extend_from_slice(&p.bytes()?);

@@ -200,6 +200,31 @@ impl X8Weight {
         Ok(w)
     }
 
+    /// Weights of one format and width stacked row-wise, group arrays joined as they are (`None`
+    /// unless every part but the last fills whole groups, or the formats or widths differ).
+    pub fn stack(parts: &[&X8Weight]) -> Option<X8Weight> {
+        let (first, last) = (parts.first()?, parts.last()?);
+        let same = parts
+            .iter()
+            .all(|p| p.format == first.format && p.k == first.k);
+        let whole = parts[..parts.len() - 1]
+            .iter()
+            .all(|p| p.n.is_multiple_of(ROWS));
+        if !same || !whole {
+            return None;
+        }
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
+        Some(X8Weight {
+            format: first.format,
+            n: parts.iter().map(|p| p.n).sum::<usize>(),
+            k: last.k,
+            data,
+        })
+    }
+
     /// Bytes per group: every field's region, rounded up to a cache line.
     fn group_stride(format: BlockType, k: usize) -> usize {
         let (fl, _) = fields(format);
@@ -339,6 +364,23 @@ mod tests {
                 assert_eq!(w.to_ggml(), q, "{format:?} n={n}");
                 assert_eq!(w.size_in_bytes() % 64, 0);
             }
+        }
+    }
+
+    #[test]
+    fn stacked_weights_are_the_weight_of_the_stacked_rows() {
+        let k = 256;
+        let (a, b) = (16, 13);
+        for format in BlockType::ALL {
+            let qa = quantize(format, &test_values(a * k, 1), k).expect("quantize");
+            let qb = quantize(format, &test_values(b * k, 2), k).expect("quantize");
+            let wa = X8Weight::from_ggml(format, &qa, a, k).expect("layout");
+            let wb = X8Weight::from_ggml(format, &qb, b, k).expect("layout");
+            let s = X8Weight::stack(&[&wa, &wb]).expect("whole groups");
+            assert_eq!(s.shape(), (a + b, k));
+            assert_eq!(s.to_ggml(), [qa.clone(), qb.clone()].concat(), "{format:?}");
+            // a part that does not fill its last group cannot go first
+            assert!(X8Weight::stack(&[&wb, &wa]).is_none());
         }
     }
 
