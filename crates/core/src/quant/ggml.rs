@@ -250,12 +250,11 @@ impl GgmlLinear {
 
 impl LinearMethod for GgmlLinear {
     fn matmul(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let xf = x.to_dtype(DType::F32)?;
         let y = match &self.weight {
             Packed::Blocks(b) => return b.linear(x),
-            Packed::Cpu(w) => Self::cpu_matmul(w, &xf)?,
+            Packed::Cpu(w) => Self::cpu_matmul(w, &x.to_dtype(DType::F32)?)?,
             Packed::Candle(q) => {
+                let xf = x.to_dtype(DType::F32)?;
                 let rows = xf.dims2()?.0;
                 let dense =
                     rows >= DEQUANTIZE_FROM_ROWS || REFERENCE_PRODUCTS.load(Ordering::Relaxed);
@@ -267,7 +266,7 @@ impl LinearMethod for GgmlLinear {
                 }
             }
         };
-        y.to_dtype(dtype)
+        y.to_dtype(x.dtype())
     }
 
     fn matmul_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {

@@ -418,6 +418,25 @@ unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256
     acc
 }
 
+/// [`group_dot`] for `R` activation rows, stored into `v[..R]`.
+///
+/// # Safety
+/// As [`group_dot`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_into<const R: usize>(
+    format: BlockType,
+    g: &Group,
+    acts: &Acts,
+    a0: [usize; R],
+    v: &mut [[f32; 8]; 4],
+) {
+    // SAFETY: the caller's guarantees; eight f32 values per store
+    for (o, x) in v.iter_mut().zip(unsafe { group_dot(format, g, acts, a0) }) {
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), x) };
+    }
+}
+
 /// Groups `groups` of the weight times all `m` activation rows (each `nb` blocks), four
 /// activation rows at a time, into `out[(8 (g - groups.start) + j) * m + i]` (weight row `8g + j`,
 /// activation row `i`).
@@ -464,29 +483,13 @@ pub(super) unsafe fn products(
                 let rows = (t1 - i).min(4);
                 let a = |r: usize| (i + r) * nb;
                 let mut v = [[0f32; 8]; 4];
-                // SAFETY: the caller's guarantees; eight f32 values per store
+                // SAFETY: the caller's guarantees
                 unsafe {
-                    let put = |v: &mut [f32; 8], x: __m256| _mm256_storeu_ps(v.as_mut_ptr(), x);
                     match rows {
-                        4 => {
-                            let x = group_dot(format, &grp, acts, [a(0), a(1), a(2), a(3)]);
-                            for (o, x) in v.iter_mut().zip(x) {
-                                put(o, x);
-                            }
-                        }
-                        3 => {
-                            let x = group_dot(format, &grp, acts, [a(0), a(1), a(2)]);
-                            for (o, x) in v.iter_mut().zip(x) {
-                                put(o, x);
-                            }
-                        }
-                        2 => {
-                            let x = group_dot(format, &grp, acts, [a(0), a(1)]);
-                            for (o, x) in v.iter_mut().zip(x) {
-                                put(o, x);
-                            }
-                        }
-                        _ => put(&mut v[0], group_dot(format, &grp, acts, [a(0)])[0]),
+                        4 => dot_into(format, &grp, acts, [a(0), a(1), a(2), a(3)], &mut v),
+                        3 => dot_into(format, &grp, acts, [a(0), a(1), a(2)], &mut v),
+                        2 => dot_into(format, &grp, acts, [a(0), a(1)], &mut v),
+                        _ => dot_into(format, &grp, acts, [a(0)], &mut v),
                     }
                 }
                 for (r, vr) in v.iter().take(rows).enumerate() {

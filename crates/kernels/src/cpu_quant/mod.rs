@@ -66,6 +66,8 @@ fn quantize_acts(x: &[f32]) -> Acts {
     let mut q = vec![0i8; x.len()];
     // blocks of rows in parallel once there are many (prefill)
     let per_task = 256;
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = uses_avx2();
     x.par_chunks(per_task * QK)
         .zip(q.par_chunks_mut(per_task * QK))
         .zip(
@@ -74,7 +76,7 @@ fn quantize_acts(x: &[f32]) -> Acts {
         )
         .for_each(|((xc, qc), (dc, hc))| {
             #[cfg(target_arch = "x86_64")]
-            if uses_avx2() {
+            if avx2 {
                 // SAFETY: AVX2, FMA and F16C are present; the chunks hold whole blocks
                 unsafe { avx2::quantize_blocks(xc, qc, dc, hc) };
                 return;

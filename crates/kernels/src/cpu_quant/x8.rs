@@ -289,7 +289,8 @@ impl X8Weight {
         let (fl, eb) = fields(format);
         out.clear();
         out.resize(ROWS * rb, 0);
-        let mut e = vec![0u8; eb];
+        let mut e = [0u8; 256];
+        let e = &mut e[..eb];
         for j in 0..ROWS {
             for b in 0..nb {
                 let mut region = 0;
@@ -303,7 +304,7 @@ impl X8Weight {
                     region += nb * ROWS * fd.len;
                 }
                 let blk = &mut out[j * rb + b * format.block_bytes()..][..format.block_bytes()];
-                contract(format, &e, blk);
+                contract(format, e, blk);
             }
         }
     }
