@@ -9,6 +9,9 @@ def check_params(params_json: str) -> str:
     """Validates sampling parameters (a JSON object) with the HTTP server's parser and range
     checks; raises ValueError("field: message") when invalid; returns the JSON unchanged."""
 
+def default_model() -> tuple[str, str]:
+    """The embedded default model: its directory (written on first use) and its served name."""
+
 def serve(argv: list[str]) -> None:
     """Runs the `rserve` command line in-process (e.g. ["serve", MODEL, "--port", "8000"]) with
     the GIL released; returns when the command ends."""
@@ -95,7 +98,44 @@ class Engine:
     def lora_adapters(self) -> list[tuple[str, str]]:
         """The registered adapters: (name, path)."""
 
+    def http_app(
+        self,
+        served_model_name: str,
+        *,
+        api_key: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> HttpApp:
+        """The server's router (every OpenAI route) over this engine; ValueError for an unknown
+        tool call parser or an empty name."""
+
     def shutdown(self) -> None: ...
+
+class HttpApp:
+    """`rserve serve`'s routes called in-process, request by request (the same parsing, errors,
+    streaming and metrics)."""
+
+    @property
+    def pending(self) -> int:
+        """Requests admitted and not finished."""
+
+    def start(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> HttpResponse:
+        """Starts one request (path with its query string) and returns at once. ValueError for
+        a malformed method, path or header."""
+
+class HttpResponse:
+    """A request in flight; dropping it (or `close`) before the end aborts its generation."""
+
+    def head(self, timeout_s: float) -> tuple[int, list[tuple[str, str]]] | None:
+        """(status, headers), or None when they did not come within `timeout_s`."""
+
+    def next_chunk(self, timeout_s: float) -> bytes | None:
+        """The next body chunk (after `head`), None when none came within `timeout_s`;
+        StopIteration at the end."""
+
+    def close(self) -> None:
+        """Drops the rest of the response (aborts a streamed generation)."""
 
 class RequestStream:
     """The outputs of one request, as JSON of `RequestDelta`s (what is new: text, token ids,

@@ -15,6 +15,8 @@ pub mod metrics;
 pub mod openai;
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_http;
 pub mod routes;
 pub mod serve;
 

@@ -55,6 +55,18 @@ fn check_params(params_json: &str) -> PyResult<String> {
     Ok(params_json.to_string())
 }
 
+/// The embedded default model: its directory (written on first use) and its served name.
+#[pyfunction]
+fn default_model(py: Python<'_>) -> PyResult<(String, String)> {
+    let dir = py
+        .detach(rserve_core::default_model::ensure_default_model)
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    Ok((
+        dir.display().to_string(),
+        rserve_core::default_model::DEFAULT_MODEL_NAME.to_string(),
+    ))
+}
+
 /// Runs the `rserve` command line in-process (e.g. `["serve", MODEL, "--port", "8000"]`).
 #[pyfunction]
 fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
@@ -357,6 +369,23 @@ impl PyEngine {
         })
     }
 
+    /// The server's router over this engine (every OpenAI route), for a Python web framework to
+    /// put in front of it.
+    #[pyo3(signature = (served_model_name, *, api_key = None, tool_call_parser = None))]
+    fn http_app(
+        &self,
+        served_model_name: String,
+        api_key: Option<String>,
+        tool_call_parser: Option<String>,
+    ) -> PyResult<crate::python_http::PyHttpApp> {
+        crate::python_http::PyHttpApp::new(
+            self.handle.clone(),
+            served_model_name,
+            api_key,
+            tool_call_parser.as_deref(),
+        )
+    }
+
     fn shutdown(&self) {
         self.handle.shutdown();
     }
@@ -483,7 +512,10 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(check_params, m)?)?;
     m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_function(wrap_pyfunction!(default_model, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyRequestStream>()?;
+    m.add_class::<crate::python_http::PyHttpApp>()?;
+    m.add_class::<crate::python_http::PyHttpResponse>()?;
     Ok(())
 }
