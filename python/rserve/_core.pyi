@@ -45,6 +45,7 @@ class Engine:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""

@@ -61,6 +61,7 @@ _ENGINE_KWARGS = frozenset(
         "max_lora_rank",
         "max_cpu_loras",
         "enable_prefix_caching",
+        "tensor_parallel_size",
     }
 )
 
@@ -289,7 +290,8 @@ class LLM:
     `generate`, `chat`, `stream` and `astream`), `max_loras` (adapters on the device at once),
     `max_lora_rank`, `max_cpu_loras` (adapters kept in host memory), `enable_prefix_caching`
     (default on: prompts start from the longest run of cached KV blocks of earlier requests;
-    `RequestOutput.num_cached_tokens` says how many tokens that skipped).
+    `RequestOutput.num_cached_tokens` says how many tokens that skipped),
+    `tensor_parallel_size` (split the model over this many GPUs: one thread per GPU, NCCL).
     """
 
     def __init__(

@@ -76,6 +76,8 @@ pub struct EngineConfig {
     /// JSON constrained by a schema may hold free whitespace when a request does not say
     /// (`disable_any_whitespace`); off: compact JSON.
     pub json_any_whitespace: bool,
+    /// GPUs the model is split over (tensor parallelism, one thread per GPU); 1: none.
+    pub tensor_parallel_size: usize,
 }
 
 impl EngineConfig {
@@ -103,6 +105,7 @@ impl EngineConfig {
             lora_modules: Vec::new(),
             enable_prefix_caching: true,
             json_any_whitespace: false,
+            tensor_parallel_size: 1,
         }
     }
 }

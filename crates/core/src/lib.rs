@@ -19,6 +19,7 @@ pub mod model_runner;
 pub mod models;
 pub mod multimodal;
 mod output;
+pub mod parallel;
 pub mod quant;
 pub mod request;
 pub mod sampler;

@@ -215,6 +215,8 @@ pub struct LoadOptions {
     pub tokenizer: Option<PathBuf>,
     /// Give the decoder's projections LoRA slots (`--enable-lora`).
     pub lora: Option<LoraOptions>,
+    /// Load one rank's shard (tensor parallelism).
+    pub tp: Option<crate::parallel::TpShard>,
 }
 
 impl LoadOptions {
@@ -227,6 +229,7 @@ impl LoadOptions {
             isq_lm_head: false,
             tokenizer: None,
             lora: None,
+            tp: None,
         }
     }
 }
@@ -288,7 +291,9 @@ pub fn load_model_with(
     let files = weight_files(dir)?;
     let isq = opts.isq.map(|f| Isq::new(f, opts.isq_lm_head));
     let lora = lora_slots(opts, dtype, device);
-    let weights = Weights::open_with(&files, dtype, device, isq.clone())?.with_lora(lora.clone());
+    let weights = Weights::open_with(&files, dtype, device, isq.clone())?
+        .with_lora(lora.clone())
+        .with_tp(opts.tp.clone());
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
     let processor = crate::models::processor(&hf, dir)?.map(Arc::new);

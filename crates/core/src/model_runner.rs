@@ -159,6 +159,17 @@ pub struct ModelRunner {
     /// Encoder outputs of images whose tokens are not all computed yet (a prompt chunk may end
     /// inside an image): `[num_tokens, hidden]` by sequence and image.
     encoder_cache: HashMap<(SeqId, usize), Tensor>,
+    /// Under tensor parallelism: the other ranks, which run every step this one runs.
+    followers: Option<Box<dyn Followers>>,
+}
+
+/// The other ranks of a tensor-parallel group, as rank 0's runner drives them: each runs the
+/// same steps on its shard, in the same order (their collectives meet rank 0's).
+pub trait Followers: Send {
+    /// Runs the step of `host` after the block copies `copies`.
+    fn step(&self, host: &HostBatch, copies: &[(usize, usize)]) -> Result<()>;
+    /// Captures the decode graphs (at the same time as rank 0: the capture runs collectives).
+    fn capture(&self) -> Result<()>;
 }
 
 impl ModelRunner {
@@ -184,12 +195,22 @@ impl ModelRunner {
             kv,
             device,
             encoder_cache: HashMap::new(),
+            followers: None,
         }
+    }
+
+    /// This runner as rank 0 of a tensor-parallel group whose other ranks are `followers`.
+    pub fn with_followers(mut self, followers: Option<Box<dyn Followers>>) -> Self {
+        self.followers = followers;
+        self
     }
 
     /// Captures every decode graph not captured yet (see [`DecodeGraphs::capture_all`]); the
     /// number of graphs ready, 0 without graphs.
     pub fn capture_graphs(&mut self) -> Result<usize> {
+        if let Some(f) = &self.followers {
+            f.capture()?;
+        }
         let mut n = 0;
         for g in [self.graphs.as_mut(), self.lora_graphs.as_mut()]
             .into_iter()
@@ -368,6 +389,19 @@ impl ModelRunner {
         }
         let pending = std::mem::take(&mut host.pending);
         let image_rows = self.image_rows(sched, &std::mem::take(&mut host.images))?;
+        if let Some(f) = &self.followers {
+            f.step(&host, &block_pairs(out))?;
+        }
+        let step = self.prepare_host(host, image_rows)?;
+        Ok((step, rows, pending))
+    }
+
+    /// Writes a step's host arrays into a graph bucket, or uploads them for an eager pass.
+    pub fn prepare_host(
+        &mut self,
+        host: HostBatch,
+        image_rows: Vec<(usize, Tensor)>,
+    ) -> Result<PreparedStep> {
         let lora = !host.adapter_slots.is_empty();
         let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
         let device = self.device.clone();
@@ -375,17 +409,16 @@ impl ModelRunner {
             if let Some(bucket) = g.bucket_for(&host) {
                 let n = host.seq_lens.len();
                 g.write_inputs(bucket, &host, num_blocks, bs, &device)?;
-                let step = PreparedStep::Graph {
+                return Ok(PreparedStep::Graph {
                     bucket,
                     rows: n,
                     lora,
-                };
-                return Ok((step, rows, pending));
+                });
             }
         }
         let mut batch = host.upload(&self.device)?;
         batch.image_rows = image_rows;
-        Ok((PreparedStep::Eager(batch), rows, pending))
+        Ok(PreparedStep::Eager(batch))
     }
 
     /// Runs the vision encoder over `images` alone: per image, its features row-major in f32.
@@ -492,13 +525,17 @@ impl ModelRunner {
 
     /// Applies the step's block copies and runs the model; f32 logits `[rows, vocab]`.
     pub fn execute(&mut self, out: &SchedulerOutput, step: &PreparedStep) -> Result<Tensor> {
-        if !out.block_copies.is_empty() {
-            let pairs: Vec<(usize, usize)> = out
-                .block_copies
-                .iter()
-                .map(|(s, d)| (s.0 as usize, d.0 as usize))
-                .collect();
-            self.kv.copy_blocks(&pairs)?;
+        self.execute_after(&block_pairs(out), step)
+    }
+
+    /// [`ModelRunner::execute`] after the block copies `copies` (source, destination).
+    pub fn execute_after(
+        &mut self,
+        copies: &[(usize, usize)],
+        step: &PreparedStep,
+    ) -> Result<Tensor> {
+        if !copies.is_empty() {
+            self.kv.copy_blocks(copies)?;
         }
         match step {
             PreparedStep::Eager(batch) => self.model.forward(batch, &self.kv),
@@ -515,6 +552,14 @@ impl ModelRunner {
             }
         }
     }
+}
+
+/// The step's copy-on-write block copies as (source, destination) block ids.
+fn block_pairs(out: &SchedulerOutput) -> Vec<(usize, usize)> {
+    out.block_copies
+        .iter()
+        .map(|(s, d)| (s.0 as usize, d.0 as usize))
+        .collect()
 }
 
 /// Runs one forward pass over a synthetic prompt of `tokens` tokens with `rows` logit rows, on a
@@ -534,7 +579,7 @@ pub fn profile_forward(
         mc.num_layers,
         blocks,
         block_size,
-        mc.num_kv_heads,
+        model.cache_kv_heads(),
         mc.head_dim,
         cache_dtype,
         device,
@@ -569,7 +614,7 @@ pub fn profile_forward(
     Ok(KvCache::bytes_per_block(
         mc.num_layers,
         block_size,
-        mc.num_kv_heads,
+        model.cache_kv_heads(),
         mc.head_dim,
         cache_dtype,
     ) * blocks)

@@ -7,6 +7,7 @@
 use crate::gguf::{self, GgufFile};
 use crate::load_error::LoadError;
 use crate::lora::LoraSlots;
+use crate::parallel::{Split, TpShard};
 use crate::quant::ggml::GgmlLinear;
 use crate::quant::isq::Isq;
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -30,6 +31,8 @@ struct Inner {
     isq: Option<Arc<Isq>>,
     /// Device slots for LoRA adapters: each decoder projection that loads registers its stacks.
     lora: Option<Arc<LoraSlots>>,
+    /// Under tensor parallelism: this rank's shard, read from the memory map alone.
+    tp: Option<TpShard>,
 }
 
 /// A view of the checkpoint under a name prefix.
@@ -74,6 +77,7 @@ impl Weights {
                 files: files.to_vec(),
                 isq,
                 lora: None,
+                tp: None,
             }),
             prefix: String::new(),
             dense: false,
@@ -90,6 +94,7 @@ impl Weights {
                 device: device.clone(),
                 isq,
                 lora: None,
+                tp: None,
             }),
             prefix: String::new(),
             dense: false,
@@ -134,6 +139,20 @@ impl Weights {
             inner.lora = slots;
         }
         self
+    }
+
+    /// The same checkpoint read as one rank's shard (before any view is taken): every tensor
+    /// [`TpPlan::split_of`] names is read as that rank's part.
+    pub fn with_tp(mut self, shard: Option<TpShard>) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.tp = shard;
+        }
+        self
+    }
+
+    /// This rank's shard under tensor parallelism.
+    pub fn tp(&self) -> Option<&TpShard> {
+        self.inner.tp.as_ref()
     }
 
     /// The LoRA slots of the decoder's projections, when adapters are enabled.
@@ -283,6 +302,15 @@ impl Weights {
             name: full.clone(),
             files: self.inner.files.clone(),
         })?;
+        if let Some(split) = self.inner.tp.as_ref().and_then(|t| t.plan.split_of(&full)) {
+            let rank = self.inner.tp.as_ref().map_or(0, |t| t.plan.rank);
+            let dtype = DType::try_from(view.dtype()).map_err(|e| LoadError::Tensor {
+                name: full.clone(),
+                reason: e.to_string(),
+            })?;
+            let stored = (view.shape().to_vec(), dtype, view.data());
+            return self.shard_of(stored, &full, shape, &split, rank);
+        }
         if view.shape() != shape {
             return Err(LoadError::TensorShape {
                 name: full,
@@ -298,6 +326,72 @@ impl Weights {
                 reason: e.to_string(),
             })?;
         Ok(t)
+    }
+
+    /// Rank `rank`'s `split` of a checkpoint tensor (`full`; its stored shape, dtype and bytes),
+    /// of local `shape`: only its own bytes are copied out of the memory map.
+    fn shard_of(
+        &self,
+        (stored, dtype, data): (Vec<usize>, DType, &[u8]),
+        full: &str,
+        shape: &[usize],
+        split: &Split,
+        rank: usize,
+    ) -> Result<Tensor, LoadError> {
+        let err = |reason: String| LoadError::Tensor {
+            name: full.to_string(),
+            reason,
+        };
+        let esize = dtype.size_in_bytes();
+        let mismatch = |expected: Vec<usize>| LoadError::TensorShape {
+            name: full.to_string(),
+            expected,
+            found: stored.clone(),
+        };
+        let bytes: Vec<u8> = match split {
+            Split::Rows {
+                rows,
+                full: n,
+                padded,
+            } => {
+                let rest: usize = shape.iter().skip(1).product();
+                let want: Vec<usize> = std::iter::once(*n)
+                    .chain(shape.iter().skip(1).copied())
+                    .collect();
+                if stored != want || shape.first() != Some(padded) {
+                    return Err(mismatch(want));
+                }
+                let row = rest * esize;
+                let mut b = data[rows.start * row..rows.end * row].to_vec();
+                b.resize(padded * row, 0);
+                b
+            }
+            Split::Cols { cols, full: n } => {
+                let want = vec![shape.first().copied().unwrap_or(0), *n];
+                if stored != want || shape.len() != 2 || shape[1] != cols.len() {
+                    return Err(mismatch(want));
+                }
+                let row = n * esize;
+                data.chunks_exact(row)
+                    .flat_map(|r| &r[cols.start * esize..cols.end * esize])
+                    .copied()
+                    .collect()
+            }
+            Split::RankZero => {
+                if stored != shape {
+                    return Err(mismatch(shape.to_vec()));
+                }
+                if rank == 0 {
+                    data.to_vec()
+                } else {
+                    vec![0; data.len()]
+                }
+            }
+        };
+        Tensor::from_raw_buffer(&bytes, dtype, shape, &Device::Cpu)
+            .and_then(|t| t.to_device(&self.inner.device))
+            .and_then(|t| t.to_dtype(self.inner.dtype))
+            .map_err(|e| err(e.to_string()))
     }
 
     /// The value of the one-element tensor `name` (shape `[]` or `[1]`), or `None` when absent.

@@ -123,6 +123,10 @@ pub struct EngineArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Split the model over this many GPUs of this host (tensor parallelism over NCCL, one
+    /// thread per GPU; rank r on GPU r). `-tp N` works too.
+    #[arg(long, visible_alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     /// Bytes of KV cache (default: 1 GiB on the CPU; on a GPU what --gpu-memory-utilization leaves
     /// after the weights and the measured activation peak; capped by what max_num_seqs can use).
     #[arg(long)]

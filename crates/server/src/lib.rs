@@ -53,6 +53,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
     cfg.max_num_seqs = args.max_num_seqs;
     cfg.max_num_batched_tokens = args.max_num_batched_tokens;
     cfg.block_size = args.block_size;
+    cfg.tensor_parallel_size = args.tensor_parallel_size;
     cfg.seed = args.seed;
     cfg.gpu_memory_utilization = args.gpu_memory_utilization;
     cfg.kv_cache_dtype = args.kv_cache_dtype;
@@ -142,6 +143,17 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
+    // vLLM's `-tp N`: a two-letter short flag, which the parser has no form for
+    let args = args.into_iter().map(|a| {
+        let a: std::ffi::OsString = a.into();
+        match a.to_str() {
+            Some("-tp") => "--tensor-parallel-size".into(),
+            Some(s) if s.starts_with("-tp=") => {
+                format!("--tensor-parallel-size={}", &s[4..]).into()
+            }
+            _ => a,
+        }
+    });
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {

@@ -84,7 +84,7 @@ struct PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None, enable_prefix_caching = true))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None, enable_prefix_caching = true, tensor_parallel_size = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -111,6 +111,7 @@ impl PyEngine {
         max_lora_rank: usize,
         max_cpu_loras: Option<usize>,
         enable_prefix_caching: bool,
+        tensor_parallel_size: usize,
     ) -> PyResult<Self> {
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
@@ -130,6 +131,7 @@ impl PyEngine {
         cfg.enforce_eager = enforce_eager;
         cfg.async_scheduling = async_scheduling;
         cfg.enable_prefix_caching = enable_prefix_caching;
+        cfg.tensor_parallel_size = tensor_parallel_size;
         cfg.isq = match isq {
             Some(s) => Some(
                 s.parse::<rserve_core::quant::IsqFormat>()

@@ -4,9 +4,10 @@
 
 use super::{EngineConfig, EngineError, KvBudget};
 use crate::kv_cache::KvCache;
-use crate::loader::LoadedModel;
 #[cfg(feature = "cuda")]
 use crate::model_runner::graphs::GraphPlan;
+use crate::models::Model;
+use candle_core::DType;
 use candle_core::Device;
 
 /// The step token budget when none is given, as vLLM's server chooses it: 8192 tokens on GPUs
@@ -27,10 +28,10 @@ pub fn default_batched_tokens(device: &Device) -> usize {
 /// after loading (weights, context, other processes) and the activation peak of a forward pass over
 /// `batched_tokens` tokens (the step budget), measured on the pool's high-water mark.
 #[cfg(feature = "cuda")]
-pub(super) fn gpu_kv_budget(
+pub(crate) fn gpu_kv_budget(
     cfg: &EngineConfig,
     batched_tokens: usize,
-    loaded: &LoadedModel,
+    (model, dtype): (&dyn Model, DType),
     device: &Device,
     max_model_len: usize,
 ) -> Result<usize, EngineError> {
@@ -44,8 +45,8 @@ pub(super) fn gpu_kv_budget(
     let tokens = batched_tokens.min(max_model_len.max(1));
     let rows = cfg.max_num_seqs.min(tokens);
     let scratch = crate::model_runner::profile_forward(
-        loaded.model.as_ref(),
-        cfg.kv_cache_dtype.storage(loaded.dtype),
+        model,
+        cfg.kv_cache_dtype.storage(dtype),
         device,
         tokens,
         rows,
@@ -67,8 +68,8 @@ pub(super) fn gpu_kv_budget(
             .last()
             .copied()
             .unwrap_or(0);
-        let logits = largest * loaded.model.config().vocab_size;
-        let one = logits * (8 + loaded.dtype.size_in_bytes()) + peak * largest / tokens.max(1);
+        let logits = largest * model.config().vocab_size;
+        let one = logits * (8 + dtype.size_in_bytes()) + peak * largest / tokens.max(1);
         // a second set runs the steps with adapter rows
         if cfg.lora.is_some() {
             2 * one
@@ -91,10 +92,10 @@ pub(super) fn gpu_kv_budget(
 }
 
 #[cfg(not(feature = "cuda"))]
-pub(super) fn gpu_kv_budget(
+pub(crate) fn gpu_kv_budget(
     _cfg: &EngineConfig,
     _batched_tokens: usize,
-    _loaded: &LoadedModel,
+    _model: (&dyn Model, DType),
     _device: &Device,
     _max_model_len: usize,
 ) -> Result<usize, EngineError> {
@@ -105,20 +106,20 @@ pub(super) fn gpu_kv_budget(
 
 /// The number of KV blocks for `cfg` (see [`KvBudget`]): never more than `max_num_seqs`
 /// sequences of `max_model_len` tokens need.
-pub(super) fn kv_blocks(
+pub(crate) fn kv_blocks(
     cfg: &EngineConfig,
-    loaded: &LoadedModel,
+    (model, dtype): (&dyn Model, DType),
     device: &Device,
     batched_tokens: usize,
     max_model_len: usize,
 ) -> Result<usize, EngineError> {
-    let mc = loaded.model.config();
+    let mc = model.config();
     let per_block = KvCache::bytes_per_block(
         mc.num_layers,
         cfg.block_size,
-        mc.num_kv_heads,
+        model.cache_kv_heads(),
         mc.head_dim,
-        cfg.kv_cache_dtype.storage(loaded.dtype),
+        cfg.kv_cache_dtype.storage(dtype),
     );
     let useful = cfg
         .max_num_seqs
@@ -127,7 +128,7 @@ pub(super) fn kv_blocks(
         KvBudget::Bytes(b) => b / per_block,
         KvBudget::Blocks(n) => n,
         KvBudget::Auto if !device.is_cpu() => {
-            let budget = gpu_kv_budget(cfg, batched_tokens, loaded, device, max_model_len)?;
+            let budget = gpu_kv_budget(cfg, batched_tokens, (model, dtype), device, max_model_len)?;
             (budget / per_block).min(useful)
         }
         KvBudget::Auto => ((1usize << 30) / per_block).min(useful),

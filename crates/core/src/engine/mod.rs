@@ -14,7 +14,7 @@
 //! [`trace`] records where each step's time goes.
 
 mod in_flight;
-mod kv_sizing;
+pub(crate) mod kv_sizing;
 mod requests;
 mod startup;
 mod step;
@@ -99,7 +99,7 @@ impl Engine {
             Some(m) => m,
             None => dcfg.max_position_embeddings,
         };
-        let opts = LoadOptions {
+        let mut opts = LoadOptions {
             max_positions: Some(max_model_len.max(dcfg.max_position_embeddings)),
             isq: cfg.isq,
             isq_lm_head: cfg.isq_lm_head,
@@ -107,12 +107,37 @@ impl Engine {
             lora: cfg.lora,
             ..LoadOptions::new(&cfg.dtype)
         };
+        let world = cfg.tensor_parallel_size;
+        let vision = crate::models::architecture(&hf)?.processor.is_some();
+        if let Some(why) =
+            crate::parallel::refusal(&cfg, &dcfg, crate::gguf::is_gguf(&cfg.model), vision)
+        {
+            return Err(EngineError::InvalidConfig(why));
+        }
+        let group = if world > 1 {
+            if cfg.async_scheduling {
+                tracing::info!(
+                    "tensor parallelism: steps are scheduled one at a time (no async scheduling)"
+                );
+                cfg.async_scheduling = false;
+            }
+            let (group, shard) =
+                crate::parallel::start_group(&cfg.model, &opts, &dcfg, world, &device)?;
+            opts.tp = Some(shard);
+            Some(group)
+        } else {
+            None
+        };
         let loaded = load_model_with(&cfg.model, &opts, &device)?;
+        if let Some(g) = &group {
+            g.wait_loaded()?;
+            tracing::info!("tensor parallelism: {world} ranks loaded their shards");
+        }
         if let Some(r) = &loaded.isq {
             tracing::info!("{}", r.summary());
         }
         clock.done("config, tokenizer and weights");
-        Self::from_loaded(cfg, loaded, device, max_model_len, clock)
+        Self::from_loaded(cfg, loaded, device, max_model_len, clock, group)
     }
 
     fn from_loaded(
@@ -121,6 +146,7 @@ impl Engine {
         device: Device,
         mut max_model_len: usize,
         mut clock: startup::PhaseClock,
+        group: Option<Box<dyn crate::parallel::TpGroup>>,
     ) -> Result<EngineHandle, EngineError> {
         let batched_tokens = cfg
             .max_num_batched_tokens
@@ -138,8 +164,19 @@ impl Engine {
         }
         let mc = loaded.model.config().clone();
         let kv_dtype: DType = cfg.kv_cache_dtype.storage(loaded.dtype);
-        let num_blocks =
-            kv_sizing::kv_blocks(&cfg, &loaded, &device, batched_tokens, max_model_len)?;
+        let mut own = || {
+            kv_sizing::kv_blocks(
+                &cfg,
+                (loaded.model.as_ref(), loaded.dtype),
+                &device,
+                batched_tokens,
+                max_model_len,
+            )
+        };
+        let num_blocks = match &group {
+            Some(g) => g.kv_blocks(&cfg, batched_tokens, max_model_len, &mut own)?,
+            None => own()?,
+        };
         clock.done("profiling pass (KV cache sizing)");
         max_model_len = kv_sizing::fit_context(
             max_model_len,
@@ -150,7 +187,7 @@ impl Engine {
             mc.num_layers,
             num_blocks,
             cfg.block_size,
-            mc.num_kv_heads,
+            loaded.model.cache_kv_heads(),
             mc.head_dim,
             kv_dtype,
             &device,
@@ -253,8 +290,13 @@ impl Engine {
             .map_err(|e| EngineError::Model(e.to_string()))?;
         let graphs = (!cfg.enforce_eager)
             .then(|| GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size));
+        if let Some(g) = &group {
+            g.allocate(num_blocks, cfg.block_size, kv_dtype, graphs.clone())?;
+        }
         let has_lora = lora.is_some();
-        let runner = ModelRunner::new(loaded.model, kv, device, graphs, has_lora);
+        let followers = group.map(|g| -> Box<dyn crate::model_runner::Followers> { g });
+        let runner =
+            ModelRunner::new(loaded.model, kv, device, graphs, has_lora).with_followers(followers);
         let engine = Engine {
             output: OutputProcessor::new(info.tokenizer.clone(), stats.clone()),
             info: info.clone(),

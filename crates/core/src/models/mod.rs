@@ -29,6 +29,10 @@ pub trait Model: Send {
     /// Positions the model can encode (its rotary table's length); the runner checks every
     /// step's positions against it.
     fn max_positions(&self) -> usize;
+    /// KV heads this model's cache holds (a tensor-parallel shard holds its own share).
+    fn cache_kv_heads(&self) -> usize {
+        self.config().num_kv_heads
+    }
     /// The input embeddings of `input_ids` `[T]`: `[T, hidden]`. A model with other inputs
     /// (image features) writes them into these rows before [`Model::forward_embeds`].
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor>;

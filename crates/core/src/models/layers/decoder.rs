@@ -11,6 +11,7 @@ use crate::batch::{ForwardBatch, LayerCtx};
 use crate::kv_cache::KvCache;
 use crate::load_error::LoadError;
 use crate::models::Model;
+use crate::parallel::{embed_shard, join_vocab, TpShard};
 use crate::weights::Weights;
 use candle_core::{DType, Result, Tensor};
 
@@ -55,6 +56,11 @@ pub struct Decoder {
     lm_head: Linear, // [vocab, hidden]
     rotary: RotaryEmbedding,
     max_positions: usize,
+    /// Under tensor parallelism: this rank's shard and its collectives (`embed_tokens` and
+    /// `lm_head` then hold this rank's vocabulary rows, the layers its heads and MLP columns).
+    tp: Option<TpShard>,
+    /// KV heads of this rank's cache.
+    kv_heads: usize,
 }
 
 impl Decoder {
@@ -76,14 +82,20 @@ impl Decoder {
         max_positions: usize,
     ) -> std::result::Result<Self, LoadError> {
         let m = w.pp(prefix);
-        let embed_tokens = m.get(&[cfg.vocab_size, cfg.hidden_size], "embed_tokens.weight")?;
+        let tp = w.tp().cloned();
+        // the shapes this rank loads: its heads, MLP columns and vocabulary rows
+        let local = match &tp {
+            Some(t) => t.plan.local_config(&cfg),
+            None => cfg.clone(),
+        };
+        let embed_tokens = m.get(&[local.vocab_size, cfg.hidden_size], "embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let lw = m.pp("layers").pp(i);
             let spec = AttentionSpec {
                 hidden_size: cfg.hidden_size,
-                num_heads: cfg.num_heads,
-                num_kv_heads: cfg.num_kv_heads,
+                num_heads: local.num_heads,
+                num_kv_heads: local.num_kv_heads,
                 head_dim: cfg.head_dim,
                 qkv_bias: cfg.qkv_bias,
                 o_bias: cfg.o_bias,
@@ -106,7 +118,7 @@ impl Decoder {
                 mlp: Mlp::load(
                     &lw.pp("mlp"),
                     cfg.hidden_size,
-                    cfg.intermediate_size,
+                    local.intermediate_size,
                     cfg.mlp_bias,
                 )?,
             });
@@ -136,6 +148,8 @@ impl Decoder {
             lm_head,
             rotary,
             max_positions,
+            tp,
+            kv_heads: local.num_kv_heads,
         })
     }
 }
@@ -163,8 +177,18 @@ impl Model for Decoder {
             .collect()
     }
 
+    fn cache_kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.embed_tokens.index_select(input_ids, 0)
+        match &self.tp {
+            None => self.embed_tokens.index_select(input_ids, 0),
+            Some(t) => {
+                let part = embed_shard(&self.embed_tokens, input_ids, t.plan.vocab().start)?;
+                t.comm.all_reduce(&part)
+            }
+        }
     }
 
     fn forward_embeds(
@@ -217,10 +241,10 @@ impl Decoder {
                     normed
                 }
             };
-            let a = layer.self_attn.forward(&h, &rope, batch, cache)?;
+            let a = self.reduced(layer.self_attn.forward(&h, &rope, batch, cache)?)?;
             let (sum, h) = layer.post_attention_layernorm.forward_add(&a, &residual)?;
             residual = sum;
-            out = Some(layer.mlp.forward(&h, &ctx)?);
+            out = Some(self.reduced(layer.mlp.forward(&h, &ctx)?)?);
         }
         let x = match out {
             Some(o) => (o + residual)?,
@@ -232,6 +256,18 @@ impl Decoder {
         let x = x.index_select(&batch.logits_indices, 0)?; // [L, hidden]
         let x = self.norm.forward(&x)?;
         // the logit rows are a subset of the batch's: no per-token context applies to them
-        self.lm_head.forward(&x, &LayerCtx::default()).map(Some)
+        let logits = self.lm_head.forward(&x, &LayerCtx::default())?;
+        match &self.tp {
+            None => Ok(Some(logits)),
+            Some(t) => join_vocab(&t.comm.all_gather(&logits)?, self.cfg.vocab_size).map(Some),
+        }
+    }
+
+    /// A row-parallel layer's output summed over the ranks (as is without tensor parallelism).
+    fn reduced(&self, partial: Tensor) -> Result<Tensor> {
+        match &self.tp {
+            None => Ok(partial),
+            Some(t) => t.comm.all_reduce(&partial),
+        }
     }
 }

@@ -1,0 +1,407 @@
+//! Ranks 1..N of a tensor-parallel group: one thread per GPU, each holding its shard of the model
+//! and of the KV cache in a [`ModelRunner`] of its own, running the steps rank 0's runner sends
+//! (the same host arrays; the collectives inside the forward pass meet rank 0's). Only rank 0
+//! samples: the other ranks' logits are dropped.
+
+use super::nccl::NcclComm;
+use super::{TpGroup, TpPlan, TpShard};
+use crate::engine::{EngineConfig, EngineError};
+use crate::kv_cache::KvCache;
+use crate::loader::{load_model_with, LoadOptions};
+use crate::model_runner::graphs::GraphPlan;
+use crate::model_runner::{Followers, HostBatch, ModelRunner};
+use crate::models::{DecoderConfig, Model};
+use candle_core::cuda_backend::cudarc::nccl::safe::Id;
+use candle_core::{DType, Device, Result};
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+
+type Reply<T> = mpsc::Sender<std::result::Result<T, String>>;
+
+/// What rank 0 asks of the others.
+enum Command {
+    /// How many KV blocks fit this rank (runs the profiling forward pass with rank 0).
+    Size {
+        cfg: Box<EngineConfig>,
+        batched_tokens: usize,
+        max_model_len: usize,
+        reply: Reply<usize>,
+    },
+    /// Allocate the KV cache of `num_blocks` blocks and set up the runner.
+    Start {
+        num_blocks: usize,
+        block_size: usize,
+        kv_dtype: DType,
+        graphs: Option<GraphPlan>,
+        reply: Reply<()>,
+    },
+    Step {
+        host: HostBatch,
+        copies: Vec<(usize, usize)>,
+    },
+    Capture {
+        reply: Reply<usize>,
+    },
+}
+
+/// Ranks 1..N, driven by rank 0.
+pub struct Workers {
+    txs: Vec<mpsc::Sender<Command>>,
+    /// Each rank's answer when it has loaded its shard (taken by [`Workers::wait_loaded`]).
+    ready: Mutex<Option<mpsc::Receiver<std::result::Result<usize, String>>>>,
+    /// The first error a worker hit while running steps (steps send no replies).
+    errors: Mutex<mpsc::Receiver<String>>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+fn msg(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl Workers {
+    /// Starts ranks 1..`world` loading `model` (with `opts`) on GPUs 1..`world`, and joins rank
+    /// 0 to their NCCL group on `device`; returns the workers (still loading: see
+    /// [`Workers::wait_loaded`]) and rank 0's shard.
+    pub fn start(
+        model: PathBuf,
+        opts: &LoadOptions,
+        cfg: &DecoderConfig,
+        world: usize,
+        device: &Device,
+    ) -> std::result::Result<(Self, TpShard), EngineError> {
+        let Device::Cuda(dev) = device else {
+            return Err(EngineError::InvalidConfig(
+                "tensor parallelism needs CUDA devices".into(),
+            ));
+        };
+        let gpus = candle_core::cuda_backend::cudarc::driver::CudaContext::device_count()
+            .map_err(|e| EngineError::Model(format!("counting GPUs: {e:?}")))?;
+        if (gpus.max(0) as usize) < world {
+            return Err(EngineError::InvalidConfig(format!(
+                "--tensor-parallel-size {world} needs {world} GPUs; {gpus} are visible"
+            )));
+        }
+        let id = super::nccl::unique_id().map_err(|e| EngineError::Model(e.to_string()))?;
+        let (err_tx, err_rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let mut txs = Vec::new();
+        let mut handles = Vec::new();
+        for rank in 1..world {
+            let (tx, rx) = mpsc::channel();
+            let (model, opts, cfg) = (model.clone(), opts.clone(), cfg.clone());
+            let (ready, errors) = (ready_tx.clone(), err_tx.clone());
+            let h = std::thread::Builder::new()
+                .name(format!("rserve-tp{rank}"))
+                .spawn(move || {
+                    let runner = match load_rank(&model, opts, &cfg, rank, world, id) {
+                        Ok(r) => {
+                            let _ = ready.send(Ok(rank));
+                            r
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(format!("rank {rank}: {e}")));
+                            return;
+                        }
+                    };
+                    serve(runner, rx, errors, rank);
+                })
+                .map_err(|e| EngineError::Model(format!("starting rank {rank}: {e}")))?;
+            txs.push(tx);
+            handles.push(h);
+        }
+        let plan = TpPlan::new(cfg, 0, world).map_err(EngineError::InvalidConfig)?;
+        let comm =
+            NcclComm::join(dev, 0, world, id).map_err(|e| EngineError::Model(e.to_string()))?;
+        let shard = TpShard {
+            plan,
+            comm: Arc::new(comm),
+        };
+        drop(ready_tx);
+        let workers = Self {
+            txs,
+            ready: Mutex::new(Some(ready_rx)),
+            errors: Mutex::new(err_rx),
+            handles,
+        };
+        Ok((workers, shard))
+    }
+
+    /// Waits until every other rank has loaded its shard.
+    fn wait_ranks(&self) -> std::result::Result<(), EngineError> {
+        let ready = self.ready.lock().ok().and_then(|mut g| g.take());
+        let Some(ready) = ready else {
+            return Ok(());
+        };
+        for _ in 0..self.txs.len() {
+            match ready.recv() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(EngineError::Model(format!("tensor parallelism: {e}"))),
+                Err(_) => {
+                    return Err(EngineError::Model(
+                        "a tensor-parallel rank ended while loading".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `make(reply)` to every worker and collects their answers.
+    fn ask<T>(&self, make: impl Fn(Reply<T>) -> Command) -> std::result::Result<Vec<T>, String> {
+        let mut rxs = Vec::new();
+        for tx in &self.txs {
+            let (rtx, rrx) = mpsc::channel();
+            tx.send(make(rtx))
+                .map_err(|_| "a tensor-parallel rank has ended".to_string())?;
+            rxs.push(rrx);
+        }
+        rxs.into_iter()
+            .map(|r| {
+                r.recv()
+                    .map_err(|_| "a tensor-parallel rank has ended".to_string())?
+            })
+            .collect()
+    }
+
+    /// Starts the other ranks' profiling passes (which meet rank 0's), to be collected with
+    /// [`Workers::collect_sizes`] after rank 0's own.
+    fn size(
+        &self,
+        cfg: &EngineConfig,
+        batched_tokens: usize,
+        max_model_len: usize,
+    ) -> std::result::Result<Vec<mpsc::Receiver<std::result::Result<usize, String>>>, EngineError>
+    {
+        let mut rxs = Vec::new();
+        for tx in &self.txs {
+            let (rtx, rrx) = mpsc::channel();
+            tx.send(Command::Size {
+                cfg: Box::new(cfg.clone()),
+                batched_tokens,
+                max_model_len,
+                reply: rtx,
+            })
+            .map_err(|_| EngineError::Model("a tensor-parallel rank has ended".into()))?;
+            rxs.push(rrx);
+        }
+        Ok(rxs)
+    }
+
+    /// The KV blocks each other rank has room for.
+    fn collect_sizes(
+        rxs: Vec<mpsc::Receiver<std::result::Result<usize, String>>>,
+    ) -> std::result::Result<Vec<usize>, EngineError> {
+        rxs.into_iter()
+            .map(|r| {
+                r.recv()
+                    .map_err(|_| "a tensor-parallel rank has ended".to_string())
+                    .and_then(|x| x)
+                    .map_err(|e| EngineError::Model(format!("sizing a rank's KV cache: {e}")))
+            })
+            .collect()
+    }
+
+    /// Allocates every other rank's KV cache and runner.
+    fn allocate_ranks(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dtype: DType,
+        graphs: Option<GraphPlan>,
+    ) -> std::result::Result<(), EngineError> {
+        self.ask(|reply| Command::Start {
+            num_blocks,
+            block_size,
+            kv_dtype,
+            graphs: graphs.clone(),
+            reply,
+        })
+        .map(|_| ())
+        .map_err(|e| EngineError::Model(format!("tensor parallelism: {e}")))
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.errors.lock().ok()?.try_recv().ok()
+    }
+}
+
+impl TpGroup for Workers {
+    fn wait_loaded(&self) -> std::result::Result<(), EngineError> {
+        self.wait_ranks()
+    }
+
+    fn kv_blocks(
+        &self,
+        cfg: &EngineConfig,
+        batched_tokens: usize,
+        max_model_len: usize,
+        own: &mut dyn FnMut() -> std::result::Result<usize, EngineError>,
+    ) -> std::result::Result<usize, EngineError> {
+        let others = self.size(cfg, batched_tokens, max_model_len)?;
+        let mine = own()?;
+        let theirs = Self::collect_sizes(others)?;
+        Ok(theirs.into_iter().fold(mine, usize::min))
+    }
+
+    fn allocate(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dtype: DType,
+        graphs: Option<GraphPlan>,
+    ) -> std::result::Result<(), EngineError> {
+        self.allocate_ranks(num_blocks, block_size, kv_dtype, graphs)
+    }
+}
+
+impl Followers for Workers {
+    fn step(&self, host: &HostBatch, copies: &[(usize, usize)]) -> Result<()> {
+        if let Some(e) = self.failed() {
+            candle_core::bail!("a tensor-parallel rank failed: {e}");
+        }
+        for tx in &self.txs {
+            tx.send(Command::Step {
+                host: host.clone(),
+                copies: copies.to_vec(),
+            })
+            .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
+        }
+        Ok(())
+    }
+
+    fn capture(&self) -> Result<()> {
+        // the replies come after the captures, which run at the same time as rank 0's: send now,
+        // collect on the workers' own time (a failed capture shows up as an error later)
+        for tx in &self.txs {
+            let (rtx, _rrx) = mpsc::channel();
+            tx.send(Command::Capture { reply: rtx })
+                .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        self.txs.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// What a worker holds: its model until the KV cache is sized, then its runner.
+enum Rank {
+    Loaded(Box<dyn Model>, DType, Device),
+    Running(ModelRunner),
+    /// Between the two.
+    Moving,
+}
+
+fn load_rank(
+    model: &std::path::Path,
+    mut opts: LoadOptions,
+    cfg: &DecoderConfig,
+    rank: usize,
+    world: usize,
+    id: Id,
+) -> std::result::Result<Rank, String> {
+    let device = crate::device::parse_device(&format!("cuda:{rank}")).map_err(msg)?;
+    let Device::Cuda(dev) = &device else {
+        return Err("not a CUDA device".into());
+    };
+    let comm = NcclComm::join(dev, rank, world, id).map_err(msg)?;
+    opts.tp = Some(TpShard {
+        plan: TpPlan::new(cfg, rank, world)?,
+        comm: Arc::new(comm),
+    });
+    let loaded = load_model_with(model, &opts, &device).map_err(msg)?;
+    device.synchronize().map_err(msg)?;
+    Ok(Rank::Loaded(loaded.model, loaded.dtype, device))
+}
+
+fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<String>, id: usize) {
+    let mut failed = false;
+    while let Ok(cmd) = rx.recv() {
+        match (cmd, &mut rank) {
+            (
+                Command::Size {
+                    cfg,
+                    batched_tokens,
+                    max_model_len,
+                    reply,
+                },
+                Rank::Loaded(model, dtype, device),
+            ) => {
+                let r = crate::engine::kv_sizing::kv_blocks(
+                    &cfg,
+                    (model.as_ref(), *dtype),
+                    device,
+                    batched_tokens,
+                    max_model_len,
+                );
+                let _ = reply.send(r.map_err(msg));
+            }
+            (
+                Command::Start {
+                    num_blocks,
+                    block_size,
+                    kv_dtype,
+                    graphs,
+                    reply,
+                },
+                Rank::Loaded(..),
+            ) => {
+                let Rank::Loaded(model, _, device) = std::mem::replace(&mut rank, Rank::Moving)
+                else {
+                    return;
+                };
+                let mc = model.config();
+                let kv = KvCache::new(
+                    mc.num_layers,
+                    num_blocks,
+                    block_size,
+                    model.cache_kv_heads(),
+                    mc.head_dim,
+                    kv_dtype,
+                    &device,
+                );
+                match kv {
+                    Ok(kv) => {
+                        rank = Rank::Running(ModelRunner::new(model, kv, device, graphs, false));
+                        let _ = reply.send(Ok(()));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(msg(e)));
+                        return;
+                    }
+                }
+            }
+            (Command::Step { host, copies }, Rank::Running(runner)) => {
+                if failed {
+                    continue;
+                }
+                let r = runner
+                    .prepare_host(host, Vec::new())
+                    .and_then(|step| runner.execute_after(&copies, &step));
+                if let Err(e) = r {
+                    failed = true;
+                    tracing::error!("tensor-parallel rank {id}: {e}");
+                    let _ = errors.send(format!("rank {id}: {e}"));
+                }
+            }
+            (Command::Capture { reply }, Rank::Running(runner)) => {
+                let r = runner.capture_graphs();
+                if let Err(e) = &r {
+                    tracing::warn!("rank {id}: capturing decode graphs failed: {e}");
+                }
+                let _ = reply.send(r.map_err(msg));
+            }
+            (_, _) => {
+                let _ = errors.send(format!("rank {id}: a command out of order"));
+                return;
+            }
+        }
+    }
+}
