@@ -124,3 +124,12 @@ def test_a_broken_gguf_stops_the_server_with_the_reason(tmp_path: Path) -> None:
     out = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode != 0, out
     assert "cut.gguf" in out and "ends inside tensor" in out, out
+
+
+def test_tensor_parallel_flags_refuse_clearly_where_they_cannot_run() -> None:
+    # vLLM's spellings all reach the same setting; this machine's build or GPUs cannot take 2 ranks
+    for flags in (["--tensor-parallel-size", "2"], ["-tp", "2"], ["-tp=2"], ["--tp", "2"]):
+        out = refused(*flags, "--device", "cpu")
+        assert "tensor parallelism runs on CUDA GPUs" in out, (flags, out)
+    out = refused("-tp", "8")
+    assert "4 attention heads do not split over 8 GPUs" in out, out

@@ -210,8 +210,8 @@ def test_sampling_params_accepts_vllm_spellings() -> None:
 
 
 def test_unknown_llm_argument_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="tensor_parallel_size"):
-        LLM(str(QWEN2), tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="pipeline_parallel_size"):
+        LLM(str(QWEN2), pipeline_parallel_size=2)
 
 
 def test_engine_options_pass_through(llm: LLM) -> None:
@@ -273,6 +273,19 @@ def test_quantization_fp8_is_isq_fp8() -> None:
         LLM(str(QWEN2), quantization="awq")
     with pytest.raises(ValueError, match="disagree"):
         LLM(str(QWEN2), quantization="fp8", isq="q8_0")
+
+
+def test_tensor_parallel_refusals_are_value_errors() -> None:
+    # the CPU build runs on one device; a GPU build on the CPU says so too
+    with pytest.raises(ValueError, match="CUDA"):
+        LLM(str(QWEN2), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        LLM(str(QWEN2), tensor_parallel_size=0)
+    # the fixture's 4 heads do not split over 8 GPUs, whatever the machine has
+    with pytest.raises(ValueError, match="4 attention heads"):
+        LLM(str(QWEN2), tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(QWEN2), tensor_parallel_size=2, isq="q8_0")
 
 
 def test_isq_lm_head_needs_isq_and_quantizes_the_head() -> None:

@@ -45,7 +45,10 @@ impl LocalComm {
             .lock()
             .map_err(|_| poisoned())?
             .iter()
-            .map(|t| t.clone().ok_or_else(|| candle_core::Error::Msg("a rank sent nothing".into())))
+            .map(|t| {
+                t.clone()
+                    .ok_or_else(|| candle_core::Error::Msg("a rank sent nothing".into()))
+            })
             .collect::<Result<Vec<_>>>();
         // nobody overwrites a slot before every rank has read them all
         self.shared.barrier.wait();

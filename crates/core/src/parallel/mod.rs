@@ -5,9 +5,9 @@
 //!
 //! [`plan`] says what each rank holds (pure arithmetic, tested on the CPU).
 
+pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-pub mod local;
 pub mod plan;
 #[cfg(feature = "cuda")]
 pub mod workers;

@@ -1,33 +1,152 @@
-//! [`Collective`] over NCCL (loaded at run time from `libnccl.so.2`): one communicator per rank,
-//! on the rank's device and the stream its kernels run on, so collectives order with them and
-//! are captured into CUDA graphs with them.
+//! [`Collective`] over NCCL: one communicator per rank, on the rank's device and the stream its
+//! kernels run on, so collectives order with them and are captured into CUDA graphs with them.
+//!
+//! `libnccl.so.2` is opened when the first group forms (`RSERVE_NCCL_LIB` names another file),
+//! not linked: a server on one GPU never needs it.
 
 use super::Collective;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::DeviceSlice;
-use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorageSlice};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::OnceLock;
 
-/// A new group's identity: rank 0 makes it and every rank joins with it.
-pub fn unique_id() -> Result<Id> {
-    Id::new().map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "NCCL: {e:?} (is libnccl.so.2 on the library path?)"
-        ))
-    })
+/// `ncclUniqueId`: what every rank of a group joins with.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId {
+    internal: [c_char; 128],
 }
 
-/// One rank's communicator.
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UniqueId(..)")
+    }
+}
+
+type Comm = *mut c_void;
+type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> c_int;
+type CommInitRank = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int;
+type AllReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    *mut c_void,
+) -> c_int;
+type AllGather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
+type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
+type ErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
+
+/// The entry points rserve calls.
+struct Lib {
+    get_unique_id: GetUniqueId,
+    comm_init_rank: CommInitRank,
+    all_reduce: AllReduce,
+    all_gather: AllGather,
+    comm_destroy: CommDestroy,
+    error_string: ErrorString,
+}
+
+// ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x)
+const NCCL_FLOAT16: c_int = 6;
+const NCCL_FLOAT32: c_int = 7;
+const NCCL_BFLOAT16: c_int = 9;
+const NCCL_SUM: c_int = 0;
+
+fn open() -> std::result::Result<Lib, String> {
+    let names: Vec<String> = match std::env::var("RSERVE_NCCL_LIB") {
+        Ok(p) => vec![p],
+        Err(_) => vec!["libnccl.so.2".into(), "libnccl.so".into()],
+    };
+    let mut handle = std::ptr::null_mut();
+    for n in &names {
+        let c = CString::new(n.as_str()).map_err(|e| e.to_string())?;
+        // SAFETY: a plain dlopen of a shared library by name
+        handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if !handle.is_null() {
+            break;
+        }
+    }
+    if handle.is_null() {
+        return Err(format!(
+            "tensor parallelism needs NCCL: none of {} could be opened (pip install \
+             nvidia-nccl-cu12 and put its lib directory on LD_LIBRARY_PATH, or set RSERVE_NCCL_LIB)",
+            names.join(", ")
+        ));
+    }
+    let sym = |name: &str| -> std::result::Result<*mut c_void, String> {
+        let c = CString::new(name).map_err(|e| e.to_string())?;
+        // SAFETY: looking a symbol up in the handle opened above
+        let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
+        if p.is_null() {
+            Err(format!("NCCL has no {name}"))
+        } else {
+            Ok(p)
+        }
+    };
+    // SAFETY: each symbol has the C signature NCCL 2.x declares for it in nccl.h
+    unsafe {
+        Ok(Lib {
+            get_unique_id: std::mem::transmute::<*mut c_void, GetUniqueId>(sym("ncclGetUniqueId")?),
+            comm_init_rank: std::mem::transmute::<*mut c_void, CommInitRank>(sym(
+                "ncclCommInitRank",
+            )?),
+            all_reduce: std::mem::transmute::<*mut c_void, AllReduce>(sym("ncclAllReduce")?),
+            all_gather: std::mem::transmute::<*mut c_void, AllGather>(sym("ncclAllGather")?),
+            comm_destroy: std::mem::transmute::<*mut c_void, CommDestroy>(sym("ncclCommDestroy")?),
+            error_string: std::mem::transmute::<*mut c_void, ErrorString>(sym(
+                "ncclGetErrorString",
+            )?),
+        })
+    }
+}
+
+fn lib() -> Result<&'static Lib> {
+    static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
+    LIB.get_or_init(open)
+        .as_ref()
+        .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+/// An error of NCCL call `what` from its status code.
+fn check(lib: &Lib, what: &str, status: c_int) -> Result<()> {
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: ncclGetErrorString returns a static string for any code
+    let text = unsafe { CStr::from_ptr((lib.error_string)(status)) }.to_string_lossy();
+    candle_core::bail!("NCCL {what}: {text} ({status})")
+}
+
+/// A new group's identity: rank 0 makes it and every rank joins with it.
+pub fn unique_id() -> Result<UniqueId> {
+    let lib = lib()?;
+    let mut id = UniqueId { internal: [0; 128] };
+    // SAFETY: NCCL writes the 128-byte id
+    check(lib, "ncclGetUniqueId", unsafe {
+        (lib.get_unique_id)(&mut id)
+    })?;
+    Ok(id)
+}
+
+/// One rank's communicator, on its device's stream.
 #[derive(Debug)]
 pub struct NcclComm {
     comm: Comm,
+    rank: usize,
+    world: usize,
+    stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
 }
 
 // SAFETY: a rank's communicator is used by one thread at a time (its loading thread, then its
-// engine or worker thread, which takes over after the loading thread is done), never
-// concurrently; NCCL permits a communicator to move between threads.
+// engine or worker thread, which takes over once loading is done), never concurrently; NCCL lets a
+// communicator move between threads.
 unsafe impl Send for NcclComm {}
 // SAFETY: as above: calls on one communicator never overlap.
 unsafe impl Sync for NcclComm {}
@@ -35,11 +154,38 @@ unsafe impl Sync for NcclComm {}
 impl NcclComm {
     /// Joins group `id` as `rank` of `world` on `dev`'s stream; blocks until every rank has
     /// joined.
-    pub fn join(dev: &CudaDevice, rank: usize, world: usize, id: Id) -> Result<Self> {
-        let comm = Comm::from_rank(dev.cuda_stream(), rank, world, id).map_err(|e| {
-            candle_core::Error::Msg(format!("NCCL init of rank {rank}/{world}: {e:?}"))
+    pub fn join(dev: &CudaDevice, rank: usize, world: usize, id: UniqueId) -> Result<Self> {
+        let lib = lib()?;
+        let stream = dev.cuda_stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+        let mut comm: Comm = std::ptr::null_mut();
+        let (n, r) = (world as c_int, rank as c_int);
+        // SAFETY: NCCL writes the communicator; the id is passed by value as nccl.h declares
+        check(lib, "ncclCommInitRank", unsafe {
+            (lib.comm_init_rank)(&mut comm, n, id, r)
         })?;
-        Ok(Self { comm })
+        Ok(Self {
+            comm,
+            rank,
+            world,
+            stream,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if let Ok(lib) = lib() {
+            // SAFETY: the communicator was made by ncclCommInitRank and is not used after this
+            unsafe { (lib.comm_destroy)(self.comm) };
+        }
     }
 }
 
@@ -50,37 +196,63 @@ enum Op {
 }
 
 struct Call<'a> {
-    comm: &'a Comm,
+    comm: &'a NcclComm,
     op: Op,
 }
 
 impl Call<'_> {
-    fn run<T: NcclType + CudaDType + candle_core::WithDType>(
+    fn run<T: CudaDType + candle_core::WithDType + DeviceRepr>(
         &self,
         s: &CudaStorage,
         l: &Layout,
+        nccl_type: c_int,
     ) -> Result<(CudaStorage, Shape)> {
+        let lib = lib()?;
         let (a, b) = l
             .contiguous_offsets()
             .ok_or_else(|| candle_core::Error::Msg("NCCL: the tensor must be contiguous".into()))?;
         let src = s.as_cuda_slice::<T>()?.slice(a..b);
         let dev = s.device().clone();
-        let world = self.comm.world_size();
+        let count = b - a;
         let (n, shape) = match self.op {
-            Op::AllReduce => (src.len(), l.shape().clone()),
+            Op::AllReduce => (count, l.shape().clone()),
             Op::AllGather => {
-                let mut dims = vec![world];
+                let mut dims = vec![self.comm.world];
                 dims.extend_from_slice(l.dims());
-                (src.len() * world, Shape::from(dims))
+                (count * self.comm.world, Shape::from(dims))
             }
         };
         // SAFETY: every element is written by the collective before any read
         let mut dst = unsafe { dev.alloc::<T>(n) }?;
-        let r = match self.op {
-            Op::AllReduce => self.comm.all_reduce(&src, &mut dst, &ReduceOp::Sum),
-            Op::AllGather => self.comm.all_gather(&src, &mut dst),
+        let stream = &self.comm.stream;
+        let (sp, _s) = src.device_ptr(stream);
+        let (dp, _d) = dst.device_ptr_mut(stream);
+        let cu = stream.cu_stream() as *mut c_void;
+        // SAFETY: both buffers live on this rank's device for the call; NCCL reads `count`
+        // elements and writes `n`, as allocated above
+        let status = unsafe {
+            match self.op {
+                Op::AllReduce => (lib.all_reduce)(
+                    sp as *const c_void,
+                    dp as *mut c_void,
+                    count,
+                    nccl_type,
+                    NCCL_SUM,
+                    self.comm.comm,
+                    cu,
+                ),
+                Op::AllGather => (lib.all_gather)(
+                    sp as *const c_void,
+                    dp as *mut c_void,
+                    count,
+                    nccl_type,
+                    self.comm.comm,
+                    cu,
+                ),
+            }
         };
-        r.map_err(|e| candle_core::Error::Msg(format!("NCCL: {e:?}")))?;
+        drop((_s, _d));
+        check(lib, "collective", status)?;
         Ok((CudaStorage::wrap_cuda_slice(dst, dev), shape))
     }
 }
@@ -99,9 +271,9 @@ impl CustomOp1 for Call<'_> {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
         match &s.slice {
-            CudaStorageSlice::BF16(_) => self.run::<bf16>(s, l),
-            CudaStorageSlice::F16(_) => self.run::<f16>(s, l),
-            CudaStorageSlice::F32(_) => self.run::<f32>(s, l),
+            CudaStorageSlice::BF16(_) => self.run::<bf16>(s, l, NCCL_BFLOAT16),
+            CudaStorageSlice::F16(_) => self.run::<f16>(s, l, NCCL_FLOAT16),
+            CudaStorageSlice::F32(_) => self.run::<f32>(s, l, NCCL_FLOAT32),
             _ => candle_core::bail!("NCCL: unsupported dtype {:?}", s.dtype()),
         }
     }
@@ -110,20 +282,15 @@ impl CustomOp1 for Call<'_> {
 impl Collective for NcclComm {
     fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1_no_bwd(&Call {
-            comm: &self.comm,
+            comm: self,
             op: Op::AllReduce,
         })
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1_no_bwd(&Call {
-            comm: &self.comm,
+            comm: self,
             op: Op::AllGather,
         })
     }
-}
-
-/// Whether `dt` can go through the collectives.
-pub fn supported(dt: DType) -> bool {
-    matches!(dt, DType::BF16 | DType::F16 | DType::F32)
 }

@@ -4,6 +4,7 @@
 //! samples: the other ranks' logits are dropped.
 
 use super::nccl::NcclComm;
+use super::nccl::UniqueId as Id;
 use super::{TpGroup, TpPlan, TpShard};
 use crate::engine::{EngineConfig, EngineError};
 use crate::kv_cache::KvCache;
@@ -11,7 +12,6 @@ use crate::loader::{load_model_with, LoadOptions};
 use crate::model_runner::graphs::GraphPlan;
 use crate::model_runner::{Followers, HostBatch, ModelRunner};
 use crate::models::{DecoderConfig, Model};
-use candle_core::cuda_backend::cudarc::nccl::safe::Id;
 use candle_core::{DType, Device, Result};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc, Mutex};
@@ -36,10 +36,7 @@ enum Command {
         graphs: Option<GraphPlan>,
         reply: Reply<()>,
     },
-    Step {
-        host: HostBatch,
-        copies: Vec<(usize, usize)>,
-    },
+    Step(Box<(HostBatch, Vec<(usize, usize)>)>),
     Capture {
         reply: Reply<usize>,
     },
@@ -261,11 +258,8 @@ impl Followers for Workers {
             candle_core::bail!("a tensor-parallel rank failed: {e}");
         }
         for tx in &self.txs {
-            tx.send(Command::Step {
-                host: host.clone(),
-                copies: copies.to_vec(),
-            })
-            .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
+            tx.send(Command::Step(Box::new((host.clone(), copies.to_vec()))))
+                .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
         }
         Ok(())
     }
@@ -294,7 +288,7 @@ impl Drop for Workers {
 /// What a worker holds: its model until the KV cache is sized, then its runner.
 enum Rank {
     Loaded(Box<dyn Model>, DType, Device),
-    Running(ModelRunner),
+    Running(Box<ModelRunner>),
     /// Between the two.
     Moving,
 }
@@ -369,7 +363,9 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<Strin
                 );
                 match kv {
                     Ok(kv) => {
-                        rank = Rank::Running(ModelRunner::new(model, kv, device, graphs, false));
+                        rank = Rank::Running(Box::new(ModelRunner::new(
+                            model, kv, device, graphs, false,
+                        )));
                         let _ = reply.send(Ok(()));
                     }
                     Err(e) => {
@@ -378,7 +374,8 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<Strin
                     }
                 }
             }
-            (Command::Step { host, copies }, Rank::Running(runner)) => {
+            (Command::Step(step), Rank::Running(runner)) => {
+                let (host, copies) = *step;
                 if failed {
                     continue;
                 }

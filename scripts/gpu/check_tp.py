@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Tensor parallelism on a multi-GPU machine, measured through the server (uses check.py's helpers):
+
+  8b    the Llama-3.1-8B shape (random bf16 weights made here) at each --sizes entry that fits the
+        GPUs: teacher-forced log-probs of 1000 tokens against TP=1, batch-1 decode (4 prompts of
+        512 in / 256 out) and 256 concurrent (256 prompts of 512 / 256)
+  70b   the Llama-3.1-70B shape (hidden 8192, 80 layers, 64 heads, 8 KV heads; random bf16 weights
+        written layer by layer to --scratch70, /dev/shm by default) at the largest size: load time,
+        batch-1 decode against the bandwidth floor, 64 concurrent
+
+  python3 scripts/gpu/check_tp.py --binary target/gpu-bundle/rserve --out $OUT --parts 8b,70b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check  # noqa: E402
+
+H200_BW = 4.8e12  # bytes/s, HBM3e
+
+
+def gpus() -> int:
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return len([ln for ln in r.stdout.splitlines() if ln.startswith("GPU ")])
+
+
+def part_8b(a, out: Path, sizes: list[int]) -> None:
+    import torch
+
+    _, path = check.fresh_checkpoint("llama-3.1-8b", Path(a.scratch))
+    g = torch.Generator().manual_seed(1)
+    ids = [1] + torch.randint(20, 30000, (1000,), generator=g).tolist()
+    base = None
+    for tp in sizes:
+        srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
+                           "--tensor-parallel-size", str(tp), tag=f"-tp{tp}")
+        try:
+            rec = {"part": "tp-8b", "tp": tp, "ready_s": round(srv.ready_s, 2)}
+            lp = check.teacher_forced_rserve(srv, ids)
+            if base is None:
+                base = lp
+            else:
+                rec["vs_tp1"] = {k: v for k, v in check.compare(f"tp{tp}", base, lp).items()
+                                 if k in ("mean_abs_err", "max_abs_err", "argmax_checked", "argmax_agree")}
+            b1 = check.bench(a, srv, out, 1, 4, 512, 256)
+            rec["b1_decode_tok_s"] = round(1000.0 / b1["tpot_ms"]["median"], 1)
+            c256 = check.bench(a, srv, out, 256, 256, 512, 256)
+            rec["c256_output_tok_s"] = round(c256["output_throughput"], 1)
+            rec["c256_ttft_ms_median"] = c256["ttft_ms"]["median"]
+            check.emit(out, rec)
+        finally:
+            srv.stop()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_70b(root: Path) -> Path:
+    """Random bf16 weights of the Llama-3.1-70B shape, made on the GPU and saved a few layers per
+    file (never the whole model in memory at once)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = root / "llama-3.1-70b"
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    h, inter, layers, heads, kv, vocab = 8192, 28672, 80, 64, 8, 128256
+    d = h // heads
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    check.word_tokenizer(vocab, path)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * std).cpu()
+
+    index: dict[str, str] = {}
+    t0 = time.time()
+    per_file = 4
+    for f, first in enumerate(range(0, layers, per_file)):
+        tensors = {}
+        for i in range(first, min(first + per_file, layers)):
+            p = f"model.layers.{i}."
+            tensors[p + "self_attn.q_proj.weight"] = rnd(heads * d, h)
+            tensors[p + "self_attn.k_proj.weight"] = rnd(kv * d, h)
+            tensors[p + "self_attn.v_proj.weight"] = rnd(kv * d, h)
+            tensors[p + "self_attn.o_proj.weight"] = rnd(h, heads * d)
+            tensors[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+            tensors[p + "mlp.up_proj.weight"] = rnd(inter, h)
+            tensors[p + "mlp.down_proj.weight"] = rnd(h, inter, std=0.01)
+            tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+            tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if first + per_file >= layers:
+            tensors["model.embed_tokens.weight"] = rnd(vocab, h)
+            tensors["lm_head.weight"] = rnd(vocab, h)
+            tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        name = f"model-{f:05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        index.update({k: name for k in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    check.log(f"70b: {size / 1e9:.1f} GB written in {time.time() - t0:.0f} s")
+    return path
+
+
+def part_70b(a, out: Path, tp: int) -> None:
+    path = write_70b(Path(a.scratch70))
+    size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
+                       "--tensor-parallel-size", str(tp), tag=f"-tp{tp}")
+    try:
+        b1 = check.bench(a, srv, out, 1, 4, 512, 128)
+        c64 = check.bench(a, srv, out, 64, 64, 512, 128)
+        floor = H200_BW * tp / size
+        tok_s = 1000.0 / b1["tpot_ms"]["median"]
+        check.emit(out, {
+            "part": "tp-70b", "tp": tp, "weights_gb": round(size / 1e9, 1), "load_s": round(srv.ready_s, 1),
+            "b1_decode_tok_s": round(tok_s, 1), "floor_tok_s": round(floor, 1),
+            "of_floor": round(tok_s / floor, 3), "c64_output_tok_s": round(c64["output_throughput"], 1),
+        })
+    finally:
+        srv.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--binary", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parts", default="8b,70b")
+    p.add_argument("--sizes", default="1,2,4")
+    p.add_argument("--scratch", default="/tmp/rserve-big")
+    p.add_argument("--scratch70", default="/dev/shm/rserve-70b")
+    p.add_argument("--port", type=int, default=8031)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    n = gpus()
+    sizes = [s for s in map(int, a.sizes.split(",")) if s <= n]
+    parts = a.parts.split(",")
+    if "8b" in parts:
+        part_8b(a, a.out, sizes)
+    if "70b" in parts and n >= 2:
+        part_70b(a, a.out, max(s for s in sizes if s >= 2))
+
+
+if __name__ == "__main__":
+    main()
