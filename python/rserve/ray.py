@@ -178,8 +178,8 @@ def deployment(
 
     `model` as `LLM` takes it (a directory, GGUF file or hub id; None: the embedded tiny model);
     other keyword arguments go to `LLM` (`max_model_len`, `dtype`, `device`, `isq`, ...).
-    `num_gpus` is what each replica asks of Ray: by default 1 unless ``device="cpu"`` or the
-    cluster has no GPU. `max_ongoing_requests` is how many requests Ray hands one replica at once
+    `num_gpus` is what each replica asks of Ray: by default 1 (`tensor_parallel_size` with that
+    option) unless ``device="cpu"`` or the cluster has no GPU. `max_ongoing_requests` is how many requests Ray hands one replica at once
     (its scheduler batches them); more wait in Ray's queue.
     """
     if max_ongoing_requests < 1:
@@ -192,7 +192,9 @@ def deployment(
     if unknown:
         raise TypeError(f"deployment() got unsupported arguments: {', '.join(unknown)}")
     if num_gpus is None:
-        num_gpus = 0.0 if str(engine_kwargs.get("device", "auto")) == "cpu" else _cluster_gpus_default()
+        on_cpu = str(engine_kwargs.get("device", "auto")) == "cpu"
+        # a replica split over N GPUs (tensor_parallel_size) asks Ray for all of them
+        num_gpus = 0.0 if on_cpu else _cluster_gpus_default() * int(engine_kwargs.get("tensor_parallel_size", 1))
     actor: dict[str, Any] = {"num_gpus": num_gpus}
     if num_cpus is not None:
         actor["num_cpus"] = num_cpus
@@ -263,6 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--isq")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs each replica is split over")
     p.add_argument("--address", help="a running Ray cluster (default: RAY_ADDRESS, else a local one)")
     return p
 
@@ -286,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine["max_model_len"] = args.max_model_len
     if args.isq:
         engine["isq"] = args.isq
+    if args.tensor_parallel_size != 1:
+        engine["tensor_parallel_size"] = args.tensor_parallel_size
     ray.init(address=args.address, ignore_reinit_error=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = deployment(

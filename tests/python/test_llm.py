@@ -284,8 +284,8 @@ def test_tensor_parallel_refusals_are_value_errors() -> None:
     # the fixture's 4 heads do not split over 8 GPUs, whatever the machine has
     with pytest.raises(ValueError, match="4 attention heads"):
         LLM(str(QWEN2), tensor_parallel_size=8)
-    with pytest.raises(ValueError, match="quantization"):
-        LLM(str(QWEN2), tensor_parallel_size=2, isq="q8_0")
+    with pytest.raises(ValueError, match="LoRA"):
+        LLM(str(QWEN2), tensor_parallel_size=2, enable_lora=True)
 
 
 def test_isq_lm_head_needs_isq_and_quantizes_the_head() -> None:

@@ -25,6 +25,8 @@ pub mod request;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+#[cfg(feature = "cuda")]
+pub mod staging;
 pub mod stop_strings;
 pub mod stream;
 pub mod structured;

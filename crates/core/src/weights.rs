@@ -33,6 +33,9 @@ struct Inner {
     lora: Option<Arc<LoraSlots>>,
     /// Under tensor parallelism: this rank's shard, read from the memory map alone.
     tp: Option<TpShard>,
+    /// Pinned buffers that carry tensors to the GPU (made on first use).
+    #[cfg(feature = "cuda")]
+    staging: std::sync::Mutex<Option<crate::staging::Staging>>,
 }
 
 /// A view of the checkpoint under a name prefix.
@@ -78,6 +81,8 @@ impl Weights {
                 isq,
                 lora: None,
                 tp: None,
+                #[cfg(feature = "cuda")]
+                staging: std::sync::Mutex::new(None),
             }),
             prefix: String::new(),
             dense: false,
@@ -95,6 +100,8 @@ impl Weights {
                 isq,
                 lora: None,
                 tp: None,
+                #[cfg(feature = "cuda")]
+                staging: std::sync::Mutex::new(None),
             }),
             prefix: String::new(),
             dense: false,
@@ -318,6 +325,16 @@ impl Weights {
                 found: view.shape().to_vec(),
             });
         }
+        #[cfg(feature = "cuda")]
+        if let Ok(stored) = DType::try_from(view.dtype()) {
+            let staged = self.staged(view.data(), stored, shape);
+            if let Some(t) = staged.map_err(|e| LoadError::Tensor {
+                name: full.clone(),
+                reason: e.to_string(),
+            })? {
+                return Ok(t);
+            }
+        }
         let t = st
             .load(&full, &self.inner.device)
             .and_then(|t| t.to_dtype(self.inner.dtype))
@@ -326,6 +343,37 @@ impl Weights {
                 reason: e.to_string(),
             })?;
         Ok(t)
+    }
+
+    /// A large tensor stored in the engine's dtype, carried to the GPU through pinned staging
+    /// buffers; `None` when it takes the plain path (the CPU, a conversion, a small tensor).
+    #[cfg(feature = "cuda")]
+    fn staged(
+        &self,
+        data: &[u8],
+        stored: DType,
+        shape: &[usize],
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Device::Cuda(dev) = &self.inner.device else {
+            return Ok(None);
+        };
+        match stored {
+            dt if dt == self.inner.dtype && data.len() >= crate::staging::MIN_BYTES => {
+                let mut g = self
+                    .inner
+                    .staging
+                    .lock()
+                    .map_err(|_| candle_core::Error::Msg("staging lock poisoned".into()))?;
+                if g.is_none() {
+                    *g = Some(crate::staging::Staging::new(dev)?);
+                }
+                match g.as_mut() {
+                    Some(s) => s.upload(dev, data, dt, shape).map(Some),
+                    None => Ok(None),
+                }
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Rank `rank`'s `split` of a checkpoint tensor (`full`; its stored shape, dtype and bytes),

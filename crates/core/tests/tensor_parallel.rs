@@ -75,6 +75,10 @@ fn opts() -> LoadOptions {
 }
 
 fn sharded(name: &str, world: usize) -> Vec<Logits> {
+    sharded_with(name, world, opts())
+}
+
+fn sharded_with(name: &str, world: usize, base: LoadOptions) -> Vec<Logits> {
     let dir = fixture_model(name);
     let cfg =
         decoder_config(&rserve_core::loader::read_config(&dir).expect("config")).expect("cfg");
@@ -83,9 +87,8 @@ fn sharded(name: &str, world: usize) -> Vec<Logits> {
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
-            let (dir, cfg) = (dir.clone(), cfg.clone());
+            let (dir, cfg, mut o) = (dir.clone(), cfg.clone(), base.clone());
             std::thread::spawn(move || {
-                let mut o = opts();
                 o.tp = Some(TpShard {
                     plan: TpPlan::new(&cfg, rank, world).expect("splits"),
                     comm: Arc::new(comm),
@@ -129,6 +132,46 @@ fn every_rank_computes_the_whole_models_logits() {
                     "{name} TP={world} rank {rank}: {dp} {dd}"
                 );
             }
+        }
+    }
+}
+
+/// In-situ quantization on shards: each rank quantizes its own rows (and, for o and down, its own
+/// columns, split on block boundaries), so the split model computes what the quantized whole
+/// model does.
+#[test]
+fn quantized_shards_compute_the_quantized_models_logits() {
+    use rserve_core::quant::IsqFormat;
+    for (name, isq) in [
+        ("llama3", IsqFormat::Q8_0),
+        ("qwen2", IsqFormat::Q8_0),
+        ("llama3", IsqFormat::Fp8),
+    ] {
+        let o = LoadOptions {
+            isq: Some(isq),
+            ..opts()
+        };
+        let whole = load_model_with(&fixture_model(name), &o, &Device::Cpu).expect("loads");
+        let (want_p, want_d) = run(whole.model.as_ref(), &Device::Cpu).expect("runs");
+        let exact = load_model_with(&fixture_model(name), &opts(), &Device::Cpu).expect("loads");
+        let (f32_p, _) = run(exact.model.as_ref(), &Device::Cpu).expect("runs");
+        let whole_err = max_diff(&want_p, &f32_p);
+        for (rank, (p, d)) in sharded_with(name, 2, o).iter().enumerate() {
+            if isq == IsqFormat::Fp8 {
+                // fp8 scales each shard by its own values: another rounding of the weights, as
+                // close to the unquantized model as the whole model's
+                let err = max_diff(p, &f32_p);
+                assert!(
+                    err < 1.5 * whole_err + 0.02,
+                    "{name} fp8 rank {rank}: {err} vs {whole_err}"
+                );
+                continue;
+            }
+            let (dp, dd) = (max_diff(p, &want_p), max_diff(d, &want_d));
+            assert!(
+                dp < 1e-3 && dd < 1e-3,
+                "{name} {isq:?} rank {rank}: {dp} {dd}"
+            );
         }
     }
 }

@@ -273,6 +273,9 @@ impl Engine {
             dtype: loaded.dtype,
             kv_cache_dtype: cfg.kv_cache_dtype,
             device: match device.location() {
+                candle_core::DeviceLocation::Cuda { .. } if cfg.tensor_parallel_size > 1 => {
+                    format!("cuda:0-{}, tensor parallel", cfg.tensor_parallel_size - 1)
+                }
                 candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
                 candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
                 candle_core::DeviceLocation::Cpu => "cpu".into(),

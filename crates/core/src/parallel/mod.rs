@@ -47,8 +47,8 @@ pub trait TpGroup: Followers {
 
 /// Why a configuration cannot run over `cfg.tensor_parallel_size` GPUs, if it cannot: the
 /// shape must split ([`TpPlan::new`]), the ranks take GPUs 0..N-1, and the features that do not
-/// shard yet (in-situ quantization, GGUF files, LoRA adapters, vision models) are refused rather
-/// than run wrong.
+/// shard yet (GGUF files, LoRA adapters, vision models) are refused rather than run wrong. In-situ
+/// quantization shards: each rank quantizes its own rows and columns.
 pub fn refusal(
     cfg: &EngineConfig,
     model: &DecoderConfig,
@@ -78,9 +78,6 @@ pub fn refusal(
     }
     if let Err(e) = TpPlan::new(model, 0, n) {
         return Some(e);
-    }
-    if cfg.isq.is_some() {
-        return not_yet("in-situ quantization (--isq, --quantization)");
     }
     if gguf {
         return not_yet("a GGUF file");
@@ -201,7 +198,7 @@ mod tests {
         assert!(why(&cfg, false, true).contains("vision"));
         let mut c = cfg.clone();
         c.isq = Some(crate::quant::IsqFormat::Fp8);
-        assert!(why(&c, false, false).contains("quantization"));
+        assert_eq!(refusal(&c, &model, false, false), None);
         let mut c = cfg.clone();
         c.lora = Some(crate::lora::LoraOptions {
             max_loras: 1,

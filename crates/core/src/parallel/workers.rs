@@ -82,16 +82,30 @@ impl Workers {
         let id = super::nccl::unique_id().map_err(|e| EngineError::Model(e.to_string()))?;
         let (err_tx, err_rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
+        let (opened_tx, opened_rx) = mpsc::channel();
         let mut txs = Vec::new();
+        let mut gos = Vec::new();
         let mut handles = Vec::new();
         for rank in 1..world {
             let (tx, rx) = mpsc::channel();
+            let (go_tx, go_rx) = mpsc::channel::<()>();
             let (model, opts, cfg) = (model.clone(), opts.clone(), cfg.clone());
-            let (ready, errors) = (ready_tx.clone(), err_tx.clone());
+            let (ready, errors, opened) = (ready_tx.clone(), err_tx.clone(), opened_tx.clone());
             let h = std::thread::Builder::new()
                 .name(format!("rserve-tp{rank}"))
                 .spawn(move || {
-                    let runner = match load_rank(&model, opts, &cfg, rank, world, id) {
+                    // every GPU opens before any rank joins the group: joining blocks until all
+                    // ranks have, so a rank that cannot start must say so first
+                    let device = crate::device::parse_device(&format!("cuda:{rank}"));
+                    let ok = device
+                        .as_ref()
+                        .map(|_| ())
+                        .map_err(|e| format!("GPU {rank}: {e}"));
+                    let _ = opened.send(ok);
+                    let (Ok(device), Ok(())) = (device, go_rx.recv()) else {
+                        return;
+                    };
+                    let runner = match load_rank(&model, opts, &cfg, (rank, world), id, device) {
                         Ok(r) => {
                             let _ = ready.send(Ok(rank));
                             r
@@ -105,7 +119,23 @@ impl Workers {
                 })
                 .map_err(|e| EngineError::Model(format!("starting rank {rank}: {e}")))?;
             txs.push(tx);
+            gos.push(go_tx);
             handles.push(h);
+        }
+        drop(opened_tx);
+        for _ in 1..world {
+            let opened = opened_rx
+                .recv()
+                .map_err(|_| "a tensor-parallel rank ended while opening its GPU".to_string())
+                .and_then(|r| r);
+            if let Err(e) = opened {
+                // the others see their go channel close and end
+                drop(gos);
+                return Err(EngineError::Model(format!("tensor parallelism: {e}")));
+            }
+        }
+        for go in gos {
+            let _ = go.send(());
         }
         let plan = TpPlan::new(cfg, 0, world).map_err(EngineError::InvalidConfig)?;
         let comm =
@@ -293,15 +323,15 @@ enum Rank {
     Moving,
 }
 
+/// Joins the group as `rank` of `world` on `device` and loads this rank's shard.
 fn load_rank(
     model: &std::path::Path,
     mut opts: LoadOptions,
     cfg: &DecoderConfig,
-    rank: usize,
-    world: usize,
+    (rank, world): (usize, usize),
     id: Id,
+    device: Device,
 ) -> std::result::Result<Rank, String> {
-    let device = crate::device::parse_device(&format!("cuda:{rank}")).map_err(msg)?;
     let Device::Cuda(dev) = &device else {
         return Err("not a CUDA device".into());
     };
@@ -362,7 +392,10 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<Strin
                     &device,
                 );
                 match kv {
-                    Ok(kv) => {
+                    Ok(mut kv) => {
+                        // a checkpoint's FP8 cache scales, as rank 0's cache takes them (only an
+                        // FP8 cache reads them)
+                        kv.set_scales(&model.kv_cache_scales());
                         rank = Rank::Running(Box::new(ModelRunner::new(
                             model, kv, device, graphs, false,
                         )));
