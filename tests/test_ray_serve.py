@@ -83,11 +83,18 @@ def test_openai_client_streamed_and_not(base_url):
     assert getattr(e.value, "status_code", None) == 400
     r = httpx.post(f"{base_url}/v1/chat/completions", content=b"{bad", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    # paths reach the router as sent (percent-encoded), as they reach `rserve serve`
+    r = httpx.get(f"{base_url}/v1/models/no%20such%3Fmodel", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404, r.text
 
 
 def test_requests_spread_over_both_replicas(base_url):
+    seen: set[str] = set()
     with ThreadPoolExecutor(8) as pool:
-        seen = set(pool.map(lambda _: _replica_of(base_url), range(24)))
+        for _ in range(4):  # routing is randomized: a few rounds make a miss vanishingly rare
+            seen |= set(pool.map(lambda _: _replica_of(base_url), range(24)))
+            if len(seen) == 2:
+                break
     assert len(seen) == 2, seen
 
 
@@ -113,12 +120,16 @@ def test_killed_replica_is_replaced_and_clients_fail_clean(base_url):
         outcomes = [f.result(timeout=120) for f in futures]  # none hangs
     assert all(o == "ok" or o.startswith("failed") for o in outcomes), outcomes
     assert outcomes.count("ok") >= 8, outcomes  # the other replica kept serving
+    # the controller notices the dead replica, starts another, and both serve again
+    after: set[str] = set()
+    deadline = time.monotonic() + 120
+    while len(after - {victim}) < 2 and time.monotonic() < deadline:
+        try:
+            after.add(_replica_of(base_url))
+        except (AssertionError, httpx.HTTPError):
+            time.sleep(0.5)
+    assert len(after - {victim}) == 2, (victim, after)
     _wait_running(2)
-    after = set()
-    deadline = time.monotonic() + 60
-    while len(after) < 2 and time.monotonic() < deadline:
-        after.add(_replica_of(base_url))
-    assert victim not in after and len(after) == 2, (victim, after)
 
 
 def test_deployment_arguments_are_checked():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -105,14 +106,27 @@ class RserveServer:
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
-        path = request.url.path
+        # the path as the client sent it (still percent-encoded), less Ray's route prefix
+        raw = request.scope.get("raw_path")
+        path = raw.decode("latin-1") if isinstance(raw, bytes) else request.url.path
         root = request.scope.get("root_path") or ""
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if request.url.query:
-            path = f"{path}?{request.url.query}"
+        query = request.scope.get("query_string") or b""
+        if query:
+            path = f"{path}?{query.decode('latin-1')}"
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
-        resp = self.app.start(request.method, path, headers, body)
+        try:
+            resp = self.app.start(request.method, path, headers, body)
+        except ValueError as e:
+            return Response(
+                content=json.dumps(
+                    {"error": {"message": str(e), "type": "BadRequestError", "param": None, "code": 400}}
+                ),
+                status_code=400,
+                media_type="application/json",
+                headers={REPLICA_HEADER: self.replica},
+            )
         loop = asyncio.get_running_loop()
         try:
             head = None
@@ -142,12 +156,12 @@ class RserveServer:
         finally:
             resp.close()
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         """Raises unless `/health` answers 200 within 10 s (Ray Serve then replaces the
-        replica)."""
+        replica); waits in a worker thread, never on the replica's event loop."""
         resp = self.app.start("GET", "/health", [], b"")
         try:
-            head = resp.head(10.0)
+            head = await asyncio.get_running_loop().run_in_executor(self._pool, resp.head, 10.0)
         finally:
             resp.close()
         if head is None or head[0] != 200:

@@ -296,6 +296,11 @@ pub fn load_model_with(
         .with_tp(opts.tp.clone());
     let positions = max_positions.unwrap_or(dcfg.max_position_embeddings).max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
+    // the weights' copies run on this thread's stream: done before anyone else uses them
+    device.synchronize().map_err(|e| LoadError::Tensor {
+        name: "weights".into(),
+        reason: e.to_string(),
+    })?;
     let processor = crate::models::processor(&hf, dir)?.map(Arc::new);
     let source = load_chat_template(dir).map_err(|e| LoadError::ChatTemplate(e.to_string()))?;
     let (template, bos_token, eos_token) = match source {

@@ -389,10 +389,13 @@ impl ModelRunner {
         }
         let pending = std::mem::take(&mut host.pending);
         let image_rows = self.image_rows(sched, &std::mem::take(&mut host.images))?;
-        if let Some(f) = &self.followers {
+        // the other ranks get the step once rank 0 has it ready: a step rank 0 cannot run
+        // never reaches their collectives
+        let shared = self.followers.as_ref().map(|_| host.clone());
+        let step = self.prepare_host(host, image_rows)?;
+        if let (Some(f), Some(host)) = (&self.followers, shared) {
             f.step(&host, &block_pairs(out))?;
         }
-        let step = self.prepare_host(host, image_rows)?;
         Ok((step, rows, pending))
     }
 
@@ -551,6 +554,16 @@ impl ModelRunner {
                 g.run(*bucket, *rows, self.model.as_ref(), &self.kv, &self.device)
             }
         }
+    }
+}
+
+impl Drop for ModelRunner {
+    fn drop(&mut self) {
+        // graphs hold work of the model's collectives: they go before the model (and its
+        // communicator), and the other ranks before rank 0's communicator
+        self.graphs.take();
+        self.lora_graphs.take();
+        self.followers.take();
     }
 }
 

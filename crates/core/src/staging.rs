@@ -42,13 +42,17 @@ impl Staging {
     /// Allocates the pinned buffers (on `dev`'s context).
     pub fn new(dev: &CudaDevice) -> Result<Self> {
         dev.cuda_stream().context().bind_to_thread().map_err(err)?;
-        let mut bufs = Vec::with_capacity(BUFS);
+        // built first, so that Drop frees what was allocated when a later allocation fails
+        let mut staging = Self {
+            bufs: Vec::with_capacity(BUFS),
+            next: 0,
+        };
         for _ in 0..BUFS {
             // SAFETY: a plain page-locked allocation, freed in Drop
             let ptr = unsafe { result::malloc_host(BUF_BYTES, 0) }.map_err(err)? as *mut u8;
-            bufs.push(Pinned { ptr, done: None });
+            staging.bufs.push(Pinned { ptr, done: None });
         }
-        Ok(Self { bufs, next: 0 })
+        Ok(staging)
     }
 
     /// `bytes` (a tensor of `dtype` and `shape`, as stored) as a tensor on `dev`.

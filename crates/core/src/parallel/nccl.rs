@@ -40,7 +40,7 @@ type AllReduce = unsafe extern "C" fn(
 ) -> c_int;
 type AllGather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
-type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
+type CommAbort = unsafe extern "C" fn(Comm) -> c_int;
 type ErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
 /// The entry points rserve calls.
@@ -49,7 +49,7 @@ struct Lib {
     comm_init_rank: CommInitRank,
     all_reduce: AllReduce,
     all_gather: AllGather,
-    comm_destroy: CommDestroy,
+    comm_abort: CommAbort,
     error_string: ErrorString,
 }
 
@@ -99,7 +99,7 @@ fn open() -> std::result::Result<Lib, String> {
             )?),
             all_reduce: std::mem::transmute::<*mut c_void, AllReduce>(sym("ncclAllReduce")?),
             all_gather: std::mem::transmute::<*mut c_void, AllGather>(sym("ncclAllGather")?),
-            comm_destroy: std::mem::transmute::<*mut c_void, CommDestroy>(sym("ncclCommDestroy")?),
+            comm_abort: std::mem::transmute::<*mut c_void, CommAbort>(sym("ncclCommAbort")?),
             error_string: std::mem::transmute::<*mut c_void, ErrorString>(sym(
                 "ncclGetErrorString",
             )?),
@@ -142,6 +142,8 @@ pub struct NcclComm {
     rank: usize,
     world: usize,
     stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    /// Set once the communicator is aborted: no call reaches NCCL after that.
+    aborted: std::sync::Mutex<bool>,
 }
 
 // SAFETY: a rank's communicator is used by one thread at a time (its loading thread, then its
@@ -172,7 +174,31 @@ impl NcclComm {
             rank,
             world,
             stream,
+            aborted: std::sync::Mutex::new(false),
         })
+    }
+
+    /// Ends the communicator now, from any thread: collectives blocked in it (a peer that failed
+    /// will never join them) return, and every later call is an error. Used when a rank fails
+    /// and at shutdown, so no thread waits on a group that cannot complete.
+    pub fn abort(&self) {
+        let mut done = match self.aborted.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if *done {
+            return;
+        }
+        *done = true;
+        if let Ok(lib) = lib() {
+            // SAFETY: the communicator was made by ncclCommInitRank; `aborted` keeps every later
+            // call (and Drop) away from it
+            unsafe { (lib.comm_abort)(self.comm) };
+        }
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.lock().map_or(true, |g| *g)
     }
 
     pub fn rank(&self) -> usize {
@@ -182,10 +208,9 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if let Ok(lib) = lib() {
-            // SAFETY: the communicator was made by ncclCommInitRank and is not used after this
-            unsafe { (lib.comm_destroy)(self.comm) };
-        }
+        // abort rather than destroy: destroying waits for every peer and for graphs that still
+        // hold the communicator's work, which a shutdown may not provide
+        self.abort();
     }
 }
 
@@ -208,6 +233,9 @@ impl Call<'_> {
         nccl_type: c_int,
     ) -> Result<(CudaStorage, Shape)> {
         let lib = lib()?;
+        if self.comm.is_aborted() {
+            candle_core::bail!("NCCL: the tensor-parallel group was aborted (a rank failed)");
+        }
         let (a, b) = l
             .contiguous_offsets()
             .ok_or_else(|| candle_core::Error::Msg("NCCL: the tensor must be contiguous".into()))?;

@@ -42,13 +42,50 @@ enum Command {
     },
 }
 
+/// What every rank of a group shares: the communicators (to abort them all at once) and the
+/// first failure, which ends the group for good.
+#[derive(Default)]
+struct Group {
+    comms: Mutex<Vec<Arc<NcclComm>>>,
+    failed: Mutex<Option<String>>,
+}
+
+impl Group {
+    fn join(&self, comm: &Arc<NcclComm>) {
+        if let Ok(mut g) = self.comms.lock() {
+            g.push(comm.clone());
+        }
+    }
+
+    /// Records the first failure and aborts every communicator: collectives waiting for a rank
+    /// that will not come return (with an error) instead of spinning forever.
+    fn fail(&self, why: String) {
+        tracing::error!("tensor parallelism: {why}; the group is stopped");
+        if let Ok(mut f) = self.failed.lock() {
+            f.get_or_insert(why);
+        }
+        self.abort();
+    }
+
+    fn abort(&self) {
+        if let Ok(g) = self.comms.lock() {
+            for c in g.iter() {
+                c.abort();
+            }
+        }
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed.lock().ok()?.clone()
+    }
+}
+
 /// Ranks 1..N, driven by rank 0.
 pub struct Workers {
     txs: Vec<mpsc::Sender<Command>>,
     /// Each rank's answer when it has loaded its shard (taken by [`Workers::wait_loaded`]).
     ready: Mutex<Option<mpsc::Receiver<std::result::Result<usize, String>>>>,
-    /// The first error a worker hit while running steps (steps send no replies).
-    errors: Mutex<mpsc::Receiver<String>>,
+    group: Arc<Group>,
     handles: Vec<JoinHandle<()>>,
 }
 
@@ -80,7 +117,7 @@ impl Workers {
             )));
         }
         let id = super::nccl::unique_id().map_err(|e| EngineError::Model(e.to_string()))?;
-        let (err_tx, err_rx) = mpsc::channel();
+        let group = Arc::new(Group::default());
         let (ready_tx, ready_rx) = mpsc::channel();
         let (opened_tx, opened_rx) = mpsc::channel();
         let mut txs = Vec::new();
@@ -90,7 +127,7 @@ impl Workers {
             let (tx, rx) = mpsc::channel();
             let (go_tx, go_rx) = mpsc::channel::<()>();
             let (model, opts, cfg) = (model.clone(), opts.clone(), cfg.clone());
-            let (ready, errors, opened) = (ready_tx.clone(), err_tx.clone(), opened_tx.clone());
+            let (ready, grp, opened) = (ready_tx.clone(), group.clone(), opened_tx.clone());
             let h = std::thread::Builder::new()
                 .name(format!("rserve-tp{rank}"))
                 .spawn(move || {
@@ -105,7 +142,8 @@ impl Workers {
                     let (Ok(device), Ok(())) = (device, go_rx.recv()) else {
                         return;
                     };
-                    let runner = match load_rank(&model, opts, &cfg, (rank, world), id, device) {
+                    let loaded = load_rank(&model, opts, &cfg, (rank, world), id, device, &grp);
+                    let runner = match loaded {
                         Ok(r) => {
                             let _ = ready.send(Ok(rank));
                             r
@@ -115,7 +153,7 @@ impl Workers {
                             return;
                         }
                     };
-                    serve(runner, rx, errors, rank);
+                    serve(runner, rx, &grp, rank);
                 })
                 .map_err(|e| EngineError::Model(format!("starting rank {rank}: {e}")))?;
             txs.push(tx);
@@ -138,17 +176,16 @@ impl Workers {
             let _ = go.send(());
         }
         let plan = TpPlan::new(cfg, 0, world).map_err(EngineError::InvalidConfig)?;
-        let comm =
-            NcclComm::join(dev, 0, world, id).map_err(|e| EngineError::Model(e.to_string()))?;
-        let shard = TpShard {
-            plan,
-            comm: Arc::new(comm),
-        };
+        let comm = Arc::new(
+            NcclComm::join(dev, 0, world, id).map_err(|e| EngineError::Model(e.to_string()))?,
+        );
+        group.join(&comm);
+        let shard = TpShard { plan, comm };
         drop(ready_tx);
         let workers = Self {
             txs,
             ready: Mutex::new(Some(ready_rx)),
-            errors: Mutex::new(err_rx),
+            group,
             handles,
         };
         Ok((workers, shard))
@@ -249,7 +286,7 @@ impl Workers {
     }
 
     fn failed(&self) -> Option<String> {
-        self.errors.lock().ok()?.try_recv().ok()
+        self.group.failure()
     }
 }
 
@@ -266,7 +303,10 @@ impl TpGroup for Workers {
         own: &mut dyn FnMut() -> std::result::Result<usize, EngineError>,
     ) -> std::result::Result<usize, EngineError> {
         let others = self.size(cfg, batched_tokens, max_model_len)?;
-        let mine = own()?;
+        let mine = own().inspect_err(|e| {
+            // the other ranks' profiling passes wait in collectives rank 0 will not run
+            self.group.fail(format!("rank 0 sizing its KV cache: {e}"));
+        })?;
         let theirs = Self::collect_sizes(others)?;
         Ok(theirs.into_iter().fold(mine, usize::min))
     }
@@ -295,8 +335,8 @@ impl Followers for Workers {
     }
 
     fn capture(&self) -> Result<()> {
-        // the replies come after the captures, which run at the same time as rank 0's: send now,
-        // collect on the workers' own time (a failed capture shows up as an error later)
+        // the captures run at the same time as rank 0's: send now; a rank whose capture fails
+        // stops the group (its warm-up would leave the collectives out of step)
         for tx in &self.txs {
             let (rtx, _rrx) = mpsc::channel();
             tx.send(Command::Capture { reply: rtx })
@@ -308,6 +348,8 @@ impl Followers for Workers {
 
 impl Drop for Workers {
     fn drop(&mut self) {
+        // nothing runs on the group any more: end it, so no rank waits in a collective
+        self.group.abort();
         self.txs.clear();
         for h in self.handles.drain(..) {
             let _ = h.join();
@@ -331,22 +373,23 @@ fn load_rank(
     (rank, world): (usize, usize),
     id: Id,
     device: Device,
+    group: &Group,
 ) -> std::result::Result<Rank, String> {
     let Device::Cuda(dev) = &device else {
         return Err("not a CUDA device".into());
     };
-    let comm = NcclComm::join(dev, rank, world, id).map_err(msg)?;
+    let comm = Arc::new(NcclComm::join(dev, rank, world, id).map_err(msg)?);
+    group.join(&comm);
     opts.tp = Some(TpShard {
         plan: TpPlan::new(cfg, rank, world)?,
-        comm: Arc::new(comm),
+        comm,
     });
     let loaded = load_model_with(model, &opts, &device).map_err(msg)?;
     device.synchronize().map_err(msg)?;
     Ok(Rank::Loaded(loaded.model, loaded.dtype, device))
 }
 
-fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<String>, id: usize) {
-    let mut failed = false;
+fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, group: &Group, id: usize) {
     while let Ok(cmd) = rx.recv() {
         match (cmd, &mut rank) {
             (
@@ -365,6 +408,10 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<Strin
                     batched_tokens,
                     max_model_len,
                 );
+                if let Err(e) = &r {
+                    // rank 0's profiling pass waits in collectives this rank will not run
+                    group.fail(format!("rank {id} sizing its KV cache: {e}"));
+                }
                 let _ = reply.send(r.map_err(msg));
             }
             (
@@ -409,27 +456,25 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, errors: mpsc::Sender<Strin
             }
             (Command::Step(step), Rank::Running(runner)) => {
                 let (host, copies) = *step;
-                if failed {
+                if group.failure().is_some() {
                     continue;
                 }
                 let r = runner
                     .prepare_host(host, Vec::new())
                     .and_then(|step| runner.execute_after(&copies, &step));
                 if let Err(e) = r {
-                    failed = true;
-                    tracing::error!("tensor-parallel rank {id}: {e}");
-                    let _ = errors.send(format!("rank {id}: {e}"));
+                    group.fail(format!("rank {id}: {e}"));
                 }
             }
             (Command::Capture { reply }, Rank::Running(runner)) => {
                 let r = runner.capture_graphs();
                 if let Err(e) = &r {
-                    tracing::warn!("rank {id}: capturing decode graphs failed: {e}");
+                    group.fail(format!("rank {id}: capturing decode graphs: {e}"));
                 }
                 let _ = reply.send(r.map_err(msg));
             }
             (_, _) => {
-                let _ = errors.send(format!("rank {id}: a command out of order"));
+                group.fail(format!("rank {id}: a command out of order"));
                 return;
             }
         }
