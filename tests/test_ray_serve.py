@@ -65,6 +65,16 @@ def _replica_of(base_url: str) -> str:
 
 def test_openai_client_streamed_and_not(base_url):
     client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    with client:
+        _client_checks(client)
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"{bad", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    # paths reach the router as sent (percent-encoded), as they reach `rserve serve`
+    r = httpx.get(f"{base_url}/v1/models/no%20such%3Fmodel", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404, r.text
+
+
+def _client_checks(client: OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["rserve-tiny"]
     messages = [{"role": "user", "content": "Say something."}]
     full = client.chat.completions.create(model="rserve-tiny", messages=messages, max_tokens=12, temperature=0)
@@ -81,11 +91,6 @@ def test_openai_client_streamed_and_not(base_url):
     with pytest.raises(APIError) as e:
         client.completions.create(model="rserve-tiny", prompt="x", max_tokens=-1)
     assert getattr(e.value, "status_code", None) == 400
-    r = httpx.post(f"{base_url}/v1/chat/completions", content=b"{bad", timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["code"] == 400
-    # paths reach the router as sent (percent-encoded), as they reach `rserve serve`
-    r = httpx.get(f"{base_url}/v1/models/no%20such%3Fmodel", timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["code"] == 404, r.text
 
 
 def test_requests_spread_over_both_replicas(base_url):
@@ -104,6 +109,10 @@ def test_killed_replica_is_replaced_and_clients_fail_clean(base_url):
 
     def one(i: int) -> str:
         client = OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        with client:
+            return _stream_outcome(client, i)
+
+    def _stream_outcome(client: OpenAI, i: int) -> str:
         try:
             stream = client.completions.create(
                 model="rserve-tiny", prompt=f"Count {i}", max_tokens=120, temperature=0, stream=True
