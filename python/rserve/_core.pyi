@@ -115,10 +115,6 @@ class HttpApp:
     """`rserve serve`'s routes called in-process, request by request (the same parsing, errors,
     streaming and metrics)."""
 
-    @property
-    def pending(self) -> int:
-        """Requests admitted and not finished."""
-
     def start(
         self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
     ) -> HttpResponse:

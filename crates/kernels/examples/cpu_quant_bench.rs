@@ -4,20 +4,8 @@
 //!     RAYON_NUM_THREADS=2 cargo run --release -p rserve-kernels --example cpu_quant_bench
 
 use rserve_kernels::cpu_quant::X8Weight;
-use rserve_kernels::quantize::{quantize, BlockType};
+use rserve_kernels::quantize::{quantize, test_values as values, BlockType};
 use std::time::Instant;
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn main() {
     let shapes: [(&str, usize, usize); 8] = [

@@ -513,9 +513,9 @@ fn dequantize_block(t: BlockType, b: &[u8], o: &mut [f32]) {
     }
 }
 
-/// Seeded values in [-1, 1] for the tests of this crate's quantized code.
-#[cfg(test)]
-pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f32> {
+/// Seeded values in [-1, 1] for the tests and benchmarks of this crate's quantized code.
+#[doc(hidden)]
+pub fn test_values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..n)
         .map(|_| {

@@ -20,7 +20,6 @@ use tower::ServiceExt;
 #[pyclass(frozen, name = "HttpApp", module = "rserve._core")]
 pub struct PyHttpApp {
     app: axum::Router,
-    state: Arc<AppState>,
     rt: tokio::runtime::Runtime,
 }
 
@@ -56,8 +55,7 @@ impl PyHttpApp {
         let state = Arc::new(AppState::new(served_model_name, api_key, edge));
         state.set_engine(handle);
         Ok(Self {
-            app: router(state.clone()),
-            state,
+            app: router(state),
             rt,
         })
     }
@@ -141,14 +139,6 @@ impl PyHttpApp {
             rx: Mutex::new(Some(rx)),
             task: task.abort_handle(),
         })
-    }
-
-    /// Requests admitted and not finished.
-    #[getter]
-    fn pending(&self) -> usize {
-        self.state
-            .pending
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -139,7 +139,6 @@ pub fn unique_id() -> Result<UniqueId> {
 #[derive(Debug)]
 pub struct NcclComm {
     comm: Comm,
-    rank: usize,
     world: usize,
     stream: std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
     /// Set once the communicator is aborted: no call reaches NCCL after that.
@@ -171,7 +170,6 @@ impl NcclComm {
         })?;
         Ok(Self {
             comm,
-            rank,
             world,
             stream,
             aborted: std::sync::Mutex::new(false),
@@ -199,10 +197,6 @@ impl NcclComm {
 
     fn is_aborted(&self) -> bool {
         self.aborted.lock().map_or(true, |g| *g)
-    }
-
-    pub fn rank(&self) -> usize {
-        self.rank
     }
 }
 

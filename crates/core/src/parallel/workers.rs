@@ -18,6 +18,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 type Reply<T> = mpsc::Sender<std::result::Result<T, String>>;
+type Answer<T> = mpsc::Receiver<std::result::Result<T, String>>;
+
+const ENDED: &str = "a tensor-parallel rank has ended";
 
 /// What rank 0 asks of the others.
 enum Command {
@@ -37,9 +40,8 @@ enum Command {
         reply: Reply<()>,
     },
     Step(Box<(HostBatch, Vec<(usize, usize)>)>),
-    Capture {
-        reply: Reply<usize>,
-    },
+    /// Capture the decode graphs (a failure stops the group).
+    Capture,
 }
 
 /// What every rank of a group shares: the communicators (to abort them all at once) and the
@@ -191,8 +193,45 @@ impl Workers {
         Ok((workers, shard))
     }
 
-    /// Waits until every other rank has loaded its shard.
-    fn wait_ranks(&self) -> std::result::Result<(), EngineError> {
+    /// Sends `make(reply)` to every worker; their answers come on the returned receivers.
+    fn send_all<T>(
+        &self,
+        make: impl Fn(Reply<T>) -> Command,
+    ) -> std::result::Result<Vec<Answer<T>>, String> {
+        self.txs
+            .iter()
+            .map(|tx| {
+                let (rtx, rrx) = mpsc::channel();
+                tx.send(make(rtx)).map_err(|_| ENDED.to_string())?;
+                Ok(rrx)
+            })
+            .collect()
+    }
+
+    /// Every worker's answer, in rank order.
+    fn collect<T>(answers: Vec<Answer<T>>) -> std::result::Result<Vec<T>, String> {
+        answers
+            .into_iter()
+            .map(|r| r.recv().map_err(|_| ENDED.to_string())?)
+            .collect()
+    }
+
+    /// Sends a command without a reply to every worker.
+    fn tell_all(&self, make: impl Fn() -> Command) -> Result<()> {
+        for tx in &self.txs {
+            tx.send(make())
+                .map_err(|_| candle_core::Error::Msg(ENDED.into()))?;
+        }
+        Ok(())
+    }
+}
+
+fn tp_err(e: String) -> EngineError {
+    EngineError::Model(format!("tensor parallelism: {e}"))
+}
+
+impl TpGroup for Workers {
+    fn wait_loaded(&self) -> std::result::Result<(), EngineError> {
         let ready = self.ready.lock().ok().and_then(|mut g| g.take());
         let Some(ready) = ready else {
             return Ok(());
@@ -200,99 +239,11 @@ impl Workers {
         for _ in 0..self.txs.len() {
             match ready.recv() {
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(EngineError::Model(format!("tensor parallelism: {e}"))),
-                Err(_) => {
-                    return Err(EngineError::Model(
-                        "a tensor-parallel rank ended while loading".into(),
-                    ))
-                }
+                Ok(Err(e)) => return Err(tp_err(e)),
+                Err(_) => return Err(tp_err("a rank ended while loading".into())),
             }
         }
         Ok(())
-    }
-
-    /// Sends `make(reply)` to every worker and collects their answers.
-    fn ask<T>(&self, make: impl Fn(Reply<T>) -> Command) -> std::result::Result<Vec<T>, String> {
-        let mut rxs = Vec::new();
-        for tx in &self.txs {
-            let (rtx, rrx) = mpsc::channel();
-            tx.send(make(rtx))
-                .map_err(|_| "a tensor-parallel rank has ended".to_string())?;
-            rxs.push(rrx);
-        }
-        rxs.into_iter()
-            .map(|r| {
-                r.recv()
-                    .map_err(|_| "a tensor-parallel rank has ended".to_string())?
-            })
-            .collect()
-    }
-
-    /// Starts the other ranks' profiling passes (which meet rank 0's), to be collected with
-    /// [`Workers::collect_sizes`] after rank 0's own.
-    fn size(
-        &self,
-        cfg: &EngineConfig,
-        batched_tokens: usize,
-        max_model_len: usize,
-    ) -> std::result::Result<Vec<mpsc::Receiver<std::result::Result<usize, String>>>, EngineError>
-    {
-        let mut rxs = Vec::new();
-        for tx in &self.txs {
-            let (rtx, rrx) = mpsc::channel();
-            tx.send(Command::Size {
-                cfg: Box::new(cfg.clone()),
-                batched_tokens,
-                max_model_len,
-                reply: rtx,
-            })
-            .map_err(|_| EngineError::Model("a tensor-parallel rank has ended".into()))?;
-            rxs.push(rrx);
-        }
-        Ok(rxs)
-    }
-
-    /// The KV blocks each other rank has room for.
-    fn collect_sizes(
-        rxs: Vec<mpsc::Receiver<std::result::Result<usize, String>>>,
-    ) -> std::result::Result<Vec<usize>, EngineError> {
-        rxs.into_iter()
-            .map(|r| {
-                r.recv()
-                    .map_err(|_| "a tensor-parallel rank has ended".to_string())
-                    .and_then(|x| x)
-                    .map_err(|e| EngineError::Model(format!("sizing a rank's KV cache: {e}")))
-            })
-            .collect()
-    }
-
-    /// Allocates every other rank's KV cache and runner.
-    fn allocate_ranks(
-        &self,
-        num_blocks: usize,
-        block_size: usize,
-        kv_dtype: DType,
-        graphs: Option<GraphPlan>,
-    ) -> std::result::Result<(), EngineError> {
-        self.ask(|reply| Command::Start {
-            num_blocks,
-            block_size,
-            kv_dtype,
-            graphs: graphs.clone(),
-            reply,
-        })
-        .map(|_| ())
-        .map_err(|e| EngineError::Model(format!("tensor parallelism: {e}")))
-    }
-
-    fn failed(&self) -> Option<String> {
-        self.group.failure()
-    }
-}
-
-impl TpGroup for Workers {
-    fn wait_loaded(&self) -> std::result::Result<(), EngineError> {
-        self.wait_ranks()
     }
 
     fn kv_blocks(
@@ -302,12 +253,21 @@ impl TpGroup for Workers {
         max_model_len: usize,
         own: &mut dyn FnMut() -> std::result::Result<usize, EngineError>,
     ) -> std::result::Result<usize, EngineError> {
-        let others = self.size(cfg, batched_tokens, max_model_len)?;
+        // the other ranks' profiling passes run beside rank 0's, whose collectives they meet
+        let others = self
+            .send_all(|reply| Command::Size {
+                cfg: Box::new(cfg.clone()),
+                batched_tokens,
+                max_model_len,
+                reply,
+            })
+            .map_err(tp_err)?;
         let mine = own().inspect_err(|e| {
             // the other ranks' profiling passes wait in collectives rank 0 will not run
             self.group.fail(format!("rank 0 sizing its KV cache: {e}"));
         })?;
-        let theirs = Self::collect_sizes(others)?;
+        let theirs =
+            Self::collect(others).map_err(|e| tp_err(format!("sizing a rank's KV cache: {e}")))?;
         Ok(theirs.into_iter().fold(mine, usize::min))
     }
 
@@ -318,31 +278,31 @@ impl TpGroup for Workers {
         kv_dtype: DType,
         graphs: Option<GraphPlan>,
     ) -> std::result::Result<(), EngineError> {
-        self.allocate_ranks(num_blocks, block_size, kv_dtype, graphs)
+        self.send_all(|reply| Command::Start {
+            num_blocks,
+            block_size,
+            kv_dtype,
+            graphs: graphs.clone(),
+            reply,
+        })
+        .and_then(Self::collect)
+        .map(|_| ())
+        .map_err(tp_err)
     }
 }
 
 impl Followers for Workers {
     fn step(&self, host: &HostBatch, copies: &[(usize, usize)]) -> Result<()> {
-        if let Some(e) = self.failed() {
+        if let Some(e) = self.group.failure() {
             candle_core::bail!("a tensor-parallel rank failed: {e}");
         }
-        for tx in &self.txs {
-            tx.send(Command::Step(Box::new((host.clone(), copies.to_vec()))))
-                .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
-        }
-        Ok(())
+        self.tell_all(|| Command::Step(Box::new((host.clone(), copies.to_vec()))))
     }
 
     fn capture(&self) -> Result<()> {
-        // the captures run at the same time as rank 0's: send now; a rank whose capture fails
-        // stops the group (its warm-up would leave the collectives out of step)
-        for tx in &self.txs {
-            let (rtx, _rrx) = mpsc::channel();
-            tx.send(Command::Capture { reply: rtx })
-                .map_err(|_| candle_core::Error::Msg("a tensor-parallel rank has ended".into()))?;
-        }
-        Ok(())
+        // the captures run at the same time as rank 0's; a rank whose capture fails stops the
+        // group (its warm-up would leave the collectives out of step)
+        self.tell_all(|| Command::Capture)
     }
 }
 
@@ -466,12 +426,10 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, group: &Group, id: usize) 
                     group.fail(format!("rank {id}: {e}"));
                 }
             }
-            (Command::Capture { reply }, Rank::Running(runner)) => {
-                let r = runner.capture_graphs();
-                if let Err(e) = &r {
+            (Command::Capture, Rank::Running(runner)) => {
+                if let Err(e) = runner.capture_graphs() {
                     group.fail(format!("rank {id}: capturing decode graphs: {e}"));
                 }
-                let _ = reply.send(r.map_err(msg));
             }
             (_, _) => {
                 group.fail(format!("rank {id}: a command out of order"));
