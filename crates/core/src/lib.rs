@@ -10,6 +10,7 @@ pub mod engine;
 mod engine_error;
 mod engine_types;
 pub mod gguf;
+pub mod host;
 pub mod hub;
 pub mod kv_cache;
 pub mod load_error;

@@ -355,10 +355,19 @@ fn open_gguf(path: &Path) -> Result<GgufFile, LoadError> {
 /// Loads a GGUF file: config, tokenizer (unless `opts.tokenizer`), chat template and generation
 /// defaults from its metadata; tensors stored quantized stay quantized.
 fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedModel, LoadError> {
-    let file = open_gguf(path)?;
+    let file = Arc::new(open_gguf(path)?);
     let hf = gguf::hf_config(&file)?;
     let dcfg = decoder_config(&hf)?;
     let dtype = parse_dtype_for(&opts.dtype, hf.dtype_name(), device)?;
+    // the metadata's tokenizer is built on its own thread while the weights load
+    let metadata_tokenizer = opts.tokenizer.is_none().then(|| {
+        let file = file.clone();
+        std::thread::spawn(move || gguf::tokenizer::load(&file))
+    });
+    let tokenizer_error = |reason: String| LoadError::Gguf {
+        file: path.to_path_buf(),
+        reason: format!("tokenizer: {reason}"),
+    };
     let (tokenizer, template, bos_token, eos_token) = match &opts.tokenizer {
         Some(dir) => {
             let t = Tokenizer::from_file(dir.join("tokenizer.json"))
@@ -368,21 +377,17 @@ fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedM
             let (from_file, b, e) = gguf::chat_template(&file);
             match src {
                 Some(s) => (
-                    t,
+                    Some(t),
                     s.template.or(from_file),
                     s.bos_token.or(b),
                     s.eos_token.or(e),
                 ),
-                None => (t, from_file, b, e),
+                None => (Some(t), from_file, b, e),
             }
         }
         None => {
-            let t = gguf::tokenizer::load(&file).map_err(|e| LoadError::Gguf {
-                file: path.to_path_buf(),
-                reason: format!("tokenizer: {e}"),
-            })?;
             let (template, b, e) = gguf::chat_template(&file);
-            (t, template, b, e)
+            (None, template, b, e)
         }
     };
     let generation = gguf::generation_defaults(&file, dcfg.vocab_size);
@@ -396,6 +401,14 @@ fn load_gguf(path: &Path, opts: &LoadOptions, device: &Device) -> Result<LoadedM
         .unwrap_or(dcfg.max_position_embeddings)
         .max(1);
     let model = crate::models::build(&hf, &weights, positions)?;
+    let tokenizer = match (tokenizer, metadata_tokenizer) {
+        (Some(t), _) => t,
+        (None, Some(thread)) => thread
+            .join()
+            .map_err(|_| tokenizer_error("the tokenizer builder panicked".into()))?
+            .map_err(tokenizer_error)?,
+        (None, None) => return Err(tokenizer_error("no tokenizer".into())),
+    };
     Ok(LoadedModel {
         dir: path.to_path_buf(),
         model,

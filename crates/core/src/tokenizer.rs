@@ -77,24 +77,40 @@ impl Tokenizer {
             reason: e.to_string(),
         })?;
         let vocab = inner.get_vocab(true);
-        // a token's stored form is at least as long as its text (byte-level BPE stores one
-        // character per byte, SentencePiece's byte fallback six), so this bounds characters per
-        // token from above
-        let max_token_chars = vocab.keys().map(|t| t.chars().count()).max().unwrap_or(1);
-        let known_ids = vocab.into_values().collect();
+        Ok(Self::with_vocab(
+            inner,
+            vocab.iter().map(|(t, &id)| (t.as_str(), id)),
+        ))
+    }
+
+    /// A tokenizer built in memory, with its vocabulary (every token and its id, added tokens
+    /// included) as the builder knows it.
+    pub fn with_vocab<'a>(
+        inner: tokenizers::Tokenizer,
+        vocab: impl Iterator<Item = (&'a str, u32)>,
+    ) -> Self {
+        let mut known_ids = HashSet::new();
+        let mut max_token_chars = 1;
+        for (token, id) in vocab {
+            // a token's stored form is at least as long as its text (byte-level BPE stores one
+            // character per byte, SentencePiece's byte fallback six), so this bounds characters
+            // per token from above
+            max_token_chars = max_token_chars.max(token.chars().count());
+            known_ids.insert(id);
+        }
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
             .filter_map(|(id, token)| token.special.then_some(id))
             .collect();
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Self {
+        Self {
             inner,
             known_ids,
             special_ids,
             vocab_size,
-            max_token_chars: max_token_chars.max(1),
-        })
+            max_token_chars,
+        }
     }
 
     /// The most characters of text one token can stand for: a text of more than

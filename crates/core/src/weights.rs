@@ -14,12 +14,13 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
+use rserve_kernels::quantize::BlockType;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 enum Source {
     Safetensors(MmapedSafetensors),
-    Gguf(GgufFile),
+    Gguf(Arc<GgufFile>),
 }
 
 struct Inner {
@@ -90,7 +91,12 @@ impl Weights {
     }
 
     /// A GGUF checkpoint: tensors stored in a GGML block format stay in it.
-    pub fn from_gguf(file: GgufFile, dtype: DType, device: &Device, isq: Option<Arc<Isq>>) -> Self {
+    pub fn from_gguf(
+        file: Arc<GgufFile>,
+        dtype: DType,
+        device: &Device,
+        isq: Option<Arc<Isq>>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 files: vec![file.path.clone()],
@@ -263,9 +269,14 @@ impl Weights {
             .map_err(err)
     }
 
-    /// The linear weight `name` `[out, in]` as stored in a GGML block format, when the
-    /// checkpoint stores it so (GGUF); `None` for a dense weight.
-    pub fn quantized(&self, shape: &[usize], name: &str) -> Result<Option<GgmlLinear>, LoadError> {
+    /// The GGML type and bytes (rows in Hugging Face order) of linear weight `name` `[out, in]`
+    /// when the checkpoint stores it in a block format (GGUF); `None` for a dense weight.
+    #[allow(clippy::type_complexity)]
+    pub fn stored_blocks(
+        &self,
+        shape: &[usize],
+        name: &str,
+    ) -> Result<Option<(GgmlDType, std::borrow::Cow<'_, [u8]>)>, LoadError> {
         let Source::Gguf(g) = &self.inner.source else {
             return Ok(None);
         };
@@ -290,12 +301,44 @@ impl Weights {
             }
             None => aligned(bytes),
         };
-        GgmlLinear::from_bytes(info.dtype, &bytes, (shape[0], shape[1]), &self.inner.device)
+        Ok(Some((info.dtype, bytes)))
+    }
+
+    /// The linear weight `name` `[out, in]` as stored in a GGML block format, when the
+    /// checkpoint stores it so (GGUF); `None` for a dense weight.
+    pub fn quantized(&self, shape: &[usize], name: &str) -> Result<Option<GgmlLinear>, LoadError> {
+        let Some((dtype, bytes)) = self.stored_blocks(shape, name)? else {
+            return Ok(None);
+        };
+        GgmlLinear::from_bytes(dtype, &bytes, (shape[0], shape[1]), &self.inner.device)
             .map(Some)
             .map_err(|e| LoadError::Tensor {
-                name: full,
+                name: self.full(name),
                 reason: e.to_string(),
             })
+    }
+
+    /// A table `name` `[rows, cols]` as ggml's bytes in the file, when a GGUF file stores it in a
+    /// block format rserve reads and the model runs on the CPU (an embedding table whose rows are
+    /// dequantized as they are looked up); `None` otherwise.
+    pub fn block_table(
+        &self,
+        shape: &[usize],
+        name: &str,
+    ) -> Result<Option<(BlockType, gguf::SharedBytes)>, LoadError> {
+        let Source::Gguf(g) = &self.inner.source else {
+            return Ok(None);
+        };
+        if !self.inner.device.is_cpu() || self.inner.tp.is_some() || shape.len() != 2 {
+            return Ok(None);
+        }
+        let full = self.full(name);
+        let (info, _, rows) = self.gguf_tensor(g, shape, &full)?;
+        let shared = gguf::tensor_name(&full).and_then(|n| g.tensor_shared(&n));
+        match (crate::quant::ggml::block_type(info.dtype), rows, shared) {
+            (Some(t), None, Some(bytes)) => Ok(Some((t, bytes))),
+            _ => Ok(None),
+        }
     }
 
     /// The tensor `name`, which must have `shape`, in the engine's dtype on its device.

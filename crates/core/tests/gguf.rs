@@ -27,6 +27,42 @@ fn gguf_path(name: &str) -> PathBuf {
         .join(format!("{name}.gguf"))
 }
 
+/// On the CPU an embedding table stored in blocks is read in place: each looked-up row is the
+/// dense (dequantized) table's row, and an id outside the vocabulary is an error.
+#[test]
+fn quantized_embedding_rows_are_the_dequantized_tables() {
+    use rserve_core::models::layers::embedding::Embedding;
+    use rserve_core::weights::Weights;
+    use std::sync::Arc;
+    for name in MODELS {
+        let file = Arc::new(rserve_core::gguf::GgufFile::open(&gguf_path(name)).unwrap());
+        let (vocab, hidden) = {
+            let (t, _) = file.tensor("token_embd.weight").unwrap();
+            (t.shape()[0], t.shape()[1])
+        };
+        let w = Weights::from_gguf(
+            file,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+            None,
+        );
+        let shape = [vocab, hidden];
+        let table = Embedding::load(&w.pp("model"), shape, "embed_tokens.weight").unwrap();
+        assert!(table.dense().is_none(), "{name}: the table stays in blocks");
+        let dense = w.get(&shape, "model.embed_tokens.weight").unwrap();
+        let ids =
+            candle_core::Tensor::new(&[0u32, 7, vocab as u32 - 1, 7], &candle_core::Device::Cpu)
+                .unwrap();
+        let got = table.forward(&ids, None).unwrap();
+        let want = dense.index_select(&ids, 0).unwrap();
+        let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+        let bad = candle_core::Tensor::new(&[vocab as u32], &candle_core::Device::Cpu).unwrap();
+        let err = table.forward(&bad, None).unwrap_err().to_string();
+        assert!(err.contains("outside the vocabulary"), "{name}: {err}");
+    }
+}
+
 #[test]
 fn quantizers_write_llama_cpps_bytes() {
     let p = repo().join("tests/fixtures/quant/ggml_ref.json");

@@ -9,6 +9,7 @@
 use candle_core::quantized::GgmlDType;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Why a GGUF file could not be read.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -410,7 +411,29 @@ pub fn parse(buf: &[u8]) -> Result<Header, GgufError> {
 pub struct GgufFile {
     pub path: PathBuf,
     pub header: Header,
-    map: memmap2::Mmap,
+    map: Arc<memmap2::Mmap>,
+}
+
+/// A tensor's bytes that keep the file's map alive (an embedding table read in place).
+#[derive(Clone)]
+pub struct SharedBytes {
+    map: Arc<memmap2::Mmap>,
+    range: std::ops::Range<usize>,
+}
+
+impl std::ops::Deref for SharedBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // the range was checked against the map when this value was made
+        &self.map[self.range.clone()]
+    }
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({} bytes)", self.range.len())
+    }
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -435,7 +458,7 @@ impl GgufFile {
         Ok(Self {
             path: path.to_path_buf(),
             header,
-            map,
+            map: Arc::new(map),
         })
     }
 
@@ -443,6 +466,17 @@ impl GgufFile {
     pub fn tensor(&self, name: &str) -> Option<(&TensorInfo, &[u8])> {
         let t = self.header.tensors.get(name)?;
         self.map.get(t.start..t.start + t.len).map(|b| (t, b))
+    }
+
+    /// The bytes of tensor `name` as a value that outlives this one.
+    pub fn tensor_shared(&self, name: &str) -> Option<SharedBytes> {
+        let t = self.header.tensors.get(name)?;
+        let range = t.start..t.start + t.len;
+        self.map.get(range.clone())?;
+        Some(SharedBytes {
+            map: self.map.clone(),
+            range,
+        })
     }
 
     pub fn meta(&self, key: &str) -> Option<&Value> {

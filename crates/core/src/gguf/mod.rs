@@ -16,7 +16,7 @@ pub mod tokenizer;
 use crate::load_error::LoadError;
 use crate::loader::GenerationDefaults;
 use crate::models::HfConfig;
-pub use file::{is_gguf, GgufError, GgufFile, TensorInfo, Value};
+pub use file::{is_gguf, GgufError, GgufFile, SharedBytes, TensorInfo, Value};
 use serde_json::json;
 
 /// `general.architecture` values rserve serves, with the Hugging Face architecture each maps to.

@@ -96,15 +96,23 @@ impl KvCache {
             );
         }
         let shape = (num_blocks, block_size, kv_heads, head_dim);
-        let layers = (0..num_layers)
-            .map(|_| {
-                Ok(LayerKv {
-                    k: Tensor::zeros(shape, dtype, device)?,
-                    v: Tensor::zeros(shape, dtype, device)?,
-                    scales: CacheScales::default(),
+        let alloc = || {
+            (0..num_layers)
+                .map(|_| {
+                    Ok(LayerKv {
+                        k: Tensor::zeros(shape, dtype, device)?,
+                        v: Tensor::zeros(shape, dtype, device)?,
+                        scales: CacheScales::default(),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>>>()?;
+                .collect::<Result<Vec<_>>>()
+        };
+        // on the CPU the cache is host memory: zero pages, touched only as blocks are written
+        let layers = if device.is_cpu() {
+            crate::host::zero_page_allocations(alloc)?
+        } else {
+            alloc()?
+        };
         Ok(Self {
             layers,
             num_blocks,

@@ -133,74 +133,28 @@ impl GgmlLinear {
         })
     }
 
-    /// Weights of the same type and input width as one, their rows stacked in order (`None`
-    /// when the types or widths differ).
-    pub fn stack(parts: &[GgmlLinear]) -> Result<Option<Self>> {
-        let Some(first) = parts.first() else {
-            return Ok(None);
+    /// Weights stored in the same GGML type and input width as one, their rows stacked in order
+    /// (a fused projection): each part is ggml's bytes of whole rows of `inp` values.
+    pub fn from_parts(
+        dtype: GgmlDType,
+        parts: &[&[u8]],
+        inp: usize,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let rb = dtype.type_size() * inp / dtype.block_size();
+        let rows = if rb == 0 {
+            0
+        } else {
+            parts.iter().map(|p| p.len() / rb).sum()
         };
-        if parts
-            .iter()
-            .any(|p| p.dtype() != first.dtype() || p.shape.1 != first.shape.1)
-        {
-            return Ok(None);
-        }
-        let rows = parts.iter().map(|p| p.shape.0).sum();
-        let blocks: Vec<BlockWeight> = parts
-            .iter()
-            .filter_map(|p| match &p.weight {
-                Packed::Blocks(b) => Some(b.clone()),
-                Packed::Candle(_) | Packed::Cpu(_) => None,
-            })
-            .collect();
-        if blocks.len() == parts.len() {
-            return Ok(BlockWeight::stack(&blocks)?.map(|b| Self {
-                weight: Packed::Blocks(b),
-                shape: (rows, first.shape.1),
-            }));
-        }
-        let cpu: Vec<&X8Weight> = parts
-            .iter()
-            .filter_map(|p| match &p.weight {
-                Packed::Cpu(w) => Some(w.as_ref()),
-                _ => None,
-            })
-            .collect();
-        if cpu.len() == parts.len() {
-            if let Some(w) = X8Weight::stack(&cpu) {
-                return Ok(Some(Self {
-                    weight: Packed::Cpu(Arc::new(w)),
-                    shape: (rows, first.shape.1),
-                }));
-            }
-        }
-        let mut bytes = Vec::new();
-        for p in parts {
-            bytes.extend_from_slice(&p.bytes()?);
-        }
-        Self::from_bytes(
-            first.dtype(),
-            &bytes,
-            (rows, first.shape.1),
-            &first.device(),
-        )
-        .map(Some)
-    }
-
-    /// ggml's bytes of the weight.
-    fn bytes(&self) -> Result<std::borrow::Cow<'_, [u8]>> {
-        Ok(match &self.weight {
-            Packed::Candle(q) => q.data()?,
-            Packed::Cpu(w) => std::borrow::Cow::Owned(w.to_ggml()),
-            Packed::Blocks(b) => std::borrow::Cow::Owned(b.to_ggml()?),
-        })
-    }
-
-    fn device(&self) -> candle_core::Device {
-        match &self.weight {
-            Packed::Candle(q) => q.device(),
-            Packed::Cpu(_) => candle_core::Device::Cpu,
-            Packed::Blocks(b) => b.device(),
+        match block_type(dtype) {
+            Some(t) if device.is_cpu() => Ok(Self {
+                weight: Packed::Cpu(Arc::new(
+                    X8Weight::from_ggml_parts(t, parts, inp).map_err(candle_core::Error::msg)?,
+                )),
+                shape: (rows, inp),
+            }),
+            _ => Self::from_bytes(dtype, &parts.concat(), (rows, inp), device),
         }
     }
 

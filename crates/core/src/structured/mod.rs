@@ -315,6 +315,7 @@ impl Grammars {
         let spawned = std::thread::Builder::new()
             .name("rserve-grammar-index".into())
             .spawn(move || {
+                crate::host::lowest_priority();
                 if let Err(e) = me.factory() {
                     tracing::warn!("{e}");
                 }

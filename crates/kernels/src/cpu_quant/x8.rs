@@ -59,16 +59,30 @@ pub(crate) fn fields(t: BlockType) -> (&'static [Field], usize) {
 }
 
 /// `q5_0`'s high bits as the products read them: bit `8i + g` holds the fifth bit of value
-/// `4g + i` (ggml's bit `4g + i`).
+/// `4g + i` (ggml's bit `4g + i`). Byte `m` of ggml's bits holds groups `2m` and `2m + 1`, whose
+/// bits land at `8i + 2m` and `8i + 2m + 1`: one table lookup per byte.
 fn permute_qh(qh: u32) -> u32 {
-    let mut out = 0;
-    for g in 0..8 {
-        for i in 0..4 {
-            out |= ((qh >> (4 * g + i)) & 1) << (8 * i + g);
-        }
-    }
-    out
+    qh.to_le_bytes()
+        .iter()
+        .enumerate()
+        .fold(0, |out, (m, &b)| out | (QH_PAIRS[b as usize] << (2 * m)))
 }
+
+/// [`permute_qh`] of one byte of groups 0 and 1.
+const QH_PAIRS: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut v = 0;
+    while v < 256 {
+        let mut i = 0;
+        while i < 4 {
+            t[v] |= ((v as u32 >> i) & 1) << (8 * i);
+            t[v] |= ((v as u32 >> (4 + i)) & 1) << (8 * i + 1);
+            i += 1;
+        }
+        v += 1;
+    }
+    t
+};
 
 fn unpermute_qh(p: u32) -> u32 {
     let mut out = 0;
@@ -84,7 +98,7 @@ fn unpermute_qh(p: u32) -> u32 {
 fn expand(t: BlockType, b: &[u8], e: &mut [u8]) {
     match t {
         BlockType::Q5_0 => {
-            e.copy_from_slice(b);
+            e[..22].copy_from_slice(&b[..22]);
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
             e[2..6].copy_from_slice(&permute_qh(qh).to_le_bytes());
         }
@@ -125,6 +139,51 @@ fn contract(t: BlockType, e: &[u8], b: &mut [u8]) {
     }
 }
 
+/// Copies field `fd` of expanded block `e` into the group for row `j`, chunk by chunk (`C`, the
+/// field's chunk, known at compile time so that each copy is a single move).
+#[inline(always)]
+fn scatter<const C: usize>(grp: &mut [u8], e: &[u8], base: usize, j: usize, fd: &Field) {
+    for c in 0..fd.len / C {
+        let dst = base + (c * ROWS + j) * C;
+        let src = fd.off + c * C;
+        grp[dst..dst + C].copy_from_slice(&e[src..src + C]);
+    }
+}
+
+/// Zeroed bytes starting on a 64-byte boundary. Allocated as plain bytes (`calloc`, which takes
+/// large buffers from fresh zero pages) and aligned by an offset: a 64-byte aligned zeroed
+/// allocation is written with zeros first by the allocator, a pass over the whole weight.
+#[derive(Debug)]
+struct Lines {
+    raw: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Lines {
+    fn zeroed(len: usize) -> Self {
+        let raw = vec![0u8; len + 63];
+        let off = raw.as_ptr().align_offset(64).min(63);
+        Self { raw, off, len }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.raw[self.off..self.off + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.raw[self.off..self.off + self.len]
+    }
+}
+
+impl Clone for Lines {
+    fn clone(&self) -> Self {
+        let mut c = Self::zeroed(self.len);
+        c.as_mut_slice().copy_from_slice(self.as_slice());
+        c
+    }
+}
+
 /// A weight `[n, k]` in the grouped layout. Rows past `n` (up to the next multiple of 8) are
 /// zero blocks whose products are dropped.
 #[derive(Debug, Clone)]
@@ -132,14 +191,9 @@ pub struct X8Weight {
     format: BlockType,
     n: usize,
     k: usize,
-    /// 64-byte aligned storage.
-    data: Vec<Line>,
+    /// 64-byte aligned storage, a whole number of cache lines.
+    data: Lines,
 }
-
-/// One cache line.
-#[derive(Debug, Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
 
 /// Pointers to one group's regions (one per field) and its block count.
 #[derive(Clone, Copy)]
@@ -151,10 +205,6 @@ pub(crate) struct Group {
 impl X8Weight {
     /// From ggml's bytes of `n` rows of `k` values.
     pub fn from_ggml(format: BlockType, bytes: &[u8], n: usize, k: usize) -> Result<Self, String> {
-        let bv = format.block_values();
-        if k == 0 || !k.is_multiple_of(bv) {
-            return Err(format!("rows of {k} values are not whole blocks of {bv}"));
-        }
         let rb = format.row_bytes(k);
         if bytes.len() != n * rb {
             return Err(format!(
@@ -162,35 +212,70 @@ impl X8Weight {
                 bytes.len()
             ));
         }
+        Self::from_ggml_parts(format, &[bytes], k)
+    }
+
+    /// The rows of several weights of one format and width stacked in order (a fused projection),
+    /// from each part's ggml bytes (whole rows of `k` values), written once into the layout.
+    pub fn from_ggml_parts(format: BlockType, parts: &[&[u8]], k: usize) -> Result<Self, String> {
+        let bv = format.block_values();
+        if k == 0 || !k.is_multiple_of(bv) {
+            return Err(format!("rows of {k} values are not whole blocks of {bv}"));
+        }
+        let rb = format.row_bytes(k);
+        if let Some(p) = parts.iter().find(|p| !p.len().is_multiple_of(rb)) {
+            return Err(format!(
+                "{} bytes are not whole rows of {k} values in {format:?}",
+                p.len()
+            ));
+        }
+        // where each part's rows start
+        let starts: Vec<usize> = parts
+            .iter()
+            .scan(0, |at, p| {
+                let s = *at;
+                *at += p.len() / rb;
+                Some(s)
+            })
+            .collect();
+        let n = parts.iter().map(|p| p.len() / rb).sum::<usize>();
+        let row_of = |r: usize| {
+            let i = starts.partition_point(|&s| s <= r) - 1;
+            &parts[i][(r - starts[i]) * rb..][..rb]
+        };
         let groups = n.div_ceil(ROWS);
         let stride = Self::group_stride(format, k);
         let mut w = Self {
             format,
             n,
             k,
-            data: vec![Line([0; 64]); groups * stride / 64],
+            data: Lines::zeroed(groups * stride),
         };
         let nb = k / bv;
         let (fl, eb) = fields(format);
         let bb = format.block_bytes();
-        let total = w.data.len() * 64;
-        // SAFETY: the pointer spans `total` bytes of `w.data`, which nothing else touches here
-        let out =
-            unsafe { std::slice::from_raw_parts_mut(w.data.as_mut_ptr().cast::<u8>(), total) };
+        let out = w.data.as_mut_slice();
+        let reshaped = matches!(format, BlockType::Q5_0 | BlockType::Q4K);
         out.par_chunks_mut(stride).enumerate().for_each(|(g, grp)| {
             let mut e = [0u8; 256];
             let e = &mut e[..eb];
             for j in 0..ROWS.min(n - g * ROWS) {
-                let row = &bytes[(g * ROWS + j) * rb..][..rb];
-                for (b, blk) in row.chunks_exact(bb).enumerate() {
-                    expand(format, blk, e);
+                for (b, blk) in row_of(g * ROWS + j).chunks_exact(bb).enumerate() {
+                    // the formats whose expanded block is ggml's own are read in place
+                    let src: &[u8] = if reshaped {
+                        expand(format, blk, e);
+                        e
+                    } else {
+                        blk
+                    };
                     let mut region = 0;
                     for fd in fl {
                         let base = region + b * ROWS * fd.len;
-                        for c in 0..fd.len / fd.chunk {
-                            let dst = base + (c * ROWS + j) * fd.chunk;
-                            let src = fd.off + c * fd.chunk;
-                            grp[dst..dst + fd.chunk].copy_from_slice(&e[src..src + fd.chunk]);
+                        match fd.chunk {
+                            1 => scatter::<1>(grp, src, base, j, fd),
+                            2 => scatter::<2>(grp, src, base, j, fd),
+                            4 => scatter::<4>(grp, src, base, j, fd),
+                            _ => unreachable!("fields are cut in chunks of 1, 2 or 4 bytes"),
                         }
                         region += nb * ROWS * fd.len;
                     }
@@ -198,31 +283,6 @@ impl X8Weight {
             }
         });
         Ok(w)
-    }
-
-    /// Weights of one format and width stacked row-wise, group arrays joined as they are (`None`
-    /// unless every part but the last fills whole groups, or the formats or widths differ).
-    pub fn stack(parts: &[&X8Weight]) -> Option<X8Weight> {
-        let (first, last) = (parts.first()?, parts.last()?);
-        let same = parts
-            .iter()
-            .all(|p| p.format == first.format && p.k == first.k);
-        let whole = parts[..parts.len() - 1]
-            .iter()
-            .all(|p| p.n.is_multiple_of(ROWS));
-        if !same || !whole {
-            return None;
-        }
-        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
-        for p in parts {
-            data.extend_from_slice(&p.data);
-        }
-        Some(X8Weight {
-            format: first.format,
-            n: parts.iter().map(|p| p.n).sum::<usize>(),
-            k: last.k,
-            data,
-        })
     }
 
     /// Bytes per group: every field's region, rounded up to a cache line.
@@ -239,8 +299,7 @@ impl X8Weight {
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `Line` is 64 plain bytes
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast(), self.data.len() * 64) }
+        self.data.as_slice()
     }
 
     pub fn format(&self) -> BlockType {
@@ -258,7 +317,7 @@ impl X8Weight {
 
     /// Bytes held.
     pub fn size_in_bytes(&self) -> usize {
-        self.data.len() * 64
+        self.data.len
     }
 
     /// Where each group's regions start.
@@ -272,7 +331,7 @@ impl X8Weight {
             off += nb * ROWS * fd.len;
         }
         Layout {
-            base: self.data.as_ptr().cast(),
+            base: self.data.as_slice().as_ptr(),
             stride: Self::group_stride(self.format, self.k),
             offsets,
             nb,
@@ -364,24 +423,33 @@ mod tests {
                 let w = X8Weight::from_ggml(format, &q, n, k).expect("layout");
                 assert_eq!(w.to_ggml(), q, "{format:?} n={n}");
                 assert_eq!(w.size_in_bytes() % 64, 0);
+                assert_eq!(
+                    w.bytes().as_ptr() as usize % 64,
+                    0,
+                    "groups start on cache lines"
+                );
             }
         }
     }
 
     #[test]
-    fn stacked_weights_are_the_weight_of_the_stacked_rows() {
+    fn weights_from_parts_are_the_weight_of_the_stacked_rows() {
         let k = 256;
         let (a, b) = (16, 13);
         for format in BlockType::ALL {
             let qa = quantize(format, &test_values(a * k, 1), k).expect("quantize");
             let qb = quantize(format, &test_values(b * k, 2), k).expect("quantize");
-            let wa = X8Weight::from_ggml(format, &qa, a, k).expect("layout");
-            let wb = X8Weight::from_ggml(format, &qb, b, k).expect("layout");
-            let s = X8Weight::stack(&[&wa, &wb]).expect("whole groups");
-            assert_eq!(s.shape(), (a + b, k));
-            assert_eq!(s.to_ggml(), [qa.clone(), qb.clone()].concat(), "{format:?}");
-            // a part that does not fill its last group cannot go first
-            assert!(X8Weight::stack(&[&wb, &wa]).is_none());
+            // the first part ends inside a group of eight rows
+            for (first, second, rows) in [(&qa, &qb, a + b), (&qb, &qa, b + a)] {
+                let s = X8Weight::from_ggml_parts(format, &[first, second], k).expect("layout");
+                assert_eq!(s.shape(), (rows, k));
+                assert_eq!(
+                    s.to_ggml(),
+                    [first.clone(), second.clone()].concat(),
+                    "{format:?}"
+                );
+            }
+            assert!(X8Weight::from_ggml_parts(format, &[&qa[1..]], k).is_err());
         }
     }
 
@@ -389,6 +457,12 @@ mod tests {
     fn q5_0_bit_permutation_is_a_bijection() {
         for v in [0u32, 1, 0x8000_0000, 0xdead_beef, 0x0123_4567, u32::MAX] {
             assert_eq!(unpermute_qh(permute_qh(v)), v);
+            for g in 0..8 {
+                for i in 0..4 {
+                    let bit = (v >> (4 * g + i)) & 1;
+                    assert_eq!((permute_qh(v) >> (8 * i + g)) & 1, bit, "{v:#x} {g} {i}");
+                }
+            }
         }
         // value 4g + i's bit lands on 8i + g
         assert_eq!(permute_qh(1 << 5), 1 << 9); // value 5: g 1, i 1

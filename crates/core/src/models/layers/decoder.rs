@@ -3,6 +3,7 @@
 //! An architecture file only translates its `config.json` into a [`DecoderConfig`].
 
 use super::attention::{Attention, AttentionSpec};
+use super::embedding::Embedding;
 use super::linear::Linear;
 use super::mlp::Mlp;
 use super::norm::RmsNorm;
@@ -11,7 +12,7 @@ use crate::batch::{ForwardBatch, LayerCtx};
 use crate::kv_cache::KvCache;
 use crate::load_error::LoadError;
 use crate::models::Model;
-use crate::parallel::{embed_shard, join_vocab, TpShard};
+use crate::parallel::{join_vocab, TpShard};
 use crate::weights::Weights;
 use candle_core::{DType, Result, Tensor};
 
@@ -50,7 +51,7 @@ struct Layer {
 /// A loaded decoder-only model.
 pub struct Decoder {
     cfg: DecoderConfig,
-    embed_tokens: Tensor, // [vocab, hidden]
+    embed_tokens: Embedding, // [vocab, hidden]
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: Linear, // [vocab, hidden]
@@ -88,7 +89,11 @@ impl Decoder {
             Some(t) => t.plan.local_config(&cfg),
             None => cfg.clone(),
         };
-        let embed_tokens = m.get(&[local.vocab_size, cfg.hidden_size], "embed_tokens.weight")?;
+        let embed_tokens = Embedding::load(
+            &m,
+            [local.vocab_size, cfg.hidden_size],
+            "embed_tokens.weight",
+        )?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let lw = m.pp("layers").pp(i);
@@ -182,13 +187,7 @@ impl Model for Decoder {
     }
 
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
-        match &self.tp {
-            None => self.embed_tokens.index_select(input_ids, 0),
-            Some(t) => {
-                let part = embed_shard(&self.embed_tokens, input_ids, t.plan.vocab().start)?;
-                t.comm.all_reduce(&part)
-            }
-        }
+        self.embed_tokens.forward(input_ids, self.tp.as_ref())
     }
 
     fn forward_embeds(

@@ -6,13 +6,16 @@
 //! adapter slots from the [`LayerCtx`]; every decoder projection is wrapped when the checkpoint
 //! loads with LoRA slots). Model code only ever sees [`Linear`], so no model file changes for either.
 
+use super::embedding::Embedding;
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::lora::slots::target_of;
 use crate::lora::LoraLinear;
 use crate::quant::ggml::GgmlLinear;
 use crate::weights::Weights;
+use candle_core::quantized::GgmlDType;
 use candle_core::{Result, Tensor};
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -158,15 +161,15 @@ impl Linear {
         ))
     }
 
-    /// The output head `[vocab, hidden]`: `lm_head.weight`, or the input embeddings when tied
-    /// (`embed` is their dense copy). A head stored quantized (GGUF) stays so; a dense one is
-    /// quantized only when ISQ is asked to take the head too (`--isq-lm-head`).
+    /// The output head `[vocab, hidden]`: `lm_head.weight`, or the input embeddings when tied.
+    /// A head stored quantized (GGUF) stays so; a dense one is quantized only when ISQ is asked
+    /// to take the head too (`--isq-lm-head`).
     pub fn load_head(
         w: &Weights,
-        embed: &Tensor,
+        embed: &Embedding,
         tied: bool,
     ) -> std::result::Result<Self, LoadError> {
-        let (vocab, hidden) = embed.dims2().map_err(|e| LoadError::Tensor {
+        let (vocab, hidden) = embed.dims().map_err(|e| LoadError::Tensor {
             name: "embeddings".into(),
             reason: e.to_string(),
         })?;
@@ -178,10 +181,9 @@ impl Linear {
         if let Some(q) = w.quantized(&[vocab, hidden], name)? {
             return Ok(Self::with_method(Arc::new(q), None));
         }
-        let weight = if name == "lm_head.weight" {
-            w.get(&[vocab, hidden], name)?
-        } else {
-            embed.clone()
+        let weight = match (name, embed.dense()) {
+            ("model.embed_tokens.weight", Some(dense)) => dense.clone(),
+            _ => w.get(&[vocab, hidden], name)?,
         };
         match w.isq().filter(|q| q.lm_head()) {
             Some(isq) => Ok(Self::with_method(isq.linear(name, weight)?, None)),
@@ -231,12 +233,12 @@ impl Linear {
         in_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
-        let quantized = parts
+        let stored = parts
             .iter()
-            .map(|(w, out)| w.quantized(&[*out, in_dim], "weight"))
+            .map(|(w, out)| w.stored_blocks(&[*out, in_dim], "weight"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        if quantized.iter().any(Option::is_some) {
-            return Self::fuse_stored(parts, quantized, in_dim, bias)?.with_lora(parts, in_dim);
+        if stored.iter().any(Option::is_some) {
+            return Self::fuse_stored(parts, stored, in_dim, bias)?.with_lora(parts, in_dim);
         }
         let loaded = parts
             .iter()
@@ -270,28 +272,23 @@ impl Linear {
     /// every part has the same GGML type, else the parts side by side.
     fn fuse_stored(
         parts: &[(&Weights, usize)],
-        quantized: Vec<Option<GgmlLinear>>,
+        stored: Vec<Option<(GgmlDType, Cow<'_, [u8]>)>>,
         in_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
-        let mut methods: Vec<Arc<dyn LinearMethod>> = Vec::with_capacity(parts.len());
         let mut biases = Vec::new();
-        let mut packed = Vec::new();
-        for ((w, out), q) in parts.iter().zip(quantized) {
-            match q {
-                Some(q) => {
-                    packed.push(q.clone());
-                    methods.push(Arc::new(q));
-                }
-                None => {
-                    let weight = w.get(&[*out, in_dim], "weight")?;
-                    methods.push(Self::build(w, &w.name_of("weight"), weight, None)?.method);
-                }
-            }
+        for (w, out) in parts {
             biases.extend(Self::load_bias(w, *out, bias)?);
         }
+        let Some((first, _)) = parts.first() else {
+            return Err(LoadError::Tensor {
+                name: "fused projection".into(),
+                reason: "no parts".into(),
+            });
+        };
+        let name = first.name_of("weight");
         let err = |e: candle_core::Error| LoadError::Tensor {
-            name: "fused projection".into(),
+            name: format!("{name} (fused)"),
             reason: e.to_string(),
         };
         let bias = if biases.is_empty() {
@@ -299,10 +296,27 @@ impl Linear {
         } else {
             Some(Tensor::cat(&biases, 0).map_err(err)?)
         };
-        if packed.len() == parts.len() {
-            if let Some(one) = GgmlLinear::stack(&packed).map_err(err)? {
-                return Ok(Self::with_method(Arc::new(one), bias));
-            }
+        let same = stored.first().and_then(|s| s.as_ref()).map(|(t, _)| *t);
+        if let Some(t) = same.filter(|t| {
+            stored
+                .iter()
+                .all(|s| s.as_ref().is_some_and(|(u, _)| u == t))
+        }) {
+            let bytes: Vec<&[u8]> = stored.iter().flatten().map(|(_, b)| b.as_ref()).collect();
+            let one = GgmlLinear::from_parts(t, &bytes, in_dim, first.device()).map_err(err)?;
+            return Ok(Self::with_method(Arc::new(one), bias));
+        }
+        let mut methods: Vec<Arc<dyn LinearMethod>> = Vec::with_capacity(parts.len());
+        for ((w, out), s) in parts.iter().zip(stored) {
+            methods.push(match s {
+                Some((t, bytes)) => Arc::new(
+                    GgmlLinear::from_bytes(t, &bytes, (*out, in_dim), w.device()).map_err(err)?,
+                ),
+                None => {
+                    let weight = w.get(&[*out, in_dim], "weight")?;
+                    Self::build(w, &w.name_of("weight"), weight, None)?.method
+                }
+            });
         }
         Ok(Self::with_method(Arc::new(Stacked(methods)), bias))
     }

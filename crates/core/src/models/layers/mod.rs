@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod norm;
