@@ -39,9 +39,18 @@ fn main() {
     candle_modules(&nvcc);
 }
 
-/// candle's CUDA modules that serving uses (conv and quantized are left to candle's PTX).
-const CANDLE_MODULES: [&str; 9] = [
-    "affine", "binary", "cast", "fill", "indexing", "reduce", "sort", "ternary", "unary",
+/// candle's CUDA modules that serving uses (conv, which no served model runs, is left to its PTX).
+const CANDLE_MODULES: [&str; 10] = [
+    "affine",
+    "binary",
+    "cast",
+    "fill",
+    "indexing",
+    "quantized",
+    "reduce",
+    "sort",
+    "ternary",
+    "unary",
 ];
 
 /// Where cargo unpacked candle-kernels: `RSERVE_CANDLE_KERNELS_SRC`, else the registry copy of the

@@ -26,8 +26,8 @@ macro_rules! modules {
 
 modules! {
     "affine" => AFFINE, "binary" => BINARY, "cast" => CAST, "fill" => FILL,
-    "indexing" => INDEXING, "reduce" => REDUCE, "sort" => SORT, "ternary" => TERNARY,
-    "unary" => UNARY,
+    "indexing" => INDEXING, "quantized" => QUANTIZED, "reduce" => REDUCE, "sort" => SORT,
+    "ternary" => TERNARY, "unary" => UNARY,
 }
 
 static SWAPPED: AtomicUsize = AtomicUsize::new(0);

@@ -1,5 +1,6 @@
 //! candle's own CUDA ops served from the SASS built with rserve (no PTX JIT): every module that
-//! serving uses loads as SASS and computes what the CPU computes.
+//! serving uses (the quantized one included: GGUF types without rserve's kernels) loads as SASS
+//! and computes what the CPU computes.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
@@ -61,6 +62,66 @@ fn candle_modules_load_as_sass_and_match_the_cpu() {
             assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{a} vs {b}");
         }
     }
-    // affine, binary, cast, fill, indexing, reduce, sort, ternary, unary
-    assert_eq!(modules_loaded_as_sass() - before, 9);
+    quantized_products_match_the_cpu(&gpu);
+    // affine, binary, cast, fill, indexing, quantized, reduce, sort, ternary, unary
+    assert_eq!(modules_loaded_as_sass() - before, 10);
+}
+
+/// candle's quantized module (GGUF types without rserve's kernels, `q5_K` and `q3_K` here): a
+/// matrix-vector product (activations quantized to 8 bits on the GPU), a product over 8 rows and
+/// the dequantized weight, against the same products of the dequantized weight on the CPU.
+fn quantized_products_match_the_cpu(gpu: &Device) {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::Module;
+    let (n, k) = (64, 512);
+    let w: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 53 % 211) as f32 - 105.0) / 70.0)
+        .collect();
+    let x: Vec<f32> = (0..8 * k)
+        .map(|i| ((i * 29 % 97) as f32 - 48.0) / 40.0)
+        .collect();
+    for dtype in [GgmlDType::Q5K, GgmlDType::Q3K] {
+        let cpu_w = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&cpu_w, dtype).unwrap();
+        let dense = q.dequantize(&Device::Cpu).unwrap();
+        let on_gpu = QTensor::quantize(&cpu_w.to_device(gpu).unwrap(), dtype).unwrap();
+        let gpu_dense = on_gpu.dequantize(gpu).unwrap();
+        let mm = QMatMul::from_qtensor(on_gpu).unwrap();
+        let diff = (gpu_dense.to_device(&Device::Cpu).unwrap() - &dense)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            diff < 1e-6,
+            "{dtype:?}: dequantized on the GPU differs by {diff}"
+        );
+        for rows in [1, 8] {
+            let xs = Tensor::from_vec(x[..rows * k].to_vec(), (rows, k), &Device::Cpu).unwrap();
+            let want = xs.matmul(&dense.t().unwrap()).unwrap();
+            let got = mm.forward(&xs.to_device(gpu).unwrap()).unwrap();
+            let scale = want
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let err = (got.to_device(&Device::Cpu).unwrap() - &want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                err <= 0.02 * scale,
+                "{dtype:?}, {rows} rows: {err} against outputs up to {scale}"
+            );
+        }
+    }
 }
