@@ -87,14 +87,7 @@ fn quantized_products_match_the_cpu(gpu: &Device) {
         let on_gpu = QTensor::quantize(&cpu_w.to_device(gpu).unwrap(), dtype).unwrap();
         let gpu_dense = on_gpu.dequantize(gpu).unwrap();
         let mm = QMatMul::from_qtensor(on_gpu).unwrap();
-        let diff = (gpu_dense.to_device(&Device::Cpu).unwrap() - &dense)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs(&(gpu_dense.to_device(&Device::Cpu).unwrap() - &dense).unwrap());
         assert!(
             diff < 1e-6,
             "{dtype:?}: dequantized on the GPU differs by {diff}"
@@ -103,25 +96,21 @@ fn quantized_products_match_the_cpu(gpu: &Device) {
             let xs = Tensor::from_vec(x[..rows * k].to_vec(), (rows, k), &Device::Cpu).unwrap();
             let want = xs.matmul(&dense.t().unwrap()).unwrap();
             let got = mm.forward(&xs.to_device(gpu).unwrap()).unwrap();
-            let scale = want
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            let err = (got.to_device(&Device::Cpu).unwrap() - &want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = max_abs(&want);
+            let err = max_abs(&(got.to_device(&Device::Cpu).unwrap() - &want).unwrap());
             assert!(
                 err <= 0.02 * scale,
                 "{dtype:?}, {rows} rows: {err} against outputs up to {scale}"
             );
         }
     }
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
