@@ -8,6 +8,8 @@
 //! - [`lowest_priority`]: a background thread that yields its core to any other, so that warm-up
 //!   work barely delays loading or the first requests (it still progresses on a busy machine,
 //!   unlike the idle scheduling class, so a request waiting on it is not starved).
+//! - [`in_pool`]: the CPU forward pass run on one of rayon's workers, so that its parallel loops
+//!   join inside the pool instead of each being handed over from outside it.
 
 /// Runs `f` with every allocation of 1 MiB or more mapped from fresh zero pages, then puts back
 /// glibc's steady state (32 MiB, the most its own threshold grows to). Elsewhere `f` just runs.
@@ -37,4 +39,13 @@ pub fn lowest_priority() {
     unsafe {
         libc::setpriority(libc::PRIO_PROCESS, 0, 19);
     }
+}
+
+/// Runs `f` on one of rayon's worker threads (directly when called from one). The parallel loops
+/// inside `f` then join within the pool: the running worker takes its share of each loop and
+/// the others steal the rest, where a loop started from outside the pool is handed over through
+/// its queue and the caller put to sleep until a worker finishes it (a futex wake and wait each
+/// way, tens of microseconds for each of the ten or so loops of every layer on the CPU backend).
+pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }

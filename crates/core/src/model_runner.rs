@@ -541,6 +541,10 @@ impl ModelRunner {
             self.kv.copy_blocks(copies)?;
         }
         match step {
+            PreparedStep::Eager(batch) if self.device.is_cpu() => {
+                let (model, kv) = (&mut *self.model, &self.kv);
+                crate::host::in_pool(move || model.forward(batch, kv))
+            }
             PreparedStep::Eager(batch) => self.model.forward(batch, &self.kv),
             PreparedStep::Graph { bucket, rows, lora } => {
                 let g = if *lora {

@@ -15,7 +15,6 @@ use crate::metadata::AttentionMetadata;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// Scalars of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,192 +32,7 @@ struct PagedAttention<'a> {
     params: PagedAttentionParams,
 }
 
-/// A cache element read as f32: the model's floats, or FP8 E4M3 bytes (`u8`).
-pub(crate) trait CacheRead: Copy + Send + Sync + 'static {
-    fn value(self) -> f32;
-}
-
-macro_rules! cache_read_floats {
-    ($($t:ty),*) => {$(
-        impl CacheRead for $t {
-            #[inline(always)]
-            fn value(self) -> f32 {
-                self.to_f32()
-            }
-        }
-    )*};
-}
-cache_read_floats!(f32, bf16, f16);
-
-impl CacheRead for u8 {
-    #[inline(always)]
-    fn value(self) -> f32 {
-        crate::fp8::DECODE_TABLE[self as usize]
-    }
-}
-
-/// `q . k` with eight independent partial sums so the compiler can use SIMD lanes.
-#[inline(always)]
-fn dot<T: CacheRead>(q: &[f32], k: &[T]) -> f32 {
-    let n = q.len().min(k.len());
-    let body = n / 8 * 8;
-    let mut acc = [0f32; 8];
-    for (qc, kc) in q[..body].chunks_exact(8).zip(k[..body].chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += qc[i] * kc[i].value();
-        }
-    }
-    let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]);
-    for i in body..n {
-        s += q[i] * k[i].value();
-    }
-    s
-}
-
-/// One query row's sequence facts.
-#[derive(Clone, Copy)]
-struct RowInfo {
-    seq: usize,
-    pos: usize,
-}
-
-/// One query row of one head and where its keys are.
-#[derive(Clone, Copy)]
-struct Row<'a, T> {
-    info: RowInfo,
-    q: &'a [T],
-    kv_head: usize,
-    /// KV heads and block size of the cache.
-    kvh: usize,
-    bs: usize,
-}
-
 impl PagedAttention<'_> {
-    /// Sequence and position of every query token (metadata was validated on construction).
-    fn rows(&self) -> Vec<RowInfo> {
-        let m = self.meta;
-        let mut rows = Vec::with_capacity(m.num_tokens());
-        for s in 0..m.num_seqs() {
-            let (a, b) = (m.query_start_loc[s], m.query_start_loc[s + 1]);
-            let ctx = m.seq_lens[s];
-            for i in 0..b - a {
-                rows.push(RowInfo {
-                    seq: s,
-                    pos: (ctx - (b - a) + i) as usize,
-                });
-            }
-        }
-        rows
-    }
-
-    fn run<T: Elem, C: CacheRead>(
-        &self,
-        q: &[T],
-        q_dims: &[usize],
-        kc: &[C],
-        vc: &[C],
-        c_dims: &[usize],
-    ) -> Result<Vec<T>> {
-        let (num_tokens, num_heads, d) = (q_dims[0], q_dims[1], q_dims[2]);
-        let (bs, kvh) = (c_dims[1], c_dims[2]);
-        let group = num_heads / kvh;
-        let rows = self.rows();
-        let mut out = vec![T::from_f32(0.0); num_tokens * num_heads * d];
-        // per-thread scratch (scaled query, accumulator), reused across rows
-        let scratch = || (vec![0f32; d], vec![0f32; d]);
-        #[cfg(target_arch = "x86_64")]
-        let wide = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        out.par_chunks_mut(d)
-            .enumerate()
-            .for_each_init(scratch, |(qv, acc), (row_head, o)| {
-                let (t, h) = (row_head / num_heads, row_head % num_heads);
-                let row = Row {
-                    info: rows[t],
-                    q: &q[(t * num_heads + h) * d..(t * num_heads + h + 1) * d],
-                    kv_head: h / group,
-                    kvh,
-                    bs,
-                };
-                #[cfg(target_arch = "x86_64")]
-                if wide {
-                    // SAFETY: AVX2 and FMA are present (checked above)
-                    unsafe { self.attend_wide(row, kc, vc, qv, acc, o) };
-                    return;
-                }
-                self.attend(row, kc, vc, qv, acc, o);
-            });
-        Ok(out)
-    }
-
-    /// [`Self::attend`] compiled for AVX2 (the same operations in the same order, on wider
-    /// vectors).
-    ///
-    /// # Safety
-    /// The host has AVX2 and FMA.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn attend_wide<T: Elem, C: CacheRead>(
-        &self,
-        row: Row<'_, T>,
-        kc: &[C],
-        vc: &[C],
-        qv: &mut [f32],
-        acc: &mut [f32],
-        o: &mut [T],
-    ) {
-        self.attend(row, kc, vc, qv, acc, o)
-    }
-
-    /// One query row of one head: online softmax over its keys.
-    #[inline(always)]
-    fn attend<T: Elem, C: CacheRead>(
-        &self,
-        row: Row<'_, T>,
-        kc: &[C],
-        vc: &[C],
-        qv: &mut [f32],
-        acc: &mut [f32],
-        o: &mut [T],
-    ) {
-        let p = self.params;
-        let (r, d) = (row.info, qv.len());
-        for (a, x) in qv.iter_mut().zip(row.q) {
-            *a = x.to_f32() * p.scale;
-        }
-        acc.fill(0.0);
-        let lo = p
-            .sliding_window
-            .map_or(0, |w| (r.pos + 1).saturating_sub(w));
-        let mut m = f32::NEG_INFINITY;
-        let mut l = 0f32;
-        let width = self.meta.width;
-        let table = &self.meta.block_tables[r.seq * width..(r.seq + 1) * width];
-        for j in lo..=r.pos {
-            let block = table[j / row.bs] as usize;
-            let base = ((block * row.bs + j % row.bs) * row.kvh + row.kv_head) * d;
-            let s = dot(qv, &kc[base..base + d]);
-            let v = &vc[base..base + d];
-            if s > m {
-                let c = (m - s).exp();
-                l = l * c + 1.0;
-                for (a, vv) in acc.iter_mut().zip(v) {
-                    *a = *a * c + vv.value();
-                }
-                m = s;
-            } else {
-                let e = (s - m).exp();
-                l += e;
-                for (a, vv) in acc.iter_mut().zip(v) {
-                    *a += e * vv.value();
-                }
-            }
-        }
-        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-        for (o, a) in o.iter_mut().zip(acc.iter()) {
-            *o = T::from_f32(a * inv);
-        }
-    }
-
     fn dispatch<T: Elem + CacheRead>(
         &self,
         q: &CpuStorage,
@@ -436,8 +250,11 @@ pub fn decode_shared_bytes(group_bucket: usize, head_dim: usize) -> usize {
     4 * (g * head_dim + g * DECODE_CHUNK + 3 * g + DECODE_CHUNK)
 }
 
+mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+
+use cpu::CacheRead;
 
 /// Attention of `q` (`[num_tokens, num_heads, head_dim]`) over the paged cache; returns
 /// `[num_tokens, num_heads, head_dim]` in `q`'s dtype. See the module docs for the other shapes.
