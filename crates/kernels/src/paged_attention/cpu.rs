@@ -3,7 +3,8 @@
 //! of the accumulator per block (online softmax), then every value row added with its weight.
 //! f32 caches with head dims that are a multiple of 8 take the AVX2 + FMA form where the host
 //! has it (chosen at run time); other dtypes, FP8 bytes and other hosts take the portable form,
-//! which does the same steps in the same order one value at a time.
+//! which does the same steps one value at a time (its sums run in another order, so the two
+//! agree within rounding).
 
 use super::PagedAttention;
 use crate::elem::Elem;
@@ -118,7 +119,7 @@ impl PagedAttention<'_> {
         vc: &[C],
         c_dims: &[usize],
     ) -> Result<Vec<T>> {
-        self.run_with(simd_available(), q, q_dims, kc, vc, c_dims)
+        self.run_with(true, q, q_dims, kc, vc, c_dims)
     }
 
     /// [`Self::run`] with the AVX2 form allowed or not (`simd` is ignored where the host, the
