@@ -2,7 +2,10 @@
 # The whole GPU check-and-measure, run from the repository root on a GPU machine; builds nothing.
 # Needs the bundle that `make gpu-bundle` leaves in target/gpu-bundle (the CUDA rserve binary and the
 # CUDA test binaries), python3 with torch + transformers, and the CUDA 13 runtime libraries.
-#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup
+#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup, tp, tp70
+# `tp` runs the tensor-parallel tests (every GPU of the machine) and the 8B shape at TP=1 and TP=2,4
+# where the GPUs are there; `tp70` the 70B shape at the largest TP (scripts/gpu/check_tp.py).
+# NCCL: RSERVE_NCCL_LIB, else the libnccl.so.2 that the machine's Python packages ship.
 # `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
 # and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
 # Results: $OUT (default /tmp/rserve-gpu) holds each step's log, results.jsonl and summary.txt.
@@ -48,6 +51,7 @@ if has kernels; then
   test_bin fp8-cache fp8_cache
   test_bin ggml ggml
   test_bin lora lora
+  test_bin allreduce allreduce
 fi
 if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin parity-f32 parity
@@ -56,6 +60,30 @@ if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin prefix-cache prefix_cache
   RSERVE_TEST_DEVICE=cuda test_bin structured structured
   RSERVE_TEST_DEVICE=cuda test_bin vision vision
+fi
+if has tp || has tp70; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if [[ -z "${RSERVE_NCCL_LIB:-}" ]]; then
+    site=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))')
+    RSERVE_NCCL_LIB=$(find $site -name 'libnccl.so.2' 2>/dev/null | head -n 1)
+    export RSERVE_NCCL_LIB
+  fi
+  echo "NCCL: $RSERVE_NCCL_LIB" | tee -a "$OUT/summary.txt"
+  nvidia-smi topo -m >"$OUT/topo.txt" 2>&1; cat "$OUT/topo.txt"
+fi
+if has tp; then
+  test_bin allreduce-group allreduce
+  RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel tensor_parallel
+  RSERVE_TP_PEER_ALLREDUCE=1 RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel-peer tensor_parallel
+  step tp-8b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 8b --sizes 1,2,4 --ab-peer
+fi
+if has tp70; then
+  # 141 GB of weights: more than the disk or a default /dev/shm holds, so a tmpfs of its own
+  scratch70=${RSERVE_SCRATCH70:-/mnt/rserve-70b}
+  mkdir -p "$scratch70"; mountpoint -q "$scratch70" || mount -t tmpfs -o size=200g tmpfs "$scratch70"
+  df -h "$scratch70" | tee -a "$OUT/summary.txt"
+  step tp-70b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 70b --sizes 1,2,4 --ab-peer \
+    --scratch70 "$scratch70"
 fi
 if has wheel; then
   rm -rf /tmp/rserve-site

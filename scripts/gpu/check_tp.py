@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,14 +40,21 @@ def part_8b(a, out: Path, sizes: list[int]) -> None:
     g = torch.Generator().manual_seed(1)
     ids = [1] + torch.randint(20, 30000, (1000,), generator=g).tolist()
     base = None
-    for tp in sizes:
+    # each size > 1 a second time with the decode steps' all-reduces through the peer kernel
+    runs = [(tp, False) for tp in sizes] + [(tp, True) for tp in sizes if tp > 1 and a.ab_peer]
+    for tp, peer in runs:
+        env = {"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"}
         srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
-                           "--tensor-parallel-size", str(tp), tag=f"-tp{tp}")
+                           "--tensor-parallel-size", str(tp), env=env,
+                           tag=f"-tp{tp}" + ("-peer" if peer else ""))
         try:
             rec = {"part": "tp-8b", "tp": tp, "ready_s": round(srv.ready_s, 2)}
+            if tp > 1:
+                rec["peer_all_reduce"] = peer
             lp = check.teacher_forced_rserve(srv, ids)
             if base is None:
-                base = lp
+                # TP=1 is the reference; every position's arg-max is compared
+                base = (*lp, [1.0] * len(lp[0]))
             else:
                 rec["vs_tp1"] = {k: v for k, v in check.compare(f"tp{tp}", base, lp).items()
                                  if k in ("mean_abs_err", "max_abs_err", "argmax_checked", "argmax_agree")}
@@ -71,6 +79,9 @@ def write_70b(root: Path) -> Path:
     if (path / "model.safetensors.index.json").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free
+    if free < 145e9:
+        raise SystemExit(f"70b: {path} has {free / 1e9:.0f} GB free; the weights need 141 GB")
     h, inter, layers, heads, kv, vocab = 8192, 28672, 80, 64, 8, 128256
     d = h // heads
     cfg = {
@@ -84,15 +95,16 @@ def write_70b(root: Path) -> Path:
     }
     (path / "config.json").write_text(json.dumps(cfg))
     check.word_tokenizer(vocab, path)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * std).cpu()
-
-    index: dict[str, str] = {}
-    t0 = time.time()
     per_file = 4
-    for f, first in enumerate(range(0, layers, per_file)):
+
+    def write(f: int) -> dict[str, str]:
+        # one generator per file (seeded by its index): files are written by several threads
+        gen = torch.Generator(device="cuda").manual_seed(f)
+
+        def rnd(*shape: int, std: float = 0.02) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * std).cpu()
+
+        first = f * per_file
         tensors = {}
         for i in range(first, min(first + per_file, layers)):
             p = f"model.layers.{i}."
@@ -111,7 +123,13 @@ def write_70b(root: Path) -> Path:
             tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         name = f"model-{f:05d}.safetensors"
         save_file(tensors, str(path / name), metadata={"format": "pt"})
-        index.update({k: name for k in tensors})
+        return {k: name for k in tensors}
+
+    index: dict[str, str] = {}
+    t0 = time.time()
+    with ThreadPoolExecutor(4) as pool:
+        for names in pool.map(write, range(layers // per_file)):
+            index.update(names)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     check.log(f"70b: {size / 1e9:.1f} GB written in {time.time() - t0:.0f} s")
@@ -121,20 +139,24 @@ def write_70b(root: Path) -> Path:
 def part_70b(a, out: Path, tp: int) -> None:
     path = write_70b(Path(a.scratch70))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
-                       "--tensor-parallel-size", str(tp), tag=f"-tp{tp}")
-    try:
-        b1 = check.bench(a, srv, out, 1, 4, 512, 128)
-        c64 = check.bench(a, srv, out, 64, 64, 512, 128)
-        floor = H200_BW * tp / size
-        tok_s = 1000.0 / b1["tpot_ms"]["median"]
-        check.emit(out, {
-            "part": "tp-70b", "tp": tp, "weights_gb": round(size / 1e9, 1), "load_s": round(srv.ready_s, 1),
-            "b1_decode_tok_s": round(tok_s, 1), "floor_tok_s": round(floor, 1),
-            "of_floor": round(tok_s / floor, 3), "c64_output_tok_s": round(c64["output_throughput"], 1),
-        })
-    finally:
-        srv.stop()
+    for peer in [False, True] if a.ab_peer else [False]:
+        env = {"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"}
+        srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
+                           "--tensor-parallel-size", str(tp), env=env,
+                           tag=f"-tp{tp}" + ("-peer" if peer else ""))
+        try:
+            b1 = check.bench(a, srv, out, 1, 4, 512, 128)
+            c64 = check.bench(a, srv, out, 64, 64, 512, 128)
+            floor = H200_BW * tp / size
+            tok_s = 1000.0 / b1["tpot_ms"]["median"]
+            check.emit(out, {
+                "part": "tp-70b", "tp": tp, "peer_all_reduce": peer, "weights_gb": round(size / 1e9, 1),
+                "load_s": round(srv.ready_s, 1), "b1_decode_tok_s": round(tok_s, 1),
+                "floor_tok_s": round(floor, 1), "of_floor": round(tok_s / floor, 3),
+                "c64_output_tok_s": round(c64["output_throughput"], 1),
+            })
+        finally:
+            srv.stop()
 
 
 def main() -> None:
@@ -146,6 +168,8 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/rserve-big")
     p.add_argument("--scratch70", default="/dev/shm/rserve-70b")
     p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--ab-peer", action="store_true",
+                   help="also run each TP > 1 with the peer all-reduce on (RSERVE_TP_PEER_ALLREDUCE=1)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     n = gpus()

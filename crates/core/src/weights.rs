@@ -439,7 +439,10 @@ impl Weights {
             expected,
             found: stored.clone(),
         };
-        let bytes: Vec<u8> = match split {
+        // a contiguous run of rows is uploaded straight from the map; other shards are gathered
+        // (one move per row, rows in parallel) into a buffer first
+        let gathered: Vec<u8>;
+        let bytes: &[u8] = match split {
             Split::Rows {
                 rows,
                 full: n,
@@ -453,33 +456,42 @@ impl Weights {
                     return Err(mismatch(want));
                 }
                 let row = rest * esize;
-                let mut b = data[rows.start * row..rows.end * row].to_vec();
-                b.resize(padded * row, 0);
-                b
+                let own = &data[rows.start * row..rows.end * row];
+                if rows.len() == *padded {
+                    own
+                } else {
+                    gathered = [own, &vec![0; (padded - rows.len()) * row]].concat();
+                    &gathered
+                }
             }
             Split::Cols { cols, full: n } => {
                 let want = vec![shape.first().copied().unwrap_or(0), *n];
                 if stored != want || shape.len() != 2 || shape[1] != cols.len() {
                     return Err(mismatch(want));
                 }
-                let row = n * esize;
-                data.chunks_exact(row)
-                    .flat_map(|r| &r[cols.start * esize..cols.end * esize])
-                    .copied()
-                    .collect()
+                gathered = gather_cols(data, n * esize, cols.start * esize..cols.end * esize);
+                &gathered
             }
             Split::RankZero => {
                 if stored != shape {
                     return Err(mismatch(shape.to_vec()));
                 }
                 if rank == 0 {
-                    data.to_vec()
+                    data
                 } else {
-                    vec![0; data.len()]
+                    gathered = vec![0; data.len()];
+                    &gathered
                 }
             }
         };
-        Tensor::from_raw_buffer(&bytes, dtype, shape, &Device::Cpu)
+        #[cfg(feature = "cuda")]
+        if let Some(t) = self
+            .staged(bytes, dtype, shape)
+            .map_err(|e| err(e.to_string()))?
+        {
+            return Ok(t);
+        }
+        Tensor::from_raw_buffer(bytes, dtype, shape, &Device::Cpu)
             .and_then(|t| t.to_device(&self.inner.device))
             .and_then(|t| t.to_dtype(self.inner.dtype))
             .map_err(|e| err(e.to_string()))
@@ -522,5 +534,31 @@ fn aligned(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
         std::borrow::Cow::Borrowed(bytes)
     } else {
         std::borrow::Cow::Owned(bytes.to_vec())
+    }
+}
+
+/// The byte columns `cols` of every `row`-byte row of `data`, row after row.
+fn gather_cols(data: &[u8], row: usize, cols: std::ops::Range<usize>) -> Vec<u8> {
+    use rayon::prelude::*;
+    let width = cols.len();
+    let mut out = vec![0u8; data.len() / row.max(1) * width];
+    if width > 0 {
+        out.par_chunks_mut(width)
+            .zip(data.par_chunks_exact(row))
+            .for_each(|(o, r)| o.copy_from_slice(&r[cols.clone()]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn column_shards_take_each_rows_own_bytes() {
+        let data: Vec<u8> = (0..24).collect(); // 3 rows of 8 bytes
+        assert_eq!(
+            super::gather_cols(&data, 8, 2..5),
+            vec![2, 3, 4, 10, 11, 12, 18, 19, 20]
+        );
+        assert!(super::gather_cols(&data, 8, 4..4).is_empty());
     }
 }

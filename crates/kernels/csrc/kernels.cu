@@ -9,3 +9,4 @@
 #include "fp8.cu"
 #include "ggml.cu"
 #include "lora.cu"
+#include "allreduce.cu"

@@ -15,6 +15,8 @@
 //! - `query_start_loc`: `[num_seqs + 1]` u32, cumulative query token counts
 //! - `slot_mapping`: `[num_tokens]` i64, flat cache slot (`block * block_size + offset`) per token, -1 to skip
 
+#[cfg(feature = "cuda")]
+pub mod allreduce;
 pub mod cache;
 #[cfg(feature = "cuda")]
 pub mod candle_sass;

@@ -1,13 +1,16 @@
 //! Tensor parallelism on one host: one thread per GPU, each holding its shard of the weights and
 //! of the KV cache; rank 0 is the engine (it schedules, samples and streams) and the other ranks
-//! run the same steps ([`workers`]); NCCL adds the partial sums and gathers the logits
-//! ([`Collective`]).
+//! run the same steps ([`workers`]); NCCL adds the partial sums and gathers the logits, and a
+//! kernel of rserve's own adds the decode steps' small partial sums over peer access ([`peer`],
+//! [`Collective`]).
 //!
 //! [`plan`] says what each rank holds (pure arithmetic, tested on the CPU).
 
 pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+pub mod peer;
 pub mod plan;
 #[cfg(feature = "cuda")]
 pub mod workers;

@@ -5,6 +5,7 @@
 
 use super::nccl::NcclComm;
 use super::nccl::UniqueId as Id;
+use super::peer::{PeerExchange, TpComm};
 use super::{TpGroup, TpPlan, TpShard};
 use crate::engine::{EngineConfig, EngineError};
 use crate::kv_cache::KvCache;
@@ -120,6 +121,7 @@ impl Workers {
         }
         let id = super::nccl::unique_id().map_err(|e| EngineError::Model(e.to_string()))?;
         let group = Arc::new(Group::default());
+        let peers = PeerExchange::new(world);
         let (ready_tx, ready_rx) = mpsc::channel();
         let (opened_tx, opened_rx) = mpsc::channel();
         let mut txs = Vec::new();
@@ -130,6 +132,7 @@ impl Workers {
             let (go_tx, go_rx) = mpsc::channel::<()>();
             let (model, opts, cfg) = (model.clone(), opts.clone(), cfg.clone());
             let (ready, grp, opened) = (ready_tx.clone(), group.clone(), opened_tx.clone());
+            let peers = peers.clone();
             let h = std::thread::Builder::new()
                 .name(format!("rserve-tp{rank}"))
                 .spawn(move || {
@@ -144,7 +147,8 @@ impl Workers {
                     let (Ok(device), Ok(())) = (device, go_rx.recv()) else {
                         return;
                     };
-                    let loaded = load_rank(&model, opts, &cfg, (rank, world), id, device, &grp);
+                    let joined = (id, grp.as_ref(), peers.as_ref());
+                    let loaded = load_rank(&model, opts, &cfg, (rank, world), joined, device);
                     let runner = match loaded {
                         Ok(r) => {
                             let _ = ready.send(Ok(rank));
@@ -178,11 +182,15 @@ impl Workers {
             let _ = go.send(());
         }
         let plan = TpPlan::new(cfg, 0, world).map_err(EngineError::InvalidConfig)?;
-        let comm = Arc::new(
+        let nccl = Arc::new(
             NcclComm::join(dev, 0, world, id).map_err(|e| EngineError::Model(e.to_string()))?,
         );
-        group.join(&comm);
-        let shard = TpShard { plan, comm };
+        group.join(&nccl);
+        let peer = peers.join(0, dev);
+        let shard = TpShard {
+            plan,
+            comm: Arc::new(TpComm::new(nccl, peer)),
+        };
         drop(ready_tx);
         let workers = Self {
             txs,
@@ -331,18 +339,18 @@ fn load_rank(
     mut opts: LoadOptions,
     cfg: &DecoderConfig,
     (rank, world): (usize, usize),
-    id: Id,
+    (id, group, peers): (Id, &Group, &PeerExchange),
     device: Device,
-    group: &Group,
 ) -> std::result::Result<Rank, String> {
     let Device::Cuda(dev) = &device else {
         return Err("not a CUDA device".into());
     };
-    let comm = Arc::new(NcclComm::join(dev, rank, world, id).map_err(msg)?);
-    group.join(&comm);
+    let nccl = Arc::new(NcclComm::join(dev, rank, world, id).map_err(msg)?);
+    group.join(&nccl);
+    let peer = peers.join(rank, dev);
     opts.tp = Some(TpShard {
         plan: TpPlan::new(cfg, rank, world)?,
-        comm,
+        comm: Arc::new(TpComm::new(nccl, peer)),
     });
     let loaded = load_model_with(model, &opts, &device).map_err(msg)?;
     device.synchronize().map_err(msg)?;

@@ -1,0 +1,121 @@
+//! The collectives of one rank: decode steps' small all-reduces through the one-shot peer kernel
+//! (`rserve_kernels::allreduce`; one kernel reading the other GPUs' buffers over NVLink), the
+//! rest through NCCL. The ranks set the kernel up together ([`PeerExchange`]); when any rank
+//! cannot (no peer access, no memory), every rank uses NCCL alone.
+//!
+//! Off unless `RSERVE_TP_PEER_ALLREDUCE=1`: the kernel is checked against the CPU with its ranks
+//! on one GPU, but its speed across GPUs has not been measured yet.
+
+use super::nccl::NcclComm;
+use super::Collective;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::{Result, Tensor};
+use rserve_kernels::allreduce::{
+    enable_peer_access, PeerAllReduce, PeerBuffers, DEFAULT_MAX_BYTES, MAX_WORLD,
+};
+use std::sync::{Arc, Barrier, Mutex};
+
+/// Whether tensor-parallel groups use the peer kernel (`RSERVE_TP_PEER_ALLREDUCE=1`).
+fn peer_enabled() -> bool {
+    std::env::var("RSERVE_TP_PEER_ALLREDUCE").is_ok_and(|v| v.trim() == "1")
+}
+
+type Posted = Option<(CudaDevice, (u64, u64))>;
+
+/// What the ranks of one group (threads of this process) exchange to set the peer kernel up.
+pub struct PeerExchange {
+    world: usize,
+    posted: Mutex<Vec<Posted>>,
+    ready: Mutex<Vec<bool>>,
+    barrier: Barrier,
+}
+
+impl PeerExchange {
+    pub fn new(world: usize) -> Arc<Self> {
+        Arc::new(Self {
+            world,
+            posted: Mutex::new(vec![None; world]),
+            ready: Mutex::new(vec![false; world]),
+            barrier: Barrier::new(world),
+        })
+    }
+
+    /// Rank `rank`'s kernel on `dev`, or `None` when some rank could not set it up. Every rank of
+    /// the group must call this (it waits for all of them), after joining the NCCL group.
+    pub fn join(&self, rank: usize, dev: &CudaDevice) -> Option<PeerAllReduce> {
+        let on = peer_enabled() && self.world > 1 && self.world <= MAX_WORLD;
+        let bufs = if on {
+            PeerBuffers::new(dev, DEFAULT_MAX_BYTES)
+                .inspect_err(|e| tracing::warn!("peer all-reduce buffers on rank {rank}: {e}"))
+                .ok()
+        } else {
+            None
+        };
+        if let Ok(mut p) = self.posted.lock() {
+            p[rank] = bufs.as_ref().map(|b| (dev.clone(), b.addresses()));
+        }
+        self.barrier.wait();
+        let posted: Vec<Posted> = self.posted.lock().map(|p| p.clone()).unwrap_or_default();
+        let mine = (|| {
+            let mut addrs = Vec::with_capacity(self.world);
+            for p in &posted {
+                let (peer, a) = p.as_ref()?;
+                if !enable_peer_access(dev, peer).ok()? {
+                    return None;
+                }
+                addrs.push(*a);
+            }
+            PeerAllReduce::new(dev, bufs?, rank, &addrs)
+                .inspect_err(|e| tracing::warn!("peer all-reduce on rank {rank}: {e}"))
+                .ok()
+        })();
+        if let Ok(mut r) = self.ready.lock() {
+            r[rank] = mine.is_some();
+        }
+        self.barrier.wait();
+        let all = self
+            .ready
+            .lock()
+            .map(|r| r.iter().all(|b| *b))
+            .unwrap_or(false);
+        if rank == 0 && on {
+            if all {
+                tracing::info!(
+                    "tensor parallelism: all-reduces of up to {} KiB through peer access, larger ones through NCCL",
+                    DEFAULT_MAX_BYTES >> 10
+                );
+            } else {
+                tracing::info!(
+                    "tensor parallelism: the GPUs cannot all reach each other directly; every all-reduce goes through NCCL"
+                );
+            }
+        }
+        mine.filter(|_| all)
+    }
+}
+
+/// A rank's collectives: the peer kernel where it takes the message, NCCL otherwise.
+#[derive(Debug)]
+pub struct TpComm {
+    nccl: Arc<NcclComm>,
+    peer: Option<PeerAllReduce>,
+}
+
+impl TpComm {
+    pub fn new(nccl: Arc<NcclComm>, peer: Option<PeerAllReduce>) -> Self {
+        Self { nccl, peer }
+    }
+}
+
+impl Collective for TpComm {
+    fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.peer {
+            Some(p) if p.takes(x) => p.all_reduce(x),
+            _ => self.nccl.all_reduce(x),
+        }
+    }
+
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
+        self.nccl.all_gather(x)
+    }
+}

@@ -1,0 +1,250 @@
+//! A one-shot all-reduce among the GPUs of one process over peer (NVLink) access
+//! (`csrc/allreduce.cu`), for the small messages of decode steps: one kernel that copies, meets the
+//! other ranks through flags in each other's memory and sums, where NCCL's fixed cost per call
+//! is several times the transfer. Larger messages are left to NCCL ([`PeerAllReduce::takes`]).
+//!
+//! Every rank makes its [`PeerBuffers`], the ranks exchange their [`PeerBuffers::addresses`], turn
+//! peer access on ([`enable_peer_access`]) and each builds its [`PeerAllReduce`]. Every rank must
+//! then run the same sequence of calls (the kernel's epochs count them), as tensor-parallel ranks
+//! do; a rank whose peer never comes stops with a device error after about 30 s.
+
+use crate::cuda::function;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+/// The most ranks a group may have (the kernel's address table).
+pub const MAX_WORLD: usize = 8;
+/// Blocks of every call: fixed, since each block's epoch counts the calls.
+const BLOCKS: u32 = 32;
+const THREADS: u32 = 512;
+/// The largest message (bytes) the one-shot kernel takes by default: a decode step of 256 rows of
+/// an 8192-wide model in bf16.
+pub const DEFAULT_MAX_BYTES: usize = 4 << 20;
+
+/// One rank's buffers on its own device: a data buffer of two halves and the flags the other
+/// ranks write into.
+pub struct PeerBuffers {
+    data: CudaSlice<u8>,
+    flags: CudaSlice<u32>,
+    half_bytes: usize,
+}
+
+impl PeerBuffers {
+    /// Buffers for messages of up to `max_bytes` (rounded up to 16) on `dev`.
+    pub fn new(dev: &CudaDevice, max_bytes: usize) -> Result<Self> {
+        let half_bytes = max_bytes.div_ceil(16) * 16;
+        let stream = dev.cuda_stream();
+        let data = stream.alloc_zeros::<u8>(2 * half_bytes).w()?;
+        let flags = stream.alloc_zeros::<u32>(BLOCKS as usize * MAX_WORLD).w()?;
+        Ok(Self {
+            data,
+            flags,
+            half_bytes,
+        })
+    }
+
+    /// The device addresses of the data buffer and of the flags, for the other ranks.
+    pub fn addresses(&self) -> (u64, u64) {
+        let stream = self.data.stream().clone();
+        let (d, _g) = self.data.device_ptr(&stream);
+        let (f, _h) = self.flags.device_ptr(&stream);
+        (d, f)
+    }
+}
+
+/// Turns on access from `from`'s kernels to `to`'s memory; `false` when the two GPUs cannot
+/// reach each other directly.
+pub fn enable_peer_access(from: &CudaDevice, to: &CudaDevice) -> Result<bool> {
+    let (a, b) = (
+        from.cuda_stream().context().clone(),
+        to.cuda_stream().context().clone(),
+    );
+    if a.ordinal() == b.ordinal() {
+        return Ok(true);
+    }
+    let mut can = 0;
+    // SAFETY: both are valid device handles; the driver writes one int
+    let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) };
+    if r != sys::CUresult::CUDA_SUCCESS || can == 0 {
+        return Ok(false);
+    }
+    a.bind_to_thread().w()?;
+    // SAFETY: `a`'s context is current on this thread and `b`'s context is alive
+    let r = unsafe { sys::cuCtxEnablePeerAccess(b.cu_ctx(), 0) };
+    Ok(matches!(
+        r,
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    ))
+}
+
+/// One rank's side of the one-shot all-reduce.
+pub struct PeerAllReduce {
+    dev: CudaDevice,
+    /// Kept alive: the other ranks read and write it.
+    own: PeerBuffers,
+    /// Every rank's data address, then every rank's flags address (`2 * MAX_WORLD`).
+    table: CudaSlice<u64>,
+    /// This rank's epoch per block (the kernel's own; passed by address).
+    counters: u64,
+    _counters: CudaSlice<u32>,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for PeerAllReduce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerAllReduce")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("max_bytes", &self.own.half_bytes)
+            .finish()
+    }
+}
+
+impl PeerAllReduce {
+    /// Rank `rank` of the group whose ranks' [`PeerBuffers::addresses`] are `all` (in rank order),
+    /// with `own` its buffers on `dev`; peer access to every other rank must be on.
+    pub fn new(
+        dev: &CudaDevice,
+        own: PeerBuffers,
+        rank: usize,
+        all: &[(u64, u64)],
+    ) -> Result<Self> {
+        let world = all.len();
+        if world == 0 || world > MAX_WORLD || rank >= world {
+            candle_core::bail!("peer all-reduce: rank {rank} of {world} (at most {MAX_WORLD})");
+        }
+        let mut table = vec![0u64; 2 * MAX_WORLD];
+        for (r, (d, f)) in all.iter().enumerate() {
+            table[r] = *d;
+            table[MAX_WORLD + r] = *f;
+        }
+        let stream = dev.cuda_stream();
+        let table = stream.clone_htod(&table).w()?;
+        let counter_slice = stream.alloc_zeros::<u32>(BLOCKS as usize).w()?;
+        Ok(Self {
+            dev: dev.clone(),
+            own,
+            table,
+            counters: raw(&counter_slice, dev),
+            _counters: counter_slice,
+            rank,
+            world,
+        })
+    }
+
+    /// Whether `x` goes through this kernel: a 16-bit or f32 tensor of at most the buffers' size
+    /// whose bytes are whole 16-byte vectors. The answer depends only on `x`'s shape and dtype,
+    /// so every rank of a step answers alike.
+    pub fn takes(&self, x: &Tensor) -> bool {
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && bytes > 0
+            && bytes.is_multiple_of(16)
+            && bytes <= self.own.half_bytes
+    }
+
+    /// The element-wise sum of `x` over every rank; every rank must call it with the same shape.
+    pub fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
+        if !self.takes(x) {
+            candle_core::bail!(
+                "peer all-reduce: {:?} {:?} is not taken",
+                x.dims(),
+                x.dtype()
+            );
+        }
+        x.contiguous()?.apply_op1_no_bwd(self)
+    }
+}
+
+impl CustomOp1 for PeerAllReduce {
+    fn name(&self) -> &'static str {
+        "peer-all-reduce"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the peer all-reduce takes CUDA tensors")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (a, b) = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("peer all-reduce: not contiguous".into()))?;
+        let dev = self.dev.clone();
+        let out = match &s.slice {
+            CudaStorageSlice::F32(v) => {
+                CudaStorage::wrap_cuda_slice(self.launch(v, a..b, "allreduce_oneshot_f32")?, dev)
+            }
+            CudaStorageSlice::BF16(v) => {
+                CudaStorage::wrap_cuda_slice(self.launch(v, a..b, "allreduce_oneshot_bf16")?, dev)
+            }
+            CudaStorageSlice::F16(v) => {
+                CudaStorage::wrap_cuda_slice(self.launch(v, a..b, "allreduce_oneshot_f16")?, dev)
+            }
+            _ => candle_core::bail!("peer all-reduce: dtype {:?}", s.dtype()),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}
+
+impl PeerAllReduce {
+    /// Sums elements `range` of `v` over the ranks into a new slice, with `kernel`.
+    fn launch<T: DeviceRepr>(
+        &self,
+        v: &CudaSlice<T>,
+        range: std::ops::Range<usize>,
+        kernel: &str,
+    ) -> Result<CudaSlice<T>> {
+        let esize = std::mem::size_of::<T>();
+        let input = raw(v, &self.dev) + (range.start * esize) as u64;
+        let bytes = range.len() * esize;
+        if !input.is_multiple_of(16) || !bytes.is_multiple_of(16) || bytes > self.own.half_bytes {
+            candle_core::bail!("peer all-reduce: {bytes} bytes unaligned or above the buffers");
+        }
+        let stream = self.dev.cuda_stream();
+        // SAFETY: every element is written by the kernel before any read
+        let mut out = unsafe { stream.alloc::<T>(range.len()) }.w()?;
+        let func = function(&self.dev, kernel)?;
+        let nvec = (bytes / 16) as i64;
+        let (half, rank, world) = (
+            self.own.half_bytes as i64,
+            self.rank as i32,
+            self.world as i32,
+        );
+        {
+            let (optr, _g) = out.device_ptr_mut(&stream);
+            let mut launch = stream.launch_builder(&func);
+            launch
+                .arg(&input)
+                .arg(&optr)
+                .arg(&nvec)
+                .arg(&self.table)
+                .arg(&self.counters)
+                .arg(&half)
+                .arg(&rank)
+                .arg(&world);
+            let cfg = LaunchConfig {
+                grid_dim: (BLOCKS, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: matches `allreduce_oneshot_*` in csrc/allreduce.cu: `input` holds `nvec`
+            // 16-byte vectors (checked above) and `out` as many; the table holds every rank's
+            // buffers of `half` bytes per half and BLOCKS x MAX_WORLD flags; the counters (one
+            // per block) are this rank's, written only by this kernel
+            unsafe { launch.launch(cfg) }.w()?;
+        }
+        Ok(out)
+    }
+}
+
+/// The device address of a slice's first element.
+fn raw<T>(v: &CudaSlice<T>, dev: &CudaDevice) -> u64 {
+    let stream = dev.cuda_stream();
+    let (p, _g) = v.device_ptr(&stream);
+    p
+}
