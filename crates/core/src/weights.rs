@@ -455,6 +455,9 @@ impl Weights {
                 if stored != want || shape.first() != Some(padded) {
                     return Err(mismatch(want));
                 }
+                if rows.end > *n || rows.len() > *padded {
+                    return Err(err(format!("rows {rows:?} of {n} do not fit {padded}")));
+                }
                 let row = rest * esize;
                 let own = &data[rows.start * row..rows.end * row];
                 if rows.len() == *padded {
@@ -468,6 +471,9 @@ impl Weights {
                 let want = vec![shape.first().copied().unwrap_or(0), *n];
                 if stored != want || shape.len() != 2 || shape[1] != cols.len() {
                     return Err(mismatch(want));
+                }
+                if cols.end > *n {
+                    return Err(err(format!("columns {cols:?} of {n}")));
                 }
                 gathered = gather_cols(data, n * esize, cols.start * esize..cols.end * esize);
                 &gathered

@@ -118,11 +118,14 @@ __device__ void allreduce_oneshot(const uint4* __restrict__ in, uint4* __restric
     const unsigned* own =
         reinterpret_cast<const unsigned*>(ptrs[AR_MAX_WORLD + rank]) + b * AR_MAX_WORLD + p;
     // a peer is at most one call ahead; wrap-safe comparison. A peer that never comes (its
-    // thread died) ends this kernel with an error after ~30 s instead of a hang.
+    // thread died) ends this kernel with an error after ~30 s at full clock instead of a hang.
     const long long t0 = clock64();
-    while ((int)(ar_load_acquire(own) - epoch) < 0) {
+    unsigned seen;
+    while ((int)((seen = ar_load_acquire(own)) - epoch) < 0) {
       if (clock64() - t0 > 60000000000LL) __trap();
     }
+    // more than one call ahead: the ranks are out of step, and a sum would be wrong
+    if (seen - epoch > 1u) __trap();
   }
   __syncthreads();
   constexpr int N = ArVec<T>::N;

@@ -11,10 +11,12 @@
 use crate::cuda::function;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
 
 /// The most ranks a group may have (the kernel's address table).
 pub const MAX_WORLD: usize = 8;
@@ -26,33 +28,69 @@ const THREADS: u32 = 512;
 pub const DEFAULT_MAX_BYTES: usize = 4 << 20;
 
 /// One rank's buffers on its own device: a data buffer of two halves and the flags the other
-/// ranks write into.
+/// ranks write into. Plain device allocations: memory from a stream-ordered pool (what candle's
+/// and cudarc's allocations use where the GPU has one) is not opened to other GPUs by
+/// `cuCtxEnablePeerAccess`.
 pub struct PeerBuffers {
-    data: CudaSlice<u8>,
-    flags: CudaSlice<u32>,
+    ctx: Arc<CudaContext>,
+    data: sys::CUdeviceptr,
+    flags: sys::CUdeviceptr,
     half_bytes: usize,
 }
 
+// SAFETY: the two addresses are device memory owned by this value; freeing binds its context
+unsafe impl Send for PeerBuffers {}
+// SAFETY: as above; nothing mutates through a shared reference
+unsafe impl Sync for PeerBuffers {}
+
+const FLAG_BYTES: usize = BLOCKS as usize * MAX_WORLD * 4;
+
 impl PeerBuffers {
-    /// Buffers for messages of up to `max_bytes` (rounded up to 16) on `dev`.
+    /// Buffers for messages of up to `max_bytes` (rounded up to 16) on `dev`, zeroed.
     pub fn new(dev: &CudaDevice, max_bytes: usize) -> Result<Self> {
         let half_bytes = max_bytes.div_ceil(16) * 16;
-        let stream = dev.cuda_stream();
-        let data = stream.alloc_zeros::<u8>(2 * half_bytes).w()?;
-        let flags = stream.alloc_zeros::<u32>(BLOCKS as usize * MAX_WORLD).w()?;
-        Ok(Self {
-            data,
-            flags,
-            half_bytes,
-        })
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().w()?;
+        // SAFETY: plain allocations on the bound context, each freed once (below or on drop),
+        // zeroed synchronously before anyone learns their addresses
+        unsafe {
+            let data = result::malloc_sync(2 * half_bytes).w()?;
+            let flags = match result::malloc_sync(FLAG_BYTES) {
+                Ok(f) => f,
+                Err(e) => {
+                    let _ = result::free_sync(data);
+                    return Err(e).w();
+                }
+            };
+            let this = Self {
+                ctx,
+                data,
+                flags,
+                half_bytes,
+            };
+            result::memset_d8_sync(this.data, 0, 2 * half_bytes).w()?;
+            result::memset_d8_sync(this.flags, 0, FLAG_BYTES).w()?;
+            Ok(this)
+        }
     }
 
     /// The device addresses of the data buffer and of the flags, for the other ranks.
     pub fn addresses(&self) -> (u64, u64) {
-        let stream = self.data.stream().clone();
-        let (d, _g) = self.data.device_ptr(&stream);
-        let (f, _h) = self.flags.device_ptr(&stream);
-        (d, f)
+        (self.data, self.flags)
+    }
+}
+
+impl Drop for PeerBuffers {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // this rank's last call has ended before its buffers go
+            let _ = self.ctx.synchronize();
+            // SAFETY: allocated by `new` on this context and freed only here
+            unsafe {
+                let _ = result::free_sync(self.data);
+                let _ = result::free_sync(self.flags);
+            }
+        }
     }
 }
 
@@ -126,6 +164,8 @@ impl PeerAllReduce {
         let stream = dev.cuda_stream();
         let table = stream.clone_htod(&table).w()?;
         let counter_slice = stream.alloc_zeros::<u32>(BLOCKS as usize).w()?;
+        // the first call may come from another thread, on that thread's stream
+        stream.synchronize().w()?;
         Ok(Self {
             dev: dev.clone(),
             own,
@@ -141,8 +181,16 @@ impl PeerAllReduce {
     /// whose bytes are whole 16-byte vectors. The answer depends only on `x`'s shape and dtype,
     /// so every rank of a step answers alike.
     pub fn takes(&self, x: &Tensor) -> bool {
-        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        let esize = x.dtype().size_in_bytes();
+        let bytes = x.elem_count() * esize;
+        // a contiguous tensor keeps its offset; another is copied to a fresh (aligned) buffer
+        let offset = if x.is_contiguous() {
+            x.layout().start_offset() * esize
+        } else {
+            0
+        };
         matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && offset.is_multiple_of(16)
             && bytes > 0
             && bytes.is_multiple_of(16)
             && bytes <= self.own.half_bytes

@@ -40,17 +40,19 @@ impl PeerExchange {
         })
     }
 
-    /// Rank `rank`'s kernel on `dev`, or `None` when some rank could not set it up. Every rank of
-    /// the group must call this (it waits for all of them), after joining the NCCL group.
+    /// Rank `rank`'s kernel on `dev`, or `None` when it is off or some rank could not set it up.
+    /// When it is on, every rank of the group must call this (it waits for all of them), after
+    /// joining the NCCL group; a rank that fails before then leaves the others waiting, as NCCL's
+    /// own start does. A rank that fails while the others are inside a call leaves them waiting
+    /// ~30 s, after which their kernels stop with a device error.
     pub fn join(&self, rank: usize, dev: &CudaDevice) -> Option<PeerAllReduce> {
-        let on = peer_enabled() && self.world > 1 && self.world <= MAX_WORLD;
-        let bufs = if on {
-            PeerBuffers::new(dev, DEFAULT_MAX_BYTES)
-                .inspect_err(|e| tracing::warn!("peer all-reduce buffers on rank {rank}: {e}"))
-                .ok()
-        } else {
-            None
-        };
+        // the switch is the process's, so every rank leaves here alike
+        if !(peer_enabled() && self.world > 1 && self.world <= MAX_WORLD) {
+            return None;
+        }
+        let bufs = PeerBuffers::new(dev, DEFAULT_MAX_BYTES)
+            .inspect_err(|e| tracing::warn!("peer all-reduce buffers on rank {rank}: {e}"))
+            .ok();
         if let Ok(mut p) = self.posted.lock() {
             p[rank] = bufs.as_ref().map(|b| (dev.clone(), b.addresses()));
         }
@@ -78,7 +80,10 @@ impl PeerExchange {
             .lock()
             .map(|r| r.iter().all(|b| *b))
             .unwrap_or(false);
-        if rank == 0 && on {
+        if let Ok(mut p) = self.posted.lock() {
+            p.clear(); // the other ranks' devices are not held past the setup
+        }
+        if rank == 0 {
             if all {
                 tracing::info!(
                     "tensor parallelism: all-reduces of up to {} KiB through peer access, larger ones through NCCL",
