@@ -76,7 +76,7 @@ fn open() -> std::result::Result<Lib, String> {
     if handle.is_null() {
         return Err(format!(
             "tensor parallelism needs NCCL: none of {} could be opened (pip install \
-             nvidia-nccl-cu12 and put its lib directory on LD_LIBRARY_PATH, or set RSERVE_NCCL_LIB)",
+             nvidia-nccl-cu13 and put its lib directory on LD_LIBRARY_PATH, or set RSERVE_NCCL_LIB)",
             names.join(", ")
         ));
     }
