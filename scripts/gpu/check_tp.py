@@ -69,20 +69,25 @@ def part_8b(a, out: Path, sizes: list[int]) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def write_70b(root: Path) -> Path:
-    """Random bf16 weights of the Llama-3.1-70B shape, made on the GPU and saved a few layers per
-    file (never the whole model in memory at once)."""
+LLAMA_70B = {"hidden": 8192, "inter": 28672, "layers": 80, "heads": 64, "kv": 8, "vocab": 128256}
+
+
+def write_70b(root: Path, shape: dict | None = None, name: str = "llama-3.1-70b") -> Path:
+    """Random bf16 weights of the Llama-3.1-70B shape (or `shape`), made on the GPU and saved a
+    few layers per file by several threads (never the whole model in memory at once)."""
     import torch
     from safetensors.torch import save_file
 
-    path = root / "llama-3.1-70b"
+    sh = shape or LLAMA_70B
+    path = root / name
     if (path / "model.safetensors.index.json").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
+    h, inter, layers, heads, kv, vocab = (sh[k] for k in ("hidden", "inter", "layers", "heads", "kv", "vocab"))
+    need = 2 * (layers * (2 * h * h + 2 * h * h * kv // heads + 3 * h * inter) + 2 * vocab * h)
     free = shutil.disk_usage(path).free
-    if free < 145e9:
-        raise SystemExit(f"70b: {path} has {free / 1e9:.0f} GB free; the weights need 141 GB")
-    h, inter, layers, heads, kv, vocab = 8192, 28672, 80, 64, 8, 128256
+    if free < need * 1.02:
+        raise SystemExit(f"{name}: {path} has {free / 1e9:.0f} GB free; the weights need {need / 1e9:.0f} GB")
     d = h // heads
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
@@ -128,11 +133,11 @@ def write_70b(root: Path) -> Path:
     index: dict[str, str] = {}
     t0 = time.time()
     with ThreadPoolExecutor(4) as pool:
-        for names in pool.map(write, range(layers // per_file)):
+        for names in pool.map(write, range(-(-layers // per_file))):
             index.update(names)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    check.log(f"70b: {size / 1e9:.1f} GB written in {time.time() - t0:.0f} s")
+    check.log(f"{name}: {size / 1e9:.1f} GB written in {time.time() - t0:.0f} s")
     return path
 
 
