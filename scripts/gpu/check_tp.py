@@ -33,6 +33,14 @@ def gpus() -> int:
     return len([ln for ln in r.stdout.splitlines() if ln.startswith("GPU ")])
 
 
+def tp_server(a, path: Path, out: Path, tp: int, peer: bool) -> check.Server:
+    """`rserve serve` of `path` over `tp` GPUs, the peer all-reduce on or off."""
+    return check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
+                        "--tensor-parallel-size", str(tp),
+                        env={"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"},
+                        tag=f"-tp{tp}" + ("-peer" if peer else ""))
+
+
 def part_8b(a, out: Path, sizes: list[int]) -> None:
     import torch
 
@@ -43,10 +51,7 @@ def part_8b(a, out: Path, sizes: list[int]) -> None:
     # each size > 1 a second time with the decode steps' all-reduces through the peer kernel
     runs = [(tp, False) for tp in sizes] + [(tp, True) for tp in sizes if tp > 1 and a.ab_peer]
     for tp, peer in runs:
-        env = {"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"}
-        srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
-                           "--tensor-parallel-size", str(tp), env=env,
-                           tag=f"-tp{tp}" + ("-peer" if peer else ""))
+        srv = tp_server(a, path, out, tp, peer)
         try:
             rec = {"part": "tp-8b", "tp": tp, "ready_s": round(srv.ready_s, 2)}
             if tp > 1:
@@ -145,10 +150,7 @@ def part_70b(a, out: Path, tp: int) -> None:
     path = write_70b(Path(a.scratch70))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     for peer in [False, True] if a.ab_peer else [False]:
-        env = {"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"}
-        srv = check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
-                           "--tensor-parallel-size", str(tp), env=env,
-                           tag=f"-tp{tp}" + ("-peer" if peer else ""))
+        srv = tp_server(a, path, out, tp, peer)
         try:
             b1 = check.bench(a, srv, out, 1, 4, 512, 128)
             c64 = check.bench(a, srv, out, 64, 64, 512, 128)

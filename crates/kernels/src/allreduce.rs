@@ -126,9 +126,8 @@ pub struct PeerAllReduce {
     own: PeerBuffers,
     /// Every rank's data address, then every rank's flags address (`2 * MAX_WORLD`).
     table: CudaSlice<u64>,
-    /// This rank's epoch per block (the kernel's own; passed by address).
-    counters: u64,
-    _counters: CudaSlice<u32>,
+    /// This rank's epoch per block, written only by the kernel.
+    counters: CudaSlice<u32>,
     rank: usize,
     world: usize,
 }
@@ -163,15 +162,14 @@ impl PeerAllReduce {
         }
         let stream = dev.cuda_stream();
         let table = stream.clone_htod(&table).w()?;
-        let counter_slice = stream.alloc_zeros::<u32>(BLOCKS as usize).w()?;
+        let counters = stream.alloc_zeros::<u32>(BLOCKS as usize).w()?;
         // the first call may come from another thread, on that thread's stream
         stream.synchronize().w()?;
         Ok(Self {
             dev: dev.clone(),
             own,
             table,
-            counters: raw(&counter_slice, dev),
-            _counters: counter_slice,
+            counters,
             rank,
             world,
         })
@@ -196,15 +194,9 @@ impl PeerAllReduce {
             && bytes <= self.own.half_bytes
     }
 
-    /// The element-wise sum of `x` over every rank; every rank must call it with the same shape.
+    /// The element-wise sum of `x` over every rank; every rank must call it with the same shape,
+    /// one that [`PeerAllReduce::takes`] (anything else is an error).
     pub fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.takes(x) {
-            candle_core::bail!(
-                "peer all-reduce: {:?} {:?} is not taken",
-                x.dims(),
-                x.dtype()
-            );
-        }
         x.contiguous()?.apply_op1_no_bwd(self)
     }
 }
