@@ -74,15 +74,15 @@ fi
 if has tp; then
   test_bin allreduce-group allreduce
   RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel tensor_parallel
-  RSERVE_TP_PEER_ALLREDUCE=1 RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel-peer tensor_parallel
-  step tp-8b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 8b --sizes 1,2,4 --ab-peer
+  RSERVE_TP_PEER_ALLREDUCE=0 RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel-nccl tensor_parallel
+  step tp-8b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 8b --sizes 1,2,4 --ab
 fi
 if has tp70; then
   # 141 GB of weights: more than the disk or a default /dev/shm holds, so a tmpfs of its own
   scratch70=${RSERVE_SCRATCH70:-/mnt/rserve-70b}
   mkdir -p "$scratch70"; mountpoint -q "$scratch70" || mount -t tmpfs -o size=200g tmpfs "$scratch70"
   df -h "$scratch70" | tee -a "$OUT/summary.txt"
-  step tp-70b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 70b --sizes 1,2,4 --ab-peer \
+  step tp-70b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 70b --sizes 1,2,4 --ab \
     --scratch70 "$scratch70"
 fi
 if has wheel; then

@@ -33,12 +33,27 @@ def gpus() -> int:
     return len([ln for ln in r.stdout.splitlines() if ln.startswith("GPU ")])
 
 
-def tp_server(a, path: Path, out: Path, tp: int, peer: bool) -> check.Server:
-    """`rserve serve` of `path` over `tp` GPUs, the peer all-reduce on or off."""
+# Each TP > 1 run's collectives and scheduling: the default (peer all-reduce fused with the residual
+# add and norm, async scheduling), and with --ab each of those taken away in turn.
+VARIANTS = {
+    "default": ({}, []),
+    "no-async": ({}, ["--no-async-scheduling"]),
+    "unfused": ({"RSERVE_TP_FUSED_NORM": "0"}, ["--no-async-scheduling"]),
+    "nccl": ({"RSERVE_TP_PEER_ALLREDUCE": "0"}, ["--no-async-scheduling"]),
+}
+
+
+def tp_server(a, path: Path, out: Path, tp: int, variant: str) -> check.Server:
+    """`rserve serve` of `path` over `tp` GPUs, in one of the VARIANTS."""
+    env, args = VARIANTS[variant]
     return check.Server(a.binary, str(path), a.port, out, "--max-model-len", "4096",
-                        "--tensor-parallel-size", str(tp),
-                        env={"RSERVE_TP_PEER_ALLREDUCE": "1" if peer else "0"},
-                        tag=f"-tp{tp}" + ("-peer" if peer else ""))
+                        "--tensor-parallel-size", str(tp), *args, env=env,
+                        tag=f"-tp{tp}" + ("" if variant == "default" else f"-{variant}"))
+
+
+def runs_of(a, sizes: list[int], ab: tuple[str, ...] = tuple(VARIANTS)) -> list[tuple[int, str]]:
+    more = [v for v in ab if v != "default"] if a.ab else []
+    return [(tp, "default") for tp in sizes] + [(tp, v) for tp in sizes if tp > 1 for v in more]
 
 
 def part_8b(a, out: Path, sizes: list[int]) -> None:
@@ -48,14 +63,12 @@ def part_8b(a, out: Path, sizes: list[int]) -> None:
     g = torch.Generator().manual_seed(1)
     ids = [1] + torch.randint(20, 30000, (1000,), generator=g).tolist()
     base = None
-    # each size > 1 a second time with the decode steps' all-reduces through the peer kernel
-    runs = [(tp, False) for tp in sizes] + [(tp, True) for tp in sizes if tp > 1 and a.ab_peer]
-    for tp, peer in runs:
-        srv = tp_server(a, path, out, tp, peer)
+    for tp, variant in runs_of(a, sizes):
+        srv = tp_server(a, path, out, tp, variant)
         try:
             rec = {"part": "tp-8b", "tp": tp, "ready_s": round(srv.ready_s, 2)}
             if tp > 1:
-                rec["peer_all_reduce"] = peer
+                rec["variant"] = variant
             lp = check.teacher_forced_rserve(srv, ids)
             if base is None:
                 # TP=1 is the reference; every position's arg-max is compared
@@ -149,15 +162,16 @@ def write_70b(root: Path, shape: dict | None = None, name: str = "llama-3.1-70b"
 def part_70b(a, out: Path, tp: int) -> None:
     path = write_70b(Path(a.scratch70))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    for peer in [False, True] if a.ab_peer else [False]:
-        srv = tp_server(a, path, out, tp, peer)
+    # the 70B shape loads in ~20 s: the default and NCCL's all-reduce only
+    for _, variant in runs_of(a, [tp], ("default", "nccl")):
+        srv = tp_server(a, path, out, tp, variant)
         try:
             b1 = check.bench(a, srv, out, 1, 4, 512, 128)
             c64 = check.bench(a, srv, out, 64, 64, 512, 128)
             floor = H200_BW * tp / size
             tok_s = 1000.0 / b1["tpot_ms"]["median"]
             check.emit(out, {
-                "part": "tp-70b", "tp": tp, "peer_all_reduce": peer, "weights_gb": round(size / 1e9, 1),
+                "part": "tp-70b", "tp": tp, "variant": variant, "weights_gb": round(size / 1e9, 1),
                 "load_s": round(srv.ready_s, 1), "b1_decode_tok_s": round(tok_s, 1),
                 "floor_tok_s": round(floor, 1), "of_floor": round(tok_s / floor, 3),
                 "c64_output_tok_s": round(c64["output_throughput"], 1),
@@ -175,8 +189,9 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/rserve-big")
     p.add_argument("--scratch70", default="/dev/shm/rserve-70b")
     p.add_argument("--port", type=int, default=8031)
-    p.add_argument("--ab-peer", action="store_true",
-                   help="also run each TP > 1 with the peer all-reduce on (RSERVE_TP_PEER_ALLREDUCE=1)")
+    p.add_argument("--ab", action="store_true",
+                   help="also run each TP > 1 without async scheduling, then also without the fused norm, "
+                        "then with NCCL's all-reduce (VARIANTS)")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     n = gpus()

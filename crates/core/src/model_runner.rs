@@ -390,8 +390,12 @@ impl ModelRunner {
         let pending = std::mem::take(&mut host.pending);
         let image_rows = self.image_rows(sched, &std::mem::take(&mut host.images))?;
         // the other ranks get the step once rank 0 has it ready: a step rank 0 cannot run
-        // never reaches their collectives
-        let shared = self.followers.as_ref().map(|_| host.clone());
+        // never reaches their collectives. They learn which rows wait for tokens sampled on
+        // rank 0 ([`ModelRunner::share_tokens`]).
+        let shared = self.followers.as_ref().map(|_| HostBatch {
+            pending: pending.clone(),
+            ..host.clone()
+        });
         let step = self.prepare_host(host, image_rows)?;
         if let (Some(f), Some(host)) = (&self.followers, shared) {
             f.step(&host, &block_pairs(out))?;
@@ -524,6 +528,13 @@ impl ModelRunner {
             .and_then(|g| g.input_ids(*bucket))
             .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
         }
+    }
+
+    /// Under tensor parallelism, writes rank 0's token ids of `step` over every rank's: a step
+    /// with rows whose tokens rank 0 sampled on its device (async scheduling) calls this on
+    /// every rank once rank 0 has written them, before [`ModelRunner::execute`].
+    pub fn share_tokens(&self, step: &PreparedStep) -> Result<()> {
+        self.model.share_token_ids(&self.token_ids(step)?)
     }
 
     /// Applies the step's block copies and runs the model; f32 logits `[rows, vocab]`.

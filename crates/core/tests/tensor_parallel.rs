@@ -345,11 +345,19 @@ mod cuda {
         let prompt: Vec<u32> = PROMPT.to_vec();
         for name in MODELS {
             let mut outs = Vec::new();
-            for (tp, eager) in [(1, false), (world, false), (world, true)] {
+            // async scheduling (the default) has rank 0 share the tokens it sampled on its GPU
+            let runs = [
+                (1, false, true),
+                (world, false, true),
+                (world, true, true),
+                (world, false, false),
+            ];
+            for (tp, eager, ahead) in runs {
                 let h = common::start(name, |c| {
                     c.dtype = "float32".into();
                     c.tensor_parallel_size = tp;
                     c.enforce_eager = eager;
+                    c.async_scheduling = ahead;
                 });
                 let out = common::greedy(&h, &prompt, 24, 0);
                 outs.push(out.outputs[0].token_ids.clone());
@@ -357,6 +365,10 @@ mod cuda {
             }
             assert_eq!(outs[0], outs[1], "{name}: TP={world} with graphs");
             assert_eq!(outs[0], outs[2], "{name}: TP={world} eager");
+            assert_eq!(
+                outs[0], outs[3],
+                "{name}: TP={world} without async scheduling"
+            );
         }
     }
 }

@@ -8,12 +8,18 @@
 // buffer in rank order (the same order on every rank, so all ranks get the same bits).
 //
 // The epoch of a call is a per-block counter kept on the device (graph replays advance it), the
-// same on every rank because every rank runs the same calls with the same grid. Why two halves are
-// enough: a rank writes half (e & 1) in call e only after it has seen every peer's flag of call
-// e - 1, so every peer has finished call e - 2, the last call that read that half.
+// same on every rank because every rank runs the same calls with the same grid (every kernel here
+// runs BLOCKS blocks, and every block meets its peers, rows or not). Why two halves are enough: a
+// rank writes half (e & 1) in call e only after it has seen every peer's flag of call e - 1, so
+// every peer has finished call e - 2, the last call that read that half (a call starts after
+// pdl_wait, so after every kernel before it in its stream has finished).
+//
+// Two kernels: the plain all-reduce, and the all-reduce fused with the decoder's residual add and
+// RMS norm that follow a row-parallel layer (one launch and one pass over the row fewer).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include "common.cuh"
 
 #define AR_MAX_WORLD 8
 
@@ -87,30 +93,26 @@ struct ArVec<__nv_bfloat16> : ArVecPairs<__nv_bfloat162> {};
 template <>
 struct ArVec<__half> : ArVecPairs<__half2> {};
 
-// in, out: `nvec` 16-byte vectors on this rank. ptrs: every rank's data buffer (AR_MAX_WORLD
-// entries) then every rank's flags ([gridDim.x][AR_MAX_WORLD] u32 each). counters: this rank's
-// per-block epochs. half_bytes: the size of one half of a data buffer (>= nvec * 16).
-template <typename T>
-__device__ void allreduce_oneshot(const uint4* __restrict__ in, uint4* __restrict__ out, long nvec,
-                                  const unsigned long long* __restrict__ ptrs,
-                                  unsigned* __restrict__ counters, long half_bytes, int rank,
-                                  int world) {
+// The epoch of this block's call: its counter (this rank's, one per block) advanced by one.
+__device__ __forceinline__ unsigned ar_next_epoch(unsigned* __restrict__ counters) {
   __shared__ unsigned epoch_s;
-  const int b = blockIdx.x;
   if (threadIdx.x == 0) {
-    unsigned e = counters[b] + 1;
-    counters[b] = e;
+    const unsigned e = counters[blockIdx.x] + 1;
+    counters[blockIdx.x] = e;
     epoch_s = e;
   }
   __syncthreads();
-  const unsigned epoch = epoch_s;
-  const long half = (long)(epoch & 1u) * half_bytes;
-  const long per = (nvec + gridDim.x - 1) / gridDim.x;
-  const long lo = min(nvec, per * b), hi = min(nvec, lo + per);
+  return epoch_s;
+}
 
-  uint4* mine = reinterpret_cast<uint4*>(reinterpret_cast<char*>(ptrs[rank]) + half);
-  for (long i = lo + threadIdx.x; i < hi; i += blockDim.x) mine[i] = in[i];
+// After this block's data of call `epoch` is in its own buffer: tells every peer (a release store
+// into the peer's flag for this block and rank) and waits until every peer's data is in theirs.
+// ptrs: every rank's data buffer (AR_MAX_WORLD entries) then every rank's flags
+// ([gridDim.x][AR_MAX_WORLD] u32 each).
+__device__ __forceinline__ void ar_meet(const unsigned long long* __restrict__ ptrs, unsigned epoch,
+                                        int rank, int world) {
   __syncthreads();
+  const int b = blockIdx.x;
   if (threadIdx.x < world) {
     const int p = threadIdx.x;
     unsigned* theirs = reinterpret_cast<unsigned*>(ptrs[AR_MAX_WORLD + p]) + b * AR_MAX_WORLD + rank;
@@ -128,16 +130,100 @@ __device__ void allreduce_oneshot(const uint4* __restrict__ in, uint4* __restric
     if (seen - epoch > 1u) __trap();
   }
   __syncthreads();
-  constexpr int N = ArVec<T>::N;
-  for (long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    float acc[N];
+}
+
+// Rank q's half of the call with epoch `epoch`, as 16-byte vectors.
+__device__ __forceinline__ const uint4* ar_half(const unsigned long long* __restrict__ ptrs, int q,
+                                                unsigned epoch, long half_bytes) {
+  return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(ptrs[q]) +
+                                        (long)(epoch & 1u) * half_bytes);
+}
+
+// Vector i summed over every rank's half, in rank order, in f32.
+template <typename T>
+__device__ __forceinline__ void ar_sum(float* acc, const unsigned long long* __restrict__ ptrs,
+                                       unsigned epoch, long half_bytes, int world, long i) {
 #pragma unroll
-    for (int k = 0; k < N; k++) acc[k] = 0.f;
-    for (int q = 0; q < world; q++) {
-      const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(ptrs[q]) + half);
-      ArVec<T>::add(acc, src[i]);
-    }
+  for (int k = 0; k < ArVec<T>::N; k++) acc[k] = 0.f;
+  for (int q = 0; q < world; q++) ArVec<T>::add(acc, ar_half(ptrs, q, epoch, half_bytes)[i]);
+}
+
+// in, out: `nvec` 16-byte vectors on this rank, split evenly among the blocks. counters: this
+// rank's per-block epochs. half_bytes: the size of one half of a data buffer (>= nvec * 16).
+template <typename T>
+__device__ void allreduce_oneshot(const uint4* __restrict__ in, uint4* __restrict__ out, long nvec,
+                                  const unsigned long long* __restrict__ ptrs,
+                                  unsigned* __restrict__ counters, long half_bytes, int rank,
+                                  int world) {
+  pdl_wait();  // the product that wrote `in` has finished (and every kernel before it)
+  pdl_trigger();
+  const unsigned epoch = ar_next_epoch(counters);
+  const int b = blockIdx.x;
+  const long per = (nvec + gridDim.x - 1) / gridDim.x;
+  const long lo = min(nvec, per * b), hi = min(nvec, lo + per);
+  uint4* mine = const_cast<uint4*>(ar_half(ptrs, rank, epoch, half_bytes));
+  for (long i = lo + threadIdx.x; i < hi; i += blockDim.x) mine[i] = in[i];
+  ar_meet(ptrs, epoch, rank, world);
+  for (long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float acc[ArVec<T>::N];
+    ar_sum<T>(acc, ptrs, epoch, half_bytes, world, i);
     out[i] = ArVec<T>::pack(acc);
+  }
+}
+
+// The all-reduce of a row-parallel layer's output `in` [tokens, hidden] followed by the decoder's
+// residual add and RMS norm, in one kernel: out [2, tokens, hidden] holds sum = reduced + res
+// (the reduced value rounded to T first, as the all-reduce returns it) and rms_norm(sum) * w,
+// the same bits as the all-reduce kernel then add_rms_norm with as many threads. A block takes
+// rows blockIdx.x, blockIdx.x + gridDim.x, ...; every block of the grid meets its peers whether
+// it has rows or not, so the epochs of all blocks advance together. hidden is a multiple of
+// ArVec<T>::N.
+template <typename T>
+__device__ void allreduce_add_rms_norm(const T* __restrict__ in, const T* __restrict__ res,
+                                       const T* __restrict__ w, T* __restrict__ out, int tokens,
+                                       int hidden, float eps,
+                                       const unsigned long long* __restrict__ ptrs,
+                                       unsigned* __restrict__ counters, long half_bytes, int rank,
+                                       int world) {
+  pdl_wait();
+  pdl_trigger();  // the next product may start streaming its weights while the ranks meet
+  const unsigned epoch = ar_next_epoch(counters);
+  constexpr int VN = ArVec<T>::N;
+  const int rv = hidden / VN;  // vectors per row
+  uint4* mine = const_cast<uint4*>(ar_half(ptrs, rank, epoch, half_bytes));
+  const uint4* in4 = reinterpret_cast<const uint4*>(in);
+  for (int row = blockIdx.x; row < tokens; row += gridDim.x)
+    for (int i = threadIdx.x; i < rv; i += blockDim.x) mine[(long)row * rv + i] = in4[(long)row * rv + i];
+  ar_meet(ptrs, epoch, rank, world);
+  __shared__ float partial[32];
+  for (int row = blockIdx.x; row < tokens; row += gridDim.x) {
+    T* sum = out + (long)row * hidden;
+    T* norm = out + ((long)tokens + row) * hidden;
+    const T* rr = res + (long)row * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < rv; i += blockDim.x) {
+      float acc[VN], r[VN];
+      ar_sum<T>(acc, ptrs, epoch, half_bytes, world, (long)row * rv + i);
+      load16(rr + i * VN, r);
+      alignas(16) T s[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) {
+        s[e] = from_f32<T>(to_f32(from_f32<T>(acc[e])) + r[e]);
+        const float v = to_f32(s[e]);
+        ss += v * v;
+      }
+      *reinterpret_cast<uint4*>(sum + i * VN) = *reinterpret_cast<const uint4*>(s);
+    }
+    const float inv = block_rms_inv(ss, partial, hidden, eps);
+    for (int i = threadIdx.x; i < rv; i += blockDim.x) {
+      float sv[VN], wv[VN];
+      load16_rw(sum + i * VN, sv);
+      load16(w + i * VN, wv);
+      alignas(16) T o[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) o[e] = from_f32<T>(sv[e] * inv * wv[e]);
+      *reinterpret_cast<uint4*>(norm + i * VN) = *reinterpret_cast<const uint4*>(o);
+    }
   }
 }
 
@@ -151,3 +237,16 @@ __device__ void allreduce_oneshot(const uint4* __restrict__ in, uint4* __restric
 AR_KERNEL(allreduce_oneshot_f32, float)
 AR_KERNEL(allreduce_oneshot_bf16, __nv_bfloat16)
 AR_KERNEL(allreduce_oneshot_f16, __half)
+
+#define AR_NORM_KERNEL(name, T)                                                                  \
+  extern "C" __global__ void __launch_bounds__(1024)                                            \
+      name(const T* in, const T* res, const T* w, T* out, int tokens, int hidden, float eps,    \
+           const unsigned long long* ptrs, unsigned* counters, long half_bytes, int rank,       \
+           int world) {                                                                         \
+    allreduce_add_rms_norm<T>(in, res, w, out, tokens, hidden, eps, ptrs, counters, half_bytes, \
+                              rank, world);                                                     \
+  }
+
+AR_NORM_KERNEL(allreduce_add_rms_norm_f32, float)
+AR_NORM_KERNEL(allreduce_add_rms_norm_bf16, __nv_bfloat16)
+AR_NORM_KERNEL(allreduce_add_rms_norm_f16, __half)

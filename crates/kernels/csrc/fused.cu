@@ -36,6 +36,23 @@ __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu,
   }
 }
 
+// 1 / sqrt(mean + eps) of a row whose squares this block's threads summed into `ss` each (every
+// thread gets it); `partial` is 32 floats of shared memory, free again when this returns.
+__device__ __forceinline__ float block_rms_inv(float ss, float* partial, int hidden, float eps) {
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+    v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = rsqrtf(v / hidden + eps);
+  }
+  __syncthreads();
+  const float inv = partial[0];
+  __syncthreads();
+  return inv;
+}
+
 // One CTA per row. out: [2, tokens, H]: the sum x + residual (rounded to T), then its RMS norm
 // times the weight.
 template <typename T>
@@ -76,16 +93,7 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
       ss += v * v;
     }
   }
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) partial[0] = rsqrtf(v / hidden + eps);
-  }
-  __syncthreads();
-  const float inv = partial[0];
+  const float inv = block_rms_inv(ss, partial, hidden, eps);
   if (vec) {
     // this thread wrote these sums itself: a plain (coherent) load, not the read-only path
     for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {

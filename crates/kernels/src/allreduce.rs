@@ -8,20 +8,24 @@
 //! then run the same sequence of calls (the kernel's epochs count them), as tensor-parallel ranks
 //! do; a rank whose peer never comes stops with a device error after about 30 s.
 
-use crate::cuda::function;
+use crate::cuda::{function, launch_dependent};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    result, sys, CudaContext, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use std::ffi::c_void;
 use std::sync::Arc;
 
 /// The most ranks a group may have (the kernel's address table).
 pub const MAX_WORLD: usize = 8;
 /// Blocks of every call: fixed, since each block's epoch counts the calls.
 const BLOCKS: u32 = 32;
+/// The most rows for which the fused all-reduce and norm is the faster path: one row per block.
+/// More rows share the blocks, where the plain all-reduce then `add_rms_norm` (a block per row on
+/// every multiprocessor) spread the norm wider.
+pub const FUSED_ROWS: usize = BLOCKS as usize;
 const THREADS: u32 = 512;
 /// The largest message (bytes) the one-shot kernel takes by default: a decode step of 256 rows of
 /// an 8192-wide model in bf16.
@@ -199,6 +203,44 @@ impl PeerAllReduce {
     pub fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1_no_bwd(self)
     }
+
+    /// Whether [`PeerAllReduce::all_reduce_add_rms_norm`] takes `x` `[tokens, hidden]`: what
+    /// [`PeerAllReduce::takes`] takes, with rows of whole 16-byte vectors.
+    pub fn takes_rows(&self, x: &Tensor) -> bool {
+        let esize = x.dtype().size_in_bytes();
+        matches!(x.dims(), &[_, h] if (h * esize).is_multiple_of(16)) && self.takes(x)
+    }
+
+    /// The sum of `x` over every rank plus `residual`, and that sum's RMS norm times `weight`
+    /// (`eps` inside the root): what [`PeerAllReduce::all_reduce`] then `add_rms_norm` give, bit
+    /// for bit, in one kernel. `x` and `residual` are `[tokens, hidden]`, `weight` `[hidden]`, all
+    /// of one dtype; every rank calls it with the same shapes, ones [`PeerAllReduce::takes_rows`].
+    pub fn all_reduce_add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        crate::fused::check_add_rms_norm("peer all-reduce + RMS norm", x, residual, weight)?;
+        let out = x.contiguous()?.apply_op3_no_bwd(
+            &residual.contiguous()?,
+            &weight.contiguous()?,
+            &AddRmsNorm {
+                ar: self,
+                eps: eps as f32,
+            },
+        )?;
+        Ok((out.get(0)?, out.get(1)?))
+    }
+
+    fn table_ptr(&self) -> u64 {
+        raw(&self.table, &self.dev)
+    }
+
+    fn counters_ptr(&self) -> u64 {
+        raw(&self.counters, &self.dev)
+    }
 }
 
 impl CustomOp1 for PeerAllReduce {
@@ -257,26 +299,146 @@ impl PeerAllReduce {
         );
         {
             let (optr, _g) = out.device_ptr_mut(&stream);
-            let mut launch = stream.launch_builder(&func);
-            launch
-                .arg(&input)
-                .arg(&optr)
-                .arg(&nvec)
-                .arg(&self.table)
-                .arg(&self.counters)
-                .arg(&half)
-                .arg(&rank)
-                .arg(&world);
-            let cfg = LaunchConfig {
-                grid_dim: (BLOCKS, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let (mut ip, mut op, mut tp, mut cp) =
+                (input, optr, self.table_ptr(), self.counters_ptr());
+            let (mut nv, mut hb, mut rk, mut wd) = (nvec, half, rank, world);
+            let mut params = [
+                (&raw mut ip).cast::<c_void>(),
+                (&raw mut op).cast::<c_void>(),
+                (&raw mut nv).cast::<c_void>(),
+                (&raw mut tp).cast::<c_void>(),
+                (&raw mut cp).cast::<c_void>(),
+                (&raw mut hb).cast::<c_void>(),
+                (&raw mut rk).cast::<c_void>(),
+                (&raw mut wd).cast::<c_void>(),
+            ];
             // SAFETY: matches `allreduce_oneshot_*` in csrc/allreduce.cu: `input` holds `nvec`
             // 16-byte vectors (checked above) and `out` as many; the table holds every rank's
             // buffers of `half` bytes per half and BLOCKS x MAX_WORLD flags; the counters (one
-            // per block) are this rank's, written only by this kernel
-            unsafe { launch.launch(cfg) }.w()?;
+            // per block) are this rank's, written only by these kernels; the kernel waits for the
+            // kernel before it before it reads or writes anything
+            unsafe { launch_dependent(&func, &stream, BLOCKS, THREADS, &mut params) }?;
+        }
+        Ok(out)
+    }
+}
+
+/// The fused all-reduce, residual add and RMS norm (see
+/// [`PeerAllReduce::all_reduce_add_rms_norm`]); its output is `[2, tokens, hidden]`.
+struct AddRmsNorm<'a> {
+    ar: &'a PeerAllReduce,
+    eps: f32,
+}
+
+impl CustomOp3 for AddRmsNorm<'_> {
+    fn name(&self) -> &'static str {
+        "peer-all-reduce-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the peer all-reduce takes CUDA tensors")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        r: &CudaStorage,
+        rl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = self.ar.dev.clone();
+        let (t, h) = (xl.dims()[0], xl.dims()[1]);
+        let out = match (&x.slice, &r.slice, &w.slice) {
+            (CudaStorageSlice::F32(x), CudaStorageSlice::F32(r), CudaStorageSlice::F32(w)) => {
+                let o = self.launch((x, xl), (r, rl), (w, wl), "allreduce_add_rms_norm_f32")?;
+                CudaStorage::wrap_cuda_slice(o, dev)
+            }
+            (CudaStorageSlice::BF16(x), CudaStorageSlice::BF16(r), CudaStorageSlice::BF16(w)) => {
+                let o = self.launch((x, xl), (r, rl), (w, wl), "allreduce_add_rms_norm_bf16")?;
+                CudaStorage::wrap_cuda_slice(o, dev)
+            }
+            (CudaStorageSlice::F16(x), CudaStorageSlice::F16(r), CudaStorageSlice::F16(w)) => {
+                let o = self.launch((x, xl), (r, rl), (w, wl), "allreduce_add_rms_norm_f16")?;
+                CudaStorage::wrap_cuda_slice(o, dev)
+            }
+            _ => candle_core::bail!("peer all-reduce + RMS norm: dtypes differ or unsupported"),
+        };
+        Ok((out, Shape::from((2, t, h))))
+    }
+}
+
+impl AddRmsNorm<'_> {
+    fn launch<T: DeviceRepr>(
+        &self,
+        x: (&CudaSlice<T>, &Layout),
+        r: (&CudaSlice<T>, &Layout),
+        w: (&CudaSlice<T>, &Layout),
+        kernel: &str,
+    ) -> Result<CudaSlice<T>> {
+        let ar = self.ar;
+        let esize = std::mem::size_of::<T>();
+        let (t, h) = (x.1.dims()[0], x.1.dims()[1]);
+        let mut ptrs = [0u64; 3];
+        for (p, (v, l)) in ptrs.iter_mut().zip([x, r, w]) {
+            let (a, _) = l.contiguous_offsets().ok_or_else(|| {
+                candle_core::Error::Msg("peer all-reduce + RMS norm: not contiguous".into())
+            })?;
+            *p = raw(v, &ar.dev) + (a * esize) as u64;
+        }
+        let bytes = t * h * esize;
+        if ptrs.iter().any(|p| !p.is_multiple_of(16))
+            || !(h * esize).is_multiple_of(16)
+            || bytes > ar.own.half_bytes
+        {
+            candle_core::bail!(
+                "peer all-reduce + RMS norm: {t} x {h} unaligned or above the buffers"
+            );
+        }
+        let stream = ar.dev.cuda_stream();
+        // SAFETY: every element is written by the kernel before any read
+        let mut out = unsafe { stream.alloc::<T>(2 * t * h) }.w()?;
+        let func = function(&ar.dev, kernel)?;
+        // as many threads as add_rms_norm gives the row (one per 16-byte vector), so the norm's
+        // sums are taken in the same order
+        let lanes = h * esize / 16;
+        let threads = lanes.next_multiple_of(32).clamp(32, 1024) as u32;
+        {
+            let (optr, _g) = out.device_ptr_mut(&stream);
+            let [mut xp, mut rp, mut wp] = ptrs;
+            let (mut op, mut tp, mut cp) = (optr, ar.table_ptr(), ar.counters_ptr());
+            let (mut ti, mut hi, mut e) = (t as i32, h as i32, self.eps);
+            let (mut hb, mut rk, mut wd) =
+                (ar.own.half_bytes as i64, ar.rank as i32, ar.world as i32);
+            let mut params = [
+                (&raw mut xp).cast::<c_void>(),
+                (&raw mut rp).cast::<c_void>(),
+                (&raw mut wp).cast::<c_void>(),
+                (&raw mut op).cast::<c_void>(),
+                (&raw mut ti).cast::<c_void>(),
+                (&raw mut hi).cast::<c_void>(),
+                (&raw mut e).cast::<c_void>(),
+                (&raw mut tp).cast::<c_void>(),
+                (&raw mut cp).cast::<c_void>(),
+                (&raw mut hb).cast::<c_void>(),
+                (&raw mut rk).cast::<c_void>(),
+                (&raw mut wd).cast::<c_void>(),
+            ];
+            // SAFETY: matches `allreduce_add_rms_norm_*` in csrc/allreduce.cu: x and residual
+            // hold t x h values, w h, out 2 x t x h, all 16-byte aligned with rows of whole
+            // 16-byte vectors (checked above), t x h values fit a half of the buffers; the table
+            // and counters as in `PeerAllReduce::launch`; the kernel waits for the kernel before
+            // it before it reads or writes anything
+            unsafe { launch_dependent(&func, &stream, BLOCKS, threads, &mut params) }?;
         }
         Ok(out)
     }

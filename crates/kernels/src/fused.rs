@@ -69,15 +69,7 @@ pub fn add_rms_norm(
     weight: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, Tensor)> {
-    let (t, h) = x.dims2()?;
-    if residual.dims2()? != (t, h) || weight.dims1()? != h {
-        candle_core::bail!(
-            "add_rms_norm: x {:?}, residual {:?}, weight {:?}",
-            x.shape(),
-            residual.shape(),
-            weight.shape()
-        );
-    }
+    check_add_rms_norm("add_rms_norm", x, residual, weight)?;
     match x.device() {
         #[cfg(feature = "cuda")]
         candle_core::Device::Cuda(_) => {
@@ -90,6 +82,26 @@ pub fn add_rms_norm(
         }
         _ => add_rms_norm_reference(x, residual, weight, eps),
     }
+}
+
+/// Checks [`add_rms_norm`]'s shapes (`x` and `residual` `[tokens, hidden]`, `weight` `[hidden]`)
+/// for the op named `what`.
+pub(crate) fn check_add_rms_norm(
+    what: &str,
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+) -> Result<()> {
+    let (t, h) = x.dims2()?;
+    if residual.dims2()? != (t, h) || weight.dims1()? != h {
+        candle_core::bail!(
+            "{what}: x {:?}, residual {:?}, weight {:?}",
+            x.shape(),
+            residual.shape(),
+            weight.shape()
+        );
+    }
+    Ok(())
 }
 
 /// The candle composition of [`add_rms_norm`] (RMS statistics in f32).

@@ -122,3 +122,82 @@ fn ranks_sum_on_every_gpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// One round of the fused form: a random partial, residual and weight per rank (`rows` x
+/// `hidden` of `dtype`); every rank's (sum, norm) against the plain all-reduce then
+/// `add_rms_norm` on rank 0's device, bit for bit.
+fn round_norm(
+    devs: &[Device],
+    ranks: &[PeerAllReduce],
+    (rows, hidden): (usize, usize),
+    dtype: DType,
+) -> Result<()> {
+    let make = |r: usize| -> Result<Tensor> {
+        Tensor::randn(0f32, 1., (rows, hidden), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(&devs[r])
+    };
+    let partials: Vec<Tensor> = (0..devs.len()).map(make).collect::<Result<_>>()?;
+    let residual = Tensor::randn(0f32, 1., (rows, hidden), &Device::Cpu)?.to_dtype(dtype)?;
+    let weight = Tensor::randn(1f32, 0.1, hidden, &Device::Cpu)?.to_dtype(dtype)?;
+    let on = |d: &Device| -> Result<(Tensor, Tensor)> {
+        Ok((residual.to_device(d)?, weight.to_device(d)?))
+    };
+    let inputs: Vec<(Tensor, Tensor)> = devs.iter().map(on).collect::<Result<_>>()?;
+    for d in devs {
+        d.synchronize()?;
+    }
+    // the plain all-reduce, then the fused one, each launched on every rank before any is read
+    let reduced: Vec<Tensor> = ranks
+        .iter()
+        .zip(&partials)
+        .map(|(r, x)| r.all_reduce(x))
+        .collect::<Result<_>>()?;
+    let fused: Vec<(Tensor, Tensor)> = ranks
+        .iter()
+        .zip(&partials)
+        .zip(&inputs)
+        .map(|((r, x), (res, w))| {
+            assert!(r.takes_rows(x));
+            r.all_reduce_add_rms_norm(x, res, w, 1e-5)
+        })
+        .collect::<Result<_>>()?;
+    let (res0, w0) = &inputs[0];
+    let (want_sum, want_norm) = rserve_kernels::add_rms_norm(&reduced[0], res0, w0, 1e-5)?;
+    let host = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+    let (want_sum, want_norm) = (host(&want_sum)?, host(&want_norm)?);
+    for (r, (sum, norm)) in fused.iter().enumerate() {
+        let what = format!("rank {r} of {}, {rows} x {hidden} {dtype:?}", devs.len());
+        assert_eq!(host(sum)?, want_sum, "sum, {what}");
+        assert_eq!(host(norm)?, want_norm, "norm, {what}");
+    }
+    Ok(())
+}
+
+#[test]
+fn fused_norm_matches_the_all_reduce_then_add_rms_norm() -> Result<()> {
+    let n = gpus();
+    if n == 0 {
+        eprintln!("no GPU: skipped");
+        return Ok(());
+    }
+    for world in [1, n.clamp(2, 8)] {
+        let Some((devs, ranks)) = group(world) else {
+            eprintln!("the GPUs cannot reach each other: skipped");
+            return Ok(());
+        };
+        let wide = Tensor::zeros((2, 4100), DType::BF16, &devs[0])?;
+        assert!(!ranks[0].takes_rows(&wide), "rows of part vectors");
+        // interleaved with plain calls (above), so both kernels advance the same epochs
+        for i in 0..24 {
+            let (shape, dtype) = match i % 4 {
+                0 => ((1, 4096), DType::BF16),
+                1 => ((37, 4096), DType::BF16), // blocks taking two rows
+                2 => ((5, 1024), DType::F16),
+                _ => ((3, 8192), DType::F32),
+            };
+            round_norm(&devs, &ranks, shape, dtype)?;
+        }
+    }
+    Ok(())
+}

@@ -115,12 +115,6 @@ impl Engine {
             return Err(EngineError::InvalidConfig(why));
         }
         let group = if world > 1 {
-            if cfg.async_scheduling {
-                tracing::info!(
-                    "tensor parallelism: steps are scheduled one at a time (no async scheduling)"
-                );
-                cfg.async_scheduling = false;
-            }
             let (group, shard) =
                 crate::parallel::start_group(&cfg.model, &opts, &dcfg, world, &device)?;
             opts.tp = Some(shard);

@@ -98,6 +98,10 @@ impl Engine {
         self.timing.prepared = Some(Instant::now());
         let result = prepared.and_then(|(step, rows, pending)| {
             self.feed_pending(&step, &pending)?;
+            if !pending.is_empty() {
+                // the other ranks of a tensor-parallel group take these tokens from this one
+                self.runner.share_tokens(&step)?;
+            }
             Ok((self.runner.execute(&out, &step)?, rows))
         });
         self.timing.issued = Some(Instant::now());

@@ -64,6 +64,12 @@ pub trait Model: Send {
     fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
         Vec::new()
     }
+    /// Writes rank 0's token ids `ids` over every rank's (a tensor-parallel step whose tokens
+    /// rank 0 sampled on its device); nothing to do on one device.
+    fn share_token_ids(&self, ids: &Tensor) -> Result<()> {
+        let _ = ids;
+        Ok(())
+    }
 }
 
 /// A vision encoder in front of the shared decoder: per image, the `[num_tokens, hidden]`
@@ -107,6 +113,10 @@ impl<E: ImageEncoder> Model for WithVision<E> {
 
     fn kv_cache_scales(&self) -> Vec<Option<rserve_kernels::CacheScales>> {
         self.decoder.kv_cache_scales()
+    }
+
+    fn share_token_ids(&self, ids: &Tensor) -> Result<()> {
+        self.decoder.share_token_ids(ids)
     }
 
     fn encode_images(&self, images: &[&ImageInput]) -> Result<Vec<Tensor>> {

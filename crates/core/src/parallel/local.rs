@@ -57,6 +57,11 @@ impl LocalComm {
 }
 
 impl Collective for LocalComm {
+    fn broadcast_from_first(&self, x: &Tensor) -> Result<()> {
+        let all = self.exchange(x)?;
+        x.slice_set(&all[0], 0, 0)
+    }
+
     fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
         let all = self.exchange(x)?;
         let mut sum = all[0].clone();

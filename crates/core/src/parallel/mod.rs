@@ -128,6 +128,24 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, x: &Tensor) -> Result<Tensor>;
     /// Every rank's `x` stacked: `[world, ..x's shape]`.
     fn all_gather(&self, x: &Tensor) -> Result<Tensor>;
+    /// Writes rank 0's `x` over every rank's `x`, in place (same shape on every rank; u32 or
+    /// f32, contiguous).
+    fn broadcast_from_first(&self, x: &Tensor) -> Result<()> {
+        let _ = x;
+        candle_core::bail!("this group cannot broadcast")
+    }
+    /// What follows a row-parallel layer: `sum = all_reduce(x) + residual` and
+    /// `rms_norm(sum) * weight`, both `[tokens, hidden]`; in one kernel where the communicator
+    /// has one.
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        rserve_kernels::add_rms_norm(&self.all_reduce(x)?, residual, weight, eps)
+    }
 }
 
 /// A rank's part of a model: which shard it loads and how it talks to the others.

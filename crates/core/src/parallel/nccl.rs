@@ -8,7 +8,7 @@ use super::Collective;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorageSlice};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, InplaceOp1, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
@@ -40,6 +40,16 @@ type AllReduce = unsafe extern "C" fn(
 ) -> c_int;
 type AllGather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
+/// `ncclBroadcast`: send buffer, receive buffer, count, datatype, root, comm, stream.
+type Broadcast = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    *mut c_void,
+) -> c_int;
 type CommAbort = unsafe extern "C" fn(Comm) -> c_int;
 type ErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
@@ -49,11 +59,13 @@ struct Lib {
     comm_init_rank: CommInitRank,
     all_reduce: AllReduce,
     all_gather: AllGather,
+    broadcast: Broadcast,
     comm_abort: CommAbort,
     error_string: ErrorString,
 }
 
 // ncclDataType_t and ncclRedOp_t values (stable across NCCL 2.x)
+const NCCL_UINT32: c_int = 3;
 const NCCL_FLOAT16: c_int = 6;
 const NCCL_FLOAT32: c_int = 7;
 const NCCL_BFLOAT16: c_int = 9;
@@ -99,6 +111,7 @@ fn open() -> std::result::Result<Lib, String> {
             )?),
             all_reduce: std::mem::transmute::<*mut c_void, AllReduce>(sym("ncclAllReduce")?),
             all_gather: std::mem::transmute::<*mut c_void, AllGather>(sym("ncclAllGather")?),
+            broadcast: std::mem::transmute::<*mut c_void, Broadcast>(sym("ncclBroadcast")?),
             comm_abort: std::mem::transmute::<*mut c_void, CommAbort>(sym("ncclCommAbort")?),
             error_string: std::mem::transmute::<*mut c_void, ErrorString>(sym(
                 "ncclGetErrorString",
@@ -208,6 +221,21 @@ impl Drop for NcclComm {
     }
 }
 
+impl NcclComm {
+    /// The library and the element range of a collective's tensor (laid out `l`), once the
+    /// group is known not to be aborted.
+    fn call_on(&self, l: &Layout) -> Result<(&'static Lib, (usize, usize))> {
+        let lib = lib()?;
+        if self.is_aborted() {
+            candle_core::bail!("NCCL: the tensor-parallel group was aborted (a rank failed)");
+        }
+        let range = l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("NCCL: the tensor must be contiguous".into()))?;
+        Ok((lib, range))
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Op {
     AllReduce,
@@ -226,13 +254,7 @@ impl Call<'_> {
         l: &Layout,
         nccl_type: c_int,
     ) -> Result<(CudaStorage, Shape)> {
-        let lib = lib()?;
-        if self.comm.is_aborted() {
-            candle_core::bail!("NCCL: the tensor-parallel group was aborted (a rank failed)");
-        }
-        let (a, b) = l
-            .contiguous_offsets()
-            .ok_or_else(|| candle_core::Error::Msg("NCCL: the tensor must be contiguous".into()))?;
+        let (lib, (a, b)) = self.comm.call_on(l)?;
         let src = s.as_cuda_slice::<T>()?.slice(a..b);
         let dev = s.device().clone();
         let count = b - a;
@@ -301,7 +323,54 @@ impl CustomOp1 for Call<'_> {
     }
 }
 
+/// Rank 0's values written over every rank's, in place.
+struct Broadcast0<'a> {
+    comm: &'a NcclComm,
+}
+
+impl InplaceOp1 for Broadcast0<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-broadcast"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        candle_core::bail!("NCCL collectives take CUDA tensors")
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+        let (lib, (a, b)) = self.comm.call_on(l)?;
+        let stream = &self.comm.stream;
+        let (ptr, esize, nccl_type) = match &mut s.slice {
+            CudaStorageSlice::U32(v) => (v.device_ptr_mut(stream).0, 4, NCCL_UINT32),
+            CudaStorageSlice::F32(v) => (v.device_ptr_mut(stream).0, 4, NCCL_FLOAT32),
+            _ => candle_core::bail!("NCCL broadcast: unsupported dtype {:?}", s.dtype()),
+        };
+        let p = (ptr + (a * esize) as u64) as *mut c_void;
+        // SAFETY: `p` holds `b - a` elements of the type named, on this rank's device; NCCL
+        // reads and writes them in place on the rank's stream
+        let status = unsafe {
+            (lib.broadcast)(
+                p,
+                p,
+                b - a,
+                nccl_type,
+                0,
+                self.comm.comm,
+                stream.cu_stream() as *mut c_void,
+            )
+        };
+        check(lib, "broadcast", status)
+    }
+}
+
 impl Collective for NcclComm {
+    fn broadcast_from_first(&self, x: &Tensor) -> Result<()> {
+        if !x.is_contiguous() {
+            candle_core::bail!("NCCL broadcast: the tensor must be contiguous");
+        }
+        x.inplace_op1(&Broadcast0 { comm: self })
+    }
+
     fn all_reduce(&self, x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1_no_bwd(&Call {
             comm: self,

@@ -2,22 +2,31 @@
 //! (`rserve_kernels::allreduce`; one kernel reading the other GPUs' buffers over NVLink), the
 //! rest through NCCL. The ranks set the kernel up together ([`PeerExchange`]); when any rank
 //! cannot (no peer access, no memory), every rank uses NCCL alone.
+//! After a row-parallel layer of a decode step of up to [`FUSED_ROWS`] rows the kernel also adds
+//! the residual and takes the next RMS norm ([`Collective::all_reduce_add_rms_norm`]).
 //!
-//! Off unless `RSERVE_TP_PEER_ALLREDUCE=1`: the kernel is checked against the CPU with its ranks
-//! on one GPU, but its speed across GPUs has not been measured yet.
+//! On by default; `RSERVE_TP_PEER_ALLREDUCE=0` sends every all-reduce through NCCL, and
+//! `RSERVE_TP_FUSED_NORM=0` leaves the residual add and norm to their own kernel.
 
 use super::nccl::NcclComm;
 use super::Collective;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Result, Tensor};
 use rserve_kernels::allreduce::{
-    enable_peer_access, PeerAllReduce, PeerBuffers, DEFAULT_MAX_BYTES, MAX_WORLD,
+    enable_peer_access, PeerAllReduce, PeerBuffers, DEFAULT_MAX_BYTES, FUSED_ROWS, MAX_WORLD,
 };
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Barrier, Mutex, OnceLock};
 
-/// Whether tensor-parallel groups use the peer kernel (`RSERVE_TP_PEER_ALLREDUCE=1`).
+/// Whether tensor-parallel groups use the peer kernel (on unless `RSERVE_TP_PEER_ALLREDUCE=0`).
 fn peer_enabled() -> bool {
-    std::env::var("RSERVE_TP_PEER_ALLREDUCE").is_ok_and(|v| v.trim() == "1")
+    std::env::var("RSERVE_TP_PEER_ALLREDUCE").map_or(true, |v| v.trim() != "0")
+}
+
+/// Whether the peer kernel also adds the residual and takes the RMS norm after a row-parallel
+/// layer (on unless `RSERVE_TP_FUSED_NORM=0`, which leaves them to their own kernel).
+fn fused_norm_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_TP_FUSED_NORM").map_or(true, |v| v.trim() != "0"))
 }
 
 type Posted = Option<(CudaDevice, (u64, u64))>;
@@ -122,5 +131,28 @@ impl Collective for TpComm {
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         self.nccl.all_gather(x)
+    }
+
+    fn broadcast_from_first(&self, x: &Tensor) -> Result<()> {
+        self.nccl.broadcast_from_first(x)
+    }
+
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        match &self.peer {
+            Some(p)
+                if fused_norm_enabled()
+                    && x.dims().first().is_some_and(|&t| t <= FUSED_ROWS)
+                    && p.takes_rows(x) =>
+            {
+                p.all_reduce_add_rms_norm(x, residual, weight, eps)
+            }
+            _ => rserve_kernels::add_rms_norm(&self.all_reduce(x)?, residual, weight, eps),
+        }
     }
 }

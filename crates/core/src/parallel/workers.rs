@@ -427,9 +427,15 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, group: &Group, id: usize) 
                 if group.failure().is_some() {
                     continue;
                 }
-                let r = runner
-                    .prepare_host(host, Vec::new())
-                    .and_then(|step| runner.execute_after(&copies, &step));
+                // rows still being sampled on rank 0 get their tokens from it, as rank 0's
+                // runner shares them
+                let shared = !host.pending.is_empty();
+                let r = runner.prepare_host(host, Vec::new()).and_then(|step| {
+                    if shared {
+                        runner.share_tokens(&step)?;
+                    }
+                    runner.execute_after(&copies, &step)
+                });
                 if let Err(e) = r {
                     group.fail(format!("rank {id}: {e}"));
                 }

@@ -186,6 +186,13 @@ impl Model for Decoder {
         self.kv_heads
     }
 
+    fn share_token_ids(&self, ids: &Tensor) -> Result<()> {
+        match &self.tp {
+            None => Ok(()),
+            Some(t) => t.comm.broadcast_from_first(ids),
+        }
+    }
+
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         self.embed_tokens.forward(input_ids, self.tp.as_ref())
     }
@@ -228,23 +235,25 @@ impl Decoder {
     ) -> Result<Option<Tensor>> {
         let ctx = batch.layer_ctx();
         let rope = self.rotary.for_step(batch)?;
-        // the residual stream and the last sub-layer's output, added lazily by the next norm
+        // the residual stream and the last sub-layer's output (a rank's partial sum under tensor
+        // parallelism), reduced and added lazily by the next norm
         let mut residual = embeds; // [T, hidden]
         let mut out: Option<Tensor> = None;
         for (layer, cache) in self.layers.iter().zip(&kv.layers) {
             let h = match out.take() {
                 None => layer.input_layernorm.forward(&residual)?,
                 Some(o) => {
-                    let (sum, normed) = layer.input_layernorm.forward_add(&o, &residual)?;
+                    let (sum, normed) = self.add_norm(&layer.input_layernorm, &o, &residual)?;
                     residual = sum;
                     normed
                 }
             };
-            let a = self.reduced(layer.self_attn.forward(&h, &rope, batch, cache)?)?;
-            let (sum, h) = layer.post_attention_layernorm.forward_add(&a, &residual)?;
+            let a = layer.self_attn.forward(&h, &rope, batch, cache)?;
+            let (sum, h) = self.add_norm(&layer.post_attention_layernorm, &a, &residual)?;
             residual = sum;
-            out = Some(self.reduced(layer.mlp.forward(&h, &ctx)?)?);
+            out = Some(layer.mlp.forward(&h, &ctx)?);
         }
+        let out = out.map(|o| self.reduced(o)).transpose()?;
         let x = match out {
             Some(o) => (o + residual)?,
             None => residual,
@@ -259,6 +268,15 @@ impl Decoder {
         match &self.tp {
             None => Ok(Some(logits)),
             Some(t) => join_vocab(&t.comm.all_gather(&logits)?, self.cfg.vocab_size).map(Some),
+        }
+    }
+
+    /// `norm`'s [`RmsNorm::forward_add`] of a row-parallel layer's output `x` (summed over the
+    /// ranks first under tensor parallelism).
+    fn add_norm(&self, norm: &RmsNorm, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        match &self.tp {
+            None => norm.forward_add(x, residual),
+            Some(t) => norm.forward_reduce_add(x, residual, t.comm.as_ref()),
         }
     }
 

@@ -27,4 +27,15 @@ impl RmsNorm {
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
         rserve_kernels::add_rms_norm(x, residual, &self.weight, f64::from(self.eps))
     }
+
+    /// [`RmsNorm::forward_add`] of a row-parallel layer's partial output `x`, summed over the
+    /// ranks of `comm` first (in one kernel where `comm` has one).
+    pub fn forward_reduce_add(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        comm: &dyn crate::parallel::Collective,
+    ) -> Result<(Tensor, Tensor)> {
+        comm.all_reduce_add_rms_norm(x, residual, &self.weight, f64::from(self.eps))
+    }
 }
