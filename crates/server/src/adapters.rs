@@ -75,8 +75,11 @@ pub fn report(a: &InspectArgs) -> Result<Value> {
         }
         Some((spec, shape)) => {
             out["checked_against"] = json!(spec);
+            let t0 = std::time::Instant::now();
             match LoraAdapter::load(&name, &dir, &shape, a.max_lora_rank) {
                 Ok(ad) => {
+                    // what a runtime load (`/v1/load_lora_adapter`) spends reading and checking
+                    out["read_ms"] = json!((t0.elapsed().as_secs_f64() * 1e4).round() / 10.0);
                     let mut ranks: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
                     for ((_, t), m) in &ad.modules {
                         let r = ranks.entry(t.module()).or_default();

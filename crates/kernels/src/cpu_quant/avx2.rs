@@ -40,7 +40,7 @@ fn prefetch(p: *const u8, bytes: usize) {
 /// Four activation bytes (values `4g..4g + 4` of the block at `p`) in every lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bcast(p: *const i8, g: usize) -> __m256i {
+pub(super) unsafe fn bcast(p: *const i8, g: usize) -> __m256i {
     // SAFETY: the caller's block holds 32 bytes
     _mm256_set1_epi32(unsafe { p.add(4 * g).cast::<i32>().read_unaligned() })
 }
@@ -64,7 +64,7 @@ unsafe fn scales8(p: *const u8) -> __m256 {
 /// its lane (the multiplier of `madd`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale_pairs<const SIGNED: bool>(p: *const u8) -> __m256i {
+pub(super) unsafe fn scale_pairs<const SIGNED: bool>(p: *const u8) -> __m256i {
     // SAFETY: 8 readable bytes (caller)
     let b = unsafe { _mm_loadl_epi64(p.cast()) };
     let x = if SIGNED {
@@ -133,7 +133,7 @@ pub(super) unsafe fn quantize_blocks(
 /// `acc[r] += (sum as f32) * dw * d_a` for activation block `blk` of row `r`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn scale_into(acc: &mut __m256, sum: __m256i, dw: __m256, da: f32) {
+pub(super) fn scale_into(acc: &mut __m256, sum: __m256i, dw: __m256, da: f32) {
     *acc = _mm256_fmadd_ps(
         _mm256_cvtepi32_ps(sum),
         _mm256_mul_ps(dw, _mm256_set1_ps(da)),
@@ -163,6 +163,7 @@ pub(super) unsafe fn group_dot<const R: usize>(
             BlockType::Q4_0 => q4_0::<false, R>(g, acts, a0),
             BlockType::Q5_0 => q4_0::<true, R>(g, acts, a0),
             BlockType::Q4K => q4k(g, acts, a0),
+            BlockType::Q6K if super::vnni::available() => super::vnni::q6k(g, acts, a0),
             BlockType::Q6K => q6k(g, acts, a0),
         }
     }
@@ -346,18 +347,55 @@ fn q6_levels(ql: __m256i, qh: __m256i, q: usize) -> __m256i {
     _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)))
 }
 
+/// The 6-bit levels of group `t` of the four activation blocks of a half super-block (`lsrc`:
+/// its low bits, 512 bytes; `hsrc`: its high bits, 256 bytes), per block.
+///
+/// # Safety
+/// `lsrc` and `hsrc` point at a half super-block of a group's regions.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+pub(super) unsafe fn q6_group(lsrc: *const u8, hsrc: *const u8, t: usize) -> [__m256i; 4] {
+    // SAFETY: within the half super-block (caller)
+    let (la, lb, hv) = unsafe {
+        (
+            load(lsrc.add(32 * t)),
+            load(lsrc.add(256 + 32 * t)),
+            load(hsrc.add(32 * t)),
+        )
+    };
+    [
+        q6_levels(la, hv, 0),
+        q6_levels(lb, hv, 1),
+        q6_levels(la, hv, 2),
+        q6_levels(lb, hv, 3),
+    ]
+}
+
+/// Super-block `sb` of a `q6_K` group: its eight rows' scales `d`, once the cache was asked for
+/// the levels and sub-block scales `AHEAD` of it.
+///
+/// # Safety
+/// `sb` is below `g.nb`, `g` pointing into a live `q6_K` weight.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6_super_block(g: &Group, sb: usize) -> __m256 {
     let [ql, qh, sc, d, _] = g.region;
+    prefetch(ql.wrapping_add(1024 * sb + AHEAD), 1024);
+    prefetch(qh.wrapping_add(512 * sb + AHEAD / 2), 512);
+    prefetch(sc.wrapping_add(128 * sb + AHEAD / 8), 128);
+    // SAFETY: super-block `sb`'s scales (caller)
+    unsafe { scales8(d.add(16 * sb)) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let [ql, qh, sc, _, _] = g.region;
     let aq = acts.q.as_ptr();
     let mut acc = [_mm256_setzero_ps(); R];
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        let dv = unsafe { scales8(d.add(16 * sb)) };
-        prefetch(ql.wrapping_add(1024 * sb + AHEAD), 1024);
-        prefetch(qh.wrapping_add(512 * sb + AHEAD / 2), 512);
-        prefetch(sc.wrapping_add(128 * sb + AHEAD / 8), 128);
+        let dv = unsafe { q6_super_block(g, sb) };
         // the 16 sub-blocks' scales of the eight rows, as `madd` multipliers
         let mut scp = [_mm256_setzero_si256(); 16];
         for (s, v) in scp.iter_mut().enumerate() {
@@ -371,19 +409,7 @@ unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256
             for tp in 0..4 {
                 let mut p16 = [[_mm256_setzero_si256(); R]; 4];
                 for t in [2 * tp, 2 * tp + 1] {
-                    let (la, lb, hv) = unsafe {
-                        (
-                            load(lsrc.add(32 * t)),
-                            load(lsrc.add(256 + 32 * t)),
-                            load(hsrc.add(32 * t)),
-                        )
-                    };
-                    let lv = [
-                        q6_levels(la, hv, 0),
-                        q6_levels(lb, hv, 1),
-                        q6_levels(la, hv, 2),
-                        q6_levels(lb, hv, 3),
-                    ];
+                    let lv = unsafe { q6_group(lsrc, hsrc, t) };
                     for q in 0..4 {
                         for r in 0..R {
                             let ap = unsafe { aq.add((a0[r] + 8 * sb + 4 * h + q) * QK) };
@@ -461,6 +487,7 @@ pub(super) unsafe fn products(
             BlockType::Q4_0 => q4_0::<false, 1>,
             BlockType::Q5_0 => q4_0::<true, 1>,
             BlockType::Q4K => q4k::<1>,
+            BlockType::Q6K if super::vnni::available() => super::vnni::q6k::<1>,
             BlockType::Q6K => q6k::<1>,
         };
         assert!(acts.d.len() >= nb && out.len() >= 8 * groups.len());

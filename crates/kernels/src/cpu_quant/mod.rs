@@ -20,6 +20,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 mod x8;
 
 pub use x8::{X8Weight, ROWS};

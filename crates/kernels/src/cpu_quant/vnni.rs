@@ -1,0 +1,151 @@
+//! `q6_K` products with AVX-512 VNNI on 256-bit vectors (`vpdpbusd`), where the host has it: the
+//! same grouped layout, levels and activation blocks as `avx2.rs`, but each group of four 6-bit
+//! levels times four activation bytes is summed straight into 32-bit lanes, one instruction
+//! where AVX2 takes a `maddubs`, an add and (per sub-block pair) a `madd`; the sub-block scales
+//! then multiply the two 32-bit sums of each activation block. The integer sums equal AVX2's, so
+//! the results are the same bits.
+
+#![allow(clippy::needless_range_loop)]
+
+use super::avx2::{bcast, q6_group, q6_super_block, scale_into, scale_pairs};
+use super::x8::Group;
+use super::{Acts, QK};
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Whether the host has AVX-512 VNNI on 256-bit vectors (and the AVX2 path's features), unless
+/// `RSERVE_CPU_VNNI=0` turns it off.
+pub(super) fn available() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("RSERVE_CPU_VNNI").map_or(true, |v| v.trim() != "0")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && super::uses_avx2()
+    })
+}
+
+/// Eight signed byte scales as 32-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn scales_i32(p: *const u8) -> __m256i {
+    // SAFETY: 8 readable bytes (caller)
+    _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) })
+}
+
+/// `avx2::q6k` with VNNI: the eight rows of group `g` times activation rows from blocks `a0[r]`.
+///
+/// # Safety
+/// As `avx2::group_dot`, on a host where [`available`] holds.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let [ql, qh, sc, _, _] = g.region;
+    let aq = acts.q.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); R];
+    for sb in 0..g.nb {
+        // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
+        // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        let dv = unsafe { q6_super_block(g, sb) };
+        for h in 0..2 {
+            let lsrc = unsafe { ql.add(1024 * sb + 512 * h) };
+            let hsrc = unsafe { qh.add(512 * sb + 256 * h) };
+            // values 128h + 32q + (0..32): activation block 4h + q; its sub-blocks 8h + 2q and
+            // 8h + 2q + 1 hold groups t < 4 and t >= 4
+            let mut s = [[[_mm256_setzero_si256(); R]; 2]; 4];
+            for t in 0..8 {
+                let lv = unsafe { q6_group(lsrc, hsrc, t) };
+                for q in 0..4 {
+                    for r in 0..R {
+                        let ap = unsafe { aq.add((a0[r] + 8 * sb + 4 * h + q) * QK) };
+                        let a = unsafe { bcast(ap, t) };
+                        s[q][t / 4][r] = _mm256_dpbusd_epi32(s[q][t / 4][r], lv[q], a);
+                    }
+                }
+            }
+            for q in 0..4 {
+                let s0 = 8 * h + 2 * q;
+                let (m0, m1) = unsafe {
+                    (
+                        scales_i32(sc.add(128 * sb + 8 * s0)),
+                        scales_i32(sc.add(128 * sb + 8 * (s0 + 1))),
+                    )
+                };
+                let (p0, p1) = unsafe {
+                    (
+                        scale_pairs::<true>(sc.add(128 * sb + 8 * s0)),
+                        scale_pairs::<true>(sc.add(128 * sb + 8 * (s0 + 1))),
+                    )
+                };
+                for r in 0..R {
+                    let blk = a0[r] + 8 * sb + 4 * h + q;
+                    let scaled = _mm256_add_epi32(
+                        _mm256_mullo_epi32(s[q][0][r], m0),
+                        _mm256_mullo_epi32(s[q][1][r], m1),
+                    );
+                    // the offset 32: 32 (sc0 * sum of values 0..16 + sc1 * sum of 16..32)
+                    let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
+                    let off = _mm256_add_epi32(
+                        _mm256_madd_epi16(p0, _mm256_set1_epi32(h0 & 0xFFFF)),
+                        _mm256_madd_epi16(p1, _mm256_set1_epi32(h1 & 0xFFFF)),
+                    );
+                    let sum = _mm256_sub_epi32(scaled, _mm256_slli_epi32::<5>(off));
+                    scale_into(&mut acc[r], sum, dv, unsafe { *acts.d.get_unchecked(blk) });
+                }
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{avx2, quantize_acts, X8Weight};
+    use crate::quantize::{quantize, test_values as values, BlockType};
+    use std::arch::x86_64::*;
+
+    fn lanes(v: __m256) -> [f32; 8] {
+        let mut o = [0f32; 8];
+        // SAFETY: eight f32 values
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+        o
+    }
+
+    #[test]
+    fn q6k_gives_the_avx2_bits() {
+        if !super::available() {
+            eprintln!("no AVX-512 VNNI here: skipped");
+            return;
+        }
+        let (n, k) = (70, 1024);
+        let q = quantize(BlockType::Q6K, &values(n * k, 4), k).expect("quantize");
+        let w = X8Weight::from_ggml(BlockType::Q6K, &q, n, k).expect("layout");
+        let layout = w.layout();
+        let nb = k / super::QK;
+        let acts = quantize_acts(&values(4 * k, 11));
+        for g in 0..w.groups() {
+            let grp = layout.group(g);
+            // SAFETY: the host has the features (checked above); the group and the four
+            // activation rows are this weight's shape
+            let (one, four) = unsafe {
+                (
+                    (
+                        avx2::q6k::<1>(&grp, &acts, [0]),
+                        super::q6k::<1>(&grp, &acts, [0]),
+                    ),
+                    (
+                        avx2::q6k::<4>(&grp, &acts, [0, nb, 2 * nb, 3 * nb]),
+                        super::q6k::<4>(&grp, &acts, [0, nb, 2 * nb, 3 * nb]),
+                    ),
+                )
+            };
+            assert_eq!(lanes(one.0[0]), lanes(one.1[0]), "group {g}, one row");
+            for r in 0..4 {
+                assert_eq!(
+                    lanes(four.0[r]),
+                    lanes(four.1[r]),
+                    "group {g}, row {r} of four"
+                );
+            }
+        }
+    }
+}
