@@ -170,6 +170,9 @@ pub trait Followers: Send {
     fn step(&self, host: &HostBatch, copies: &[(usize, usize)]) -> Result<()>;
     /// Captures the decode graphs (at the same time as rank 0: the capture runs collectives).
     fn capture(&self) -> Result<()>;
+    /// Stops the group: rank 0 failed a step the other ranks were already running, so its
+    /// collectives and theirs no longer pair up.
+    fn fail(&self, why: String);
 }
 
 impl ModelRunner {
@@ -527,6 +530,14 @@ impl ModelRunner {
             .as_ref()
             .and_then(|g| g.input_ids(*bucket))
             .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
+        }
+    }
+
+    /// Under tensor parallelism, stops the group after rank 0 failed a step it had handed to
+    /// the other ranks ([`ModelRunner::prepare`] returned it); nothing to do on one device.
+    pub fn stop_followers(&self, why: &str) {
+        if let Some(f) = &self.followers {
+            f.fail(format!("rank 0 failed a step: {why}"));
         }
     }
 

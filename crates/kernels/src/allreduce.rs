@@ -204,11 +204,19 @@ impl PeerAllReduce {
         x.contiguous()?.apply_op1_no_bwd(self)
     }
 
-    /// Whether [`PeerAllReduce::all_reduce_add_rms_norm`] takes `x` `[tokens, hidden]`: what
-    /// [`PeerAllReduce::takes`] takes, with rows of whole 16-byte vectors.
-    pub fn takes_rows(&self, x: &Tensor) -> bool {
+    /// Whether [`PeerAllReduce::all_reduce_add_rms_norm`] takes `x` `[tokens, hidden]` with
+    /// `residual` and `weight`: what [`PeerAllReduce::takes`] takes, with rows of whole 16-byte
+    /// vectors, the other two aligned to them as well.
+    pub fn takes_rows(&self, x: &Tensor, residual: &Tensor, weight: &Tensor) -> bool {
         let esize = x.dtype().size_in_bytes();
-        matches!(x.dims(), &[_, h] if (h * esize).is_multiple_of(16)) && self.takes(x)
+        // a contiguous tensor keeps its offset; another is copied to a fresh (aligned) buffer
+        let aligned = |t: &Tensor| {
+            !t.is_contiguous() || (t.layout().start_offset() * esize).is_multiple_of(16)
+        };
+        matches!(x.dims(), &[_, h] if (h * esize).is_multiple_of(16))
+            && aligned(residual)
+            && aligned(weight)
+            && self.takes(x)
     }
 
     /// The sum of `x` over every rank plus `residual`, and that sum's RMS norm times `weight`

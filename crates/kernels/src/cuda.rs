@@ -198,7 +198,8 @@ fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
 /// # Safety
 /// `params` points at the kernel's arguments, in order and of the right types, alive for the
 /// call; the kernel calls `pdl_wait()` (csrc/common.cuh) before it reads anything an earlier
-/// kernel writes and before it writes anything.
+/// kernel writes and before it writes anything, and in every block before the block ends (so a
+/// kernel ends only after the kernels before it: the peer all-reduce's epochs rely on that).
 pub(crate) unsafe fn launch_dependent(
     func: &CudaFunction,
     stream: &CudaStream,

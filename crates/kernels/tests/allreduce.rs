@@ -158,7 +158,7 @@ fn round_norm(
         .zip(&partials)
         .zip(&inputs)
         .map(|((r, x), (res, w))| {
-            assert!(r.takes_rows(x));
+            assert!(r.takes_rows(x, res, w));
             r.all_reduce_add_rms_norm(x, res, w, 1e-5)
         })
         .collect::<Result<_>>()?;
@@ -187,7 +187,11 @@ fn fused_norm_matches_the_all_reduce_then_add_rms_norm() -> Result<()> {
             return Ok(());
         };
         let wide = Tensor::zeros((2, 4100), DType::BF16, &devs[0])?;
-        assert!(!ranks[0].takes_rows(&wide), "rows of part vectors");
+        let w = Tensor::zeros(4100, DType::BF16, &devs[0])?;
+        assert!(
+            !ranks[0].takes_rows(&wide, &wide, &w),
+            "rows of part vectors"
+        );
         // interleaved with plain calls (above), so both kernels advance the same epochs
         for i in 0..24 {
             let (shape, dtype) = match i % 4 {

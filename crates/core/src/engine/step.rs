@@ -97,12 +97,18 @@ impl Engine {
         let prepared = self.runner.prepare(&self.scheduler, &out, placed.as_ref());
         self.timing.prepared = Some(Instant::now());
         let result = prepared.and_then(|(step, rows, pending)| {
-            self.feed_pending(&step, &pending)?;
-            if !pending.is_empty() {
-                // the other ranks of a tensor-parallel group take these tokens from this one
-                self.runner.share_tokens(&step)?;
+            let run = self.feed_pending(&step, &pending).and_then(|()| {
+                if !pending.is_empty() {
+                    // the other ranks of a tensor-parallel group take these tokens from this one
+                    self.runner.share_tokens(&step)?;
+                }
+                self.runner.execute(&out, &step)
+            });
+            if let Err(e) = &run {
+                // the other ranks are running this step already
+                self.runner.stop_followers(&e.to_string());
             }
-            Ok((self.runner.execute(&out, &step)?, rows))
+            Ok((run?, rows))
         });
         self.timing.issued = Some(Instant::now());
         self.timing.tokens += out.num_batched_tokens;

@@ -292,19 +292,69 @@ impl LoraAdapter {
     }
 }
 
-/// Every tensor of the safetensors file `path`, on the CPU as the file stores them: copied out of
-/// a read-only map of the file, the tensors in parallel (one copy of each byte, where reading the
-/// file first and then each tensor out of it took two on one thread).
+/// Every tensor of the safetensors file `path`, on the CPU as the file stores them: the header is
+/// read first, then each tensor's bytes straight from the file at its offset, the tensors in
+/// parallel (reading the whole file and then each tensor out of it on one thread took 60-124 ms
+/// for an 8B-shaped rank-16 adapter). Not mapped: a file cut short while a running server reads
+/// it is an error, not a fault.
 fn read_tensors(path: &Path) -> candle_core::Result<HashMap<String, Tensor>> {
-    use candle_core::safetensors::Load;
     use rayon::prelude::*;
-    // SAFETY: mapped read-only and dropped at the end of this function, after every tensor was
-    // copied out of it (as the model's weights are read).
-    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }?;
-    st.tensors()
-        .par_iter()
-        .map(|(name, view)| Ok((name.clone(), view.load(&Device::Cpu)?)))
+    use std::os::unix::fs::FileExt;
+    let bad = |why: String| candle_core::Error::Msg(format!("not a safetensors file: {why}"));
+    let file = std::fs::File::open(path)?;
+    let size = file.metadata()?.len();
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0)?;
+    let n = u64::from_le_bytes(n);
+    if n > size.saturating_sub(8) || n > 100 << 20 {
+        return Err(bad(format!("a header of {n} bytes in a file of {size}")));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8)?;
+    let header: HashMap<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+    let start = 8 + n;
+    let entries: Vec<(String, Entry)> = header
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(k, v)| {
+            let e: Entry = serde_json::from_value(v).map_err(|e| bad(format!("`{k}`: {e}")))?;
+            Ok((k, e))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    entries
+        .into_par_iter()
+        .map(|(name, e)| {
+            let dtype = match e.dtype.as_str() {
+                "F32" => DType::F32,
+                "F16" => DType::F16,
+                "BF16" => DType::BF16,
+                other => candle_core::bail!(
+                    "`{name}`: dtype {other} (LoRA matrices are f32, f16 or bf16)"
+                ),
+            };
+            let [lo, hi] = e.data_offsets;
+            let count: usize = e.shape.iter().product();
+            if hi < lo || hi - lo != (count * dtype.size_in_bytes()) as u64 || start + hi > size {
+                return Err(bad(format!(
+                    "`{name}`: bytes {lo}..{hi} for shape {:?}",
+                    e.shape
+                )));
+            }
+            let mut bytes = vec![0u8; (hi - lo) as usize];
+            file.read_exact_at(&mut bytes, start + lo)?;
+            let t = Tensor::from_raw_buffer(&bytes, dtype, &e.shape, &Device::Cpu)?;
+            Ok((name, t))
+        })
         .collect()
+}
+
+/// A tensor's entry in a safetensors header.
+#[derive(Deserialize)]
+struct Entry {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [u64; 2],
 }
 
 /// The tensors of an adapter directory's `adapter_model.safetensors`: name -> shape, from the

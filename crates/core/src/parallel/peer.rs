@@ -148,7 +148,7 @@ impl Collective for TpComm {
             Some(p)
                 if fused_norm_enabled()
                     && x.dims().first().is_some_and(|&t| t <= FUSED_ROWS)
-                    && p.takes_rows(x) =>
+                    && p.takes_rows(x, residual, weight) =>
             {
                 p.all_reduce_add_rms_norm(x, residual, weight, eps)
             }

@@ -312,6 +312,10 @@ impl Followers for Workers {
         // group (its warm-up would leave the collectives out of step)
         self.tell_all(|| Command::Capture)
     }
+
+    fn fail(&self, why: String) {
+        self.group.fail(why);
+    }
 }
 
 impl Drop for Workers {
