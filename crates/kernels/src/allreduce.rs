@@ -183,16 +183,9 @@ impl PeerAllReduce {
     /// whose bytes are whole 16-byte vectors. The answer depends only on `x`'s shape and dtype,
     /// so every rank of a step answers alike.
     pub fn takes(&self, x: &Tensor) -> bool {
-        let esize = x.dtype().size_in_bytes();
-        let bytes = x.elem_count() * esize;
-        // a contiguous tensor keeps its offset; another is copied to a fresh (aligned) buffer
-        let offset = if x.is_contiguous() {
-            x.layout().start_offset() * esize
-        } else {
-            0
-        };
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
         matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
-            && offset.is_multiple_of(16)
+            && starts_aligned(x)
             && bytes > 0
             && bytes.is_multiple_of(16)
             && bytes <= self.own.half_bytes
@@ -209,13 +202,9 @@ impl PeerAllReduce {
     /// vectors, the other two aligned to them as well.
     pub fn takes_rows(&self, x: &Tensor, residual: &Tensor, weight: &Tensor) -> bool {
         let esize = x.dtype().size_in_bytes();
-        // a contiguous tensor keeps its offset; another is copied to a fresh (aligned) buffer
-        let aligned = |t: &Tensor| {
-            !t.is_contiguous() || (t.layout().start_offset() * esize).is_multiple_of(16)
-        };
         matches!(x.dims(), &[_, h] if (h * esize).is_multiple_of(16))
-            && aligned(residual)
-            && aligned(weight)
+            && starts_aligned(residual)
+            && starts_aligned(weight)
             && self.takes(x)
     }
 
@@ -450,6 +439,12 @@ impl AddRmsNorm<'_> {
         }
         Ok(out)
     }
+}
+
+/// Whether `t`'s data starts on a 16-byte boundary as the kernels get it: a contiguous tensor
+/// keeps its offset; another is copied to a fresh (aligned) buffer first.
+fn starts_aligned(t: &Tensor) -> bool {
+    !t.is_contiguous() || (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16)
 }
 
 /// The device address of a slice's first element.

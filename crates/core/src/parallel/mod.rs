@@ -144,8 +144,20 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
         weight: &Tensor,
         eps: f64,
     ) -> Result<(Tensor, Tensor)> {
-        rserve_kernels::add_rms_norm(&self.all_reduce(x)?, residual, weight, eps)
+        reduce_then_add_rms_norm(self, x, residual, weight, eps)
     }
+}
+
+/// [`Collective::all_reduce_add_rms_norm`] as two steps: `comm`'s all-reduce, then the fused
+/// residual add and RMS norm of one device.
+pub fn reduce_then_add_rms_norm<C: Collective + ?Sized>(
+    comm: &C,
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    rserve_kernels::add_rms_norm(&comm.all_reduce(x)?, residual, weight, eps)
 }
 
 /// A rank's part of a model: which shard it loads and how it talks to the others.

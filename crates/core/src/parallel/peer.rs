@@ -152,7 +152,7 @@ impl Collective for TpComm {
             {
                 p.all_reduce_add_rms_norm(x, residual, weight, eps)
             }
-            _ => rserve_kernels::add_rms_norm(&self.all_reduce(x)?, residual, weight, eps),
+            _ => super::reduce_then_add_rms_norm(self, x, residual, weight, eps),
         }
     }
 }
