@@ -8,6 +8,8 @@ here, served by rserve next to transformers on the same GPU.
 - 64 concurrent requests, one distinct 512x512 image + 64 text tokens each, 128 out: output tok/s
   next to the same load as text-only prompts of the same length.
 - decode speed of one request with an image against text-only at the same length.
+- `rserve bench vision` (host and encoder time, the encoder's breakdown) with the segment attention
+  kernel, without it, and with an earlier build named by RSERVE_BASELINE_BINARY.
 """
 
 from __future__ import annotations
@@ -168,16 +170,25 @@ def part_vision(a, out: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     model, path, made = make_vl(root)
     log(f"qwen2.5-vl-7b: made and saved in {made:.1f}s")
-    # the cost of an image alone: host decode + preprocessing, the encoder (with a breakdown)
+    # the cost of an image alone: host decode + preprocessing, the encoder (with a breakdown); the
+    # same with the encoders' attention through candle ops, and with RSERVE_BASELINE_BINARY (an
+    # earlier build) when it is set
+    import os
     import subprocess
 
-    r = subprocess.run([str(a.binary), "bench", "vision", str(path), "--device", "cuda", "--json",
-                        "--gpu-memory-utilization", "0.5", "--max-model-len", "8192"],
-                       capture_output=True, text=True, env={**__import__("os").environ,
-                                                            "RSERVE_VISION_PROFILE": "1", "RUST_LOG": "info"})
-    bench = next((json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")), {"error": r.stderr[-2000:]})
-    profile = [ln[-300:] for ln in r.stderr.splitlines() if "vision encoder" in ln]
-    emit(out, {"part": "vision-bench", "model": "qwen2.5-vl-7b", **bench, "encoder_profile": profile[-4:]})
+    runs = [("default", a.binary, {}), ("no-segment-kernel", a.binary, {"RSERVE_SEGMENT_KERNEL": "0"})]
+    if os.environ.get("RSERVE_BASELINE_BINARY"):
+        runs.append(("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"]), {}))
+    for variant, binary, env in runs:
+        r = subprocess.run([str(binary), "bench", "vision", str(path), "--device", "cuda", "--json",
+                            "--gpu-memory-utilization", "0.5", "--max-model-len", "8192"],
+                           capture_output=True, text=True,
+                           env={**os.environ, **env, "RSERVE_VISION_PROFILE": "1", "RUST_LOG": "info"})
+        bench = next((json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")),
+                     {"error": r.stderr[-2000:]})
+        profile = [ln[-300:] for ln in r.stderr.splitlines() if "vision encoder" in ln]
+        emit(out, {"part": "vision-bench", "model": "qwen2.5-vl-7b", "variant": variant, **bench,
+                   "encoder_profile": profile[-4:]})
     proc = hf_processor()
     srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
                  "--gpu-memory-utilization", "0.6", tag="-vision")

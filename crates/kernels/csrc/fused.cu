@@ -36,6 +36,33 @@ __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu,
   }
 }
 
+// out = y + bias for y [rows, cols] and bias [cols] (a linear layer's bias): whole 16-byte vectors
+// when cols is a multiple of one and all three are aligned, else single elements. The sum is
+// rounded once from f32, as the element-wise add rounds.
+template <typename T>
+__device__ void add_bias_impl(T* __restrict__ out, const T* __restrict__ y, const T* __restrict__ bias,
+                              long n, int cols) {
+  constexpr int VN = Vec16<T>::N;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(y) |
+                         reinterpret_cast<uintptr_t>(bias);
+  if (cols % VN == 0 && (addr & 15) == 0) {
+    for (long v = (long)blockIdx.x * blockDim.x + threadIdx.x; v < n / VN; v += stride) {
+      const int c = (int)((v * VN) % cols);
+      float a[VN], b[VN];
+      load16(y + v * VN, a);
+      load16(bias + c, b);
+      alignas(16) T o[VN];
+#pragma unroll
+      for (int e = 0; e < VN; ++e) o[e] = from_f32<T>(a[e] + b[e]);
+      *reinterpret_cast<uint4*>(out + v * VN) = *reinterpret_cast<const uint4*>(o);
+    }
+    return;
+  }
+  for (long idx = (long)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += stride)
+    out[idx] = from_f32<T>(to_f32(y[idx]) + to_f32(bias[idx % cols]));
+}
+
 // 1 / sqrt(mean + eps) of a row whose squares this block's threads summed into `ss` each (every
 // thread gets it); `partial` is 32 floats of shared memory, free again when this returns.
 __device__ __forceinline__ float block_rms_inv(float ss, float* partial, int hidden, float eps) {
@@ -248,6 +275,9 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   }                                                                                                \
   extern "C" __global__ void to_f32_##NAME(float* out, const T* x, long n) {                       \
     to_f32_impl<T>(out, x, n);                                                                     \
+  }                                                                                                \
+  extern "C" __global__ void add_bias_##NAME(T* out, const T* y, const T* bias, long n, int cols) { \
+    add_bias_impl<T>(out, y, bias, n, cols);                                                       \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)
 #define ROTARY_CACHE(T, C, NAME)                                                                   \

@@ -2,6 +2,7 @@
 #include "paged_attention.cu"
 #include "decode.cu"
 #include "prefill.cu"
+#include "segment_attention.cu"
 #include "gemv.cu"
 #include "cache.cu"
 #include "fused.cu"

@@ -139,3 +139,55 @@ __device__ __forceinline__ void tc_online_softmax_cols(float (&s)[4], float (&o)
     l[i] = l[i] * corr + s[i] + s[2 + i];
   }
 }
+
+// The two products of one flash-attention tile for a warp's 16 query rows, on a tile of BK keys
+// held in shared memory as rows of LD elements (K row-major, which is the col-major B operand).
+// tc_tile_scores: s = Q K^T, qa the warp's Q as A fragments over D (one ldmatrix x4 per 16
+// dims); one x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8 (lane bit 3). s[nb][e] is row
+// g + 8 (e >> 1), key 8 nb + 2t + (e & 1).
+template <typename MT, int D, int BK, int LD>
+__device__ __forceinline__ void tc_tile_scores(float (&s)[BK / 8][4], const uint32_t (&qa)[D / 16][4],
+                                               const MT* sk, int lane) {
+#pragma unroll
+  for (int nb = 0; nb < BK / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < BK / 16; ++j) {
+      uint32_t b[4];
+      tc_ldmatrix_x4(b, sk + (16 * j + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk + 8 * ((lane >> 3) & 1));
+      tc_mma<MT>::run(s[2 * j], qa[kk], b[0], b[1]);
+      tc_mma<MT>::run(s[2 * j + 1], qa[kk], b[2], b[3]);
+    }
+  }
+}
+
+// tc_tile_pv: o += P V, P the tile's probabilities left in s by tc_online_softmax. The C
+// fragments of key blocks 2ks, 2ks + 1 are the A fragment of key step ks; one x4 .trans = keys
+// +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane bit 4): b0, b1 of column block 2n and of 2n + 1.
+template <typename MT, int D, int BK, int LD>
+__device__ __forceinline__ void tc_tile_pv(float (&o)[D / 8][4], const float (&s)[BK / 8][4],
+                                           const MT* sv, int lane) {
+  using Mma = tc_mma<MT>;
+#pragma unroll
+  for (int ks = 0; ks < BK / 16; ++ks) {
+    const uint32_t pa[4] = {Mma::pack(s[2 * ks][0], s[2 * ks][1]), Mma::pack(s[2 * ks][2], s[2 * ks][3]),
+                            Mma::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                            Mma::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 16; ++n) {
+      uint32_t b[4];
+      tc_ldmatrix_x4_trans(b, sv + (16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 16 * n + 8 * (lane >> 4));
+      Mma::run(o[2 * n], pa, b[0], b[1]);
+      Mma::run(o[2 * n + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+// The two rows' softmax sums of a quad (each lane summed its share into l) as the factor that
+// normalises them: 1 / sum, or 0 for a row that saw no key.
+__device__ __forceinline__ float tc_row_inv_sum(float l) {
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  return l > 0.f ? 1.f / l : 0.f;
+}

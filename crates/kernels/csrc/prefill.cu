@@ -74,7 +74,6 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   constexpr int ROW_BYTES = F8 ? D : LD * (int)sizeof(MT);
   constexpr int STAGE_BYTES = 2 * BK * ROW_BYTES;
   constexpr int CONV_BYTES = F8 ? STAGE * (int)sizeof(MT) : 0;
-  using Mma = tc_mma<MT>;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -206,22 +205,9 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
     if (warp_active && k0 <= wp_max && k0 + BK - 1 >= wlo_min) {
       const MT* sv = sk + BK * LD;
 
-      // ---- phase 3a: S = Q K^T. One x4 = keys +0..7 / +8..15 (lane bit 4) x dims +0 / +8
-      // (lane bit 3): b0, b1 of key block 2j and b0, b1 of key block 2j + 1.
+      // ---- phase 3a: S = Q K^T
       float s[BK / 8][4];
-#pragma unroll
-      for (int nb = 0; nb < BK / 8; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < BK / 16; ++j) {
-          uint32_t b[4];
-          tc_ldmatrix_x4(b, sk + (16 * j + (lane & 7) + 8 * (lane >> 4)) * LD + 16 * kk +
-                                8 * ((lane >> 3) & 1));
-          Mma::run(s[2 * j], qa[kk], b[0], b[1]);
-          Mma::run(s[2 * j + 1], qa[kk], b[2], b[3]);
-        }
-      }
+      tc_tile_scores<MT, D, BK, LD>(s, qa, sk, lane);
 
       // ---- phase 3b: log2-domain scores; s[nb][e] is row g + 8 * (e >> 1), key
       // k0 + 8 * nb + 2t + (e & 1). Mask only tiles not wholly visible to every row of the warp.
@@ -240,24 +226,8 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
       // ---- phase 3c: online softmax. A row lives in the 4 lanes of a quad.
       tc_online_softmax(s, o, m, l);
 
-      // ---- phase 3d: O += P V. The C fragments of key blocks 2ks, 2ks + 1 are the A fragment
-      // of key step ks. One x4 .trans = keys +0..7 / +8..15 (lane bit 3) x dims +0 / +8 (lane
-      // bit 4): b0, b1 of column block 2n and b0, b1 of column block 2n + 1.
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks) {
-        const uint32_t pa[4] = {Mma::pack(s[2 * ks][0], s[2 * ks][1]),
-                                Mma::pack(s[2 * ks][2], s[2 * ks][3]),
-                                Mma::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                Mma::pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
-#pragma unroll
-        for (int n = 0; n < D / 16; ++n) {
-          uint32_t b[4];
-          tc_ldmatrix_x4_trans(b, sv + (16 * ks + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD +
-                                      16 * n + 8 * (lane >> 4));
-          Mma::run(o[2 * n], pa, b[0], b[1]);
-          Mma::run(o[2 * n + 1], pa, b[2], b[3]);
-        }
-      }
+      // ---- phase 3d: O += P V
+      tc_tile_pv<MT, D, BK, LD>(o, s, sv, lane);
     }
     __syncthreads();  // this stage is refilled by the next iteration's prefetch
   }
@@ -266,10 +236,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
   if (!warp_active) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = tc_row_inv_sum(l[h]);
     const int r = 16 * warp + g + 8 * h;
     if (r < R) {
       const int tok = qs + qi0 + r / group;

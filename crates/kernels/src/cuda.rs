@@ -92,6 +92,18 @@ pub(crate) fn function_with_shared(
     Ok(f.clone())
 }
 
+/// A grid-stride launch over `items` work items: 256 threads a block, blocks enough for one item
+/// a thread up to a cap (the kernels loop past it).
+pub(crate) fn strided_launch(
+    items: u64,
+) -> candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+    candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+        grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Loads the kernel image on `dev` now (startup), so the first request does not pay for it.
 pub fn preload(dev: &CudaDevice) -> Result<()> {
     function(dev, "reshape_and_cache_f32").map(|_| ())

@@ -316,7 +316,7 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
-    use crate::cuda::{cuda_slice, dtype_suffix, function, view};
+    use crate::cuda::{cuda_slice, dtype_suffix, function, strided_launch, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -678,14 +678,6 @@ mod cuda {
 
     /// CTAs of 256 threads for `items` work items of a grid-stride kernel (one item a thread, at
     /// most 65535 x 8 CTAs; the kernel loops over the rest).
-    fn strided_launch(items: u64) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
     /// Threads for `work` items per CTA: a multiple of 32 in 32..=`max`.
     fn block_threads(work: usize, max: usize) -> u32 {
         work.next_multiple_of(32).clamp(32, max) as u32

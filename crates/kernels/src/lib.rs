@@ -17,6 +17,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod allreduce;
+pub mod bias;
 pub mod cache;
 #[cfg(feature = "cuda")]
 pub mod candle_sass;
@@ -37,7 +38,9 @@ pub mod metadata;
 pub mod paged_attention;
 pub mod quantize;
 pub mod sampling;
+pub mod segment_attention;
 
+pub use bias::add_bias;
 pub use cache::{
     copy_blocks, is_fp8_cache, reshape_and_cache, reshape_and_cache_scaled, CacheScales,
     FP8_CACHE_DTYPE,

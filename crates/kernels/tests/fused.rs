@@ -284,6 +284,26 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_add_bias_equals_the_broadcast_add() -> Result<()> {
+        // whole 16-byte vectors (6840, 1280 columns), single elements (3420 in 16-bit, 1279)
+        let dev = gpu();
+        for (rows, cols) in [(37, 6840), (5, 1280), (9, 3420), (3, 1279), (1, 8)] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let y = Tensor::randn(0f32, 3.0, (rows, cols), &dev)?.to_dtype(dtype)?;
+                let b = Tensor::randn(0f32, 1.0, cols, &dev)?.to_dtype(dtype)?;
+                let got = rserve_kernels::add_bias(&y, &b)?.to_dtype(DType::F32)?;
+                let want = y.broadcast_add(&b)?.to_dtype(DType::F32)?;
+                assert_eq!(
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                    want.flatten_all()?.to_vec1::<f32>()?,
+                    "{rows}x{cols} {dtype:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn cuda_to_f32_equals_the_cast() -> Result<()> {
         // whole vectors, a ragged tail, a strided input, and f32 passing through
         let dev = gpu();

@@ -234,6 +234,44 @@ mod cuda {
         cache_writes_and_copies(&gpu())
     }
 
+    /// The vision encoders' segment attention kernel against its composition in f32: windows of
+    /// every length around a tile's edge, and a whole image's worth of patches.
+    #[test]
+    fn cuda_segment_attention_matches_the_composition() -> Result<()> {
+        use rserve_kernels::segment_attention::SegmentPlan;
+        let dev = gpu();
+        let lens = [64, 1, 63, 65, 16, 200, 128, 4, 1300];
+        let bounds: Vec<usize> = std::iter::once(0)
+            .chain(lens.iter().scan(0, |acc, l| {
+                *acc += l;
+                Some(*acc)
+            }))
+            .collect();
+        let n = *bounds.last().unwrap();
+        let heads = 16;
+        for d in [64, 80, 128] {
+            let qkv = (Tensor::randn(0f32, 1.0, (n, 3 * heads, d), &dev)? * 2.0)?;
+            // relative to the value: the output itself is rounded to the dtype
+            for (dtype, tol) in [(DType::BF16, 1.2e-2), (DType::F16, 2e-3)] {
+                // the reference sees the same rounded inputs, in f32
+                let qkv = qkv.to_dtype(dtype)?;
+                let want = SegmentPlan::composed(&bounds, n, &dev)?
+                    .attend(&qkv.to_dtype(DType::F32)?, heads)?;
+                let plan = SegmentPlan::new(&bounds, n, &dev, dtype, d)?;
+                assert!(plan.uses_kernel(), "head dim {d} {dtype:?}");
+                let got = plan.attend(&qkv, heads)?;
+                let diff = ((got.to_dtype(DType::F32)? - &want)?.abs()? / (want.abs()? + 1.0)?)?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(
+                    diff < tol,
+                    "head dim {d} {dtype:?}: max relative diff {diff}"
+                );
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn cuda_model_shapes() -> Result<()> {
         let dev = gpu();

@@ -174,7 +174,7 @@ impl ClipVision {
         let mut x = self.pre_layrnorm.forward(&x.reshape((images * per, d))?)?;
         let heads = self.cfg.num_attention_heads;
         let bounds: Vec<usize> = (0..=images).map(|i| i * per).collect();
-        let plan = SegmentPlan::new(&bounds, images * per, patches.device())?;
+        let plan = SegmentPlan::new(&bounds, images * per, patches.device(), dtype, d / heads)?;
         let ctx = LayerCtx::default();
         for b in &self.blocks {
             let h = b.layer_norm1.forward(&x)?;

@@ -153,7 +153,8 @@ impl Qwen25Vision {
                 qkv: Linear::load(&b.pp("attn").pp("qkv"), hid, 3 * hid, true)?,
                 proj: Linear::load(&b.pp("attn").pp("proj"), hid, hid, true)?,
                 norm2: RmsNorm::load(&b.pp("norm2"), hid, 1e-6)?,
-                mlp: Mlp::load(&b.pp("mlp"), hid, cfg.intermediate_size, true)?,
+                // 3420 wide in the released towers: padded to whole 16-byte vectors
+                mlp: Mlp::load_padded(&b.pp("mlp"), hid, cfg.intermediate_size, true, 8)?,
                 full: cfg.fullatt_block_indexes.contains(&i),
             });
         }
@@ -245,26 +246,33 @@ impl Qwen25Vision {
         l
     }
 
-    /// Per patch (window order): rotary cos and sin tables `[N, head_dim / 2]` (computed in f32):
-    /// the height position's frequencies, then the width position's.
+    /// Per patch (window order): rotary cos and sin `[N, head_dim / 2]`, the height position's
+    /// frequencies, then the width position's. The tables are computed once per position value
+    /// (in f32, up to the largest grid side) on the host and gathered per patch on the device.
     fn rotary(&self, hw: &[(u32, u32)], dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
         let q = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(hw.len() * 2 * q);
-        let mut sin = Vec::with_capacity(hw.len() * 2 * q);
-        for &(h, w) in hw {
-            for p in [h, w] {
-                for f in &self.inv_freq {
-                    let a = p as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
+        let side = hw
+            .iter()
+            .map(|&(h, w)| h.max(w) as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut cos = Vec::with_capacity(side * q);
+        let mut sin = Vec::with_capacity(side * q);
+        for p in 0..side {
+            for f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
             }
         }
+        let (hs, ws): (Vec<u32>, Vec<u32>) = hw.iter().copied().unzip();
         let n = hw.len();
-        Ok((
-            Tensor::from_vec(cos, (n, 2 * q), dev)?.to_dtype(dtype)?,
-            Tensor::from_vec(sin, (n, 2 * q), dev)?.to_dtype(dtype)?,
-        ))
+        let (hs, ws) = (Tensor::from_vec(hs, n, dev)?, Tensor::from_vec(ws, n, dev)?);
+        let gather = |table: Vec<f32>| -> Result<Tensor> {
+            let t = Tensor::from_vec(table, (side, q), dev)?.to_dtype(dtype)?;
+            Tensor::cat(&[t.index_select(&hs, 0)?, t.index_select(&ws, 0)?], 1)
+        };
+        Ok((gather(cos)?, gather(sin)?))
     }
 
     /// Encodes the patches of several images: `pixels` `[N, patch_dim]` (the processor's rows,
@@ -272,6 +280,7 @@ impl Qwen25Vision {
     /// processor's order.
     pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
         let dev = pixels.device().clone();
+        let profile = Profile::from_env(&dev);
         let dtype = self.patch_embed.dtype();
         let l = self.layout(grids);
         let n = l.order.len();
@@ -279,15 +288,15 @@ impl Qwen25Vision {
             candle_core::bail!("{} patch rows for grids totalling {n}", pixels.dim(0)?);
         }
         let order = Tensor::from_vec(l.order.clone(), n, &dev)?;
-        let x = pixels.to_dtype(dtype)?.index_select(&order, 0)?;
-        let mut x = x.matmul(&self.patch_embed.t()?)?; // [N, hidden]
         let (cos, sin) = self.rotary(&l.hw, dtype, &dev)?;
         let positions = Tensor::arange(0u32, n as u32, &dev)?;
-        let windows = SegmentPlan::new(&l.windows, n, &dev)?;
-        let images = SegmentPlan::new(&l.images, n, &dev)?;
-        let ctx = LayerCtx::default();
         let (heads, hd) = (self.cfg.num_heads, self.cfg.head_dim());
-        let profile = Profile::from_env(&dev);
+        let windows = SegmentPlan::new(&l.windows, n, &dev, dtype, hd)?;
+        let images = SegmentPlan::new(&l.images, n, &dev, dtype, hd)?;
+        let ctx = LayerCtx::default();
+        profile.mark("layout and tables")?;
+        let x = pixels.to_dtype(dtype)?.index_select(&order, 0)?;
+        let mut x = x.matmul(&self.patch_embed.t()?)?; // [N, hidden]
         profile.mark("patch embedding")?;
         for b in &self.blocks {
             let h = b.norm1.forward(&x)?;
@@ -299,6 +308,7 @@ impl Qwen25Vision {
             // one fused kernel; tables in the model's dtype (f32 tables in unfused ops cost
             // more than they bring: see benchmarks/gpu-notes.md)
             rserve_kernels::rotary_qk_(&qkv, &positions, &cos, &sin, 2 * heads)?;
+            profile.mark("norm + qkv + rotary")?;
             let plan = if b.full { &images } else { &windows };
             let a = plan.attend(&qkv, heads)?; // [N, hidden]
             profile.mark(if b.full {
@@ -307,9 +317,10 @@ impl Qwen25Vision {
                 "window attention"
             })?;
             x = (x + b.proj.forward(&a, &ctx)?)?;
+            profile.mark("proj")?;
             let h = b.norm2.forward(&x)?;
             x = (&x + b.mlp.forward(&h, &ctx)?)?;
-            profile.mark("proj + MLP")?;
+            profile.mark("MLP")?;
         }
         let wide = self.merger_in.shape().1;
         let y = self

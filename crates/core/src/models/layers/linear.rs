@@ -343,7 +343,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
         let y = self.method.matmul(x, ctx)?;
         match &self.bias {
-            Some(b) => y.broadcast_add(b),
+            Some(b) => rserve_kernels::add_bias(&y, b),
             None => Ok(y),
         }
     }
