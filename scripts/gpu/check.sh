@@ -5,6 +5,7 @@
 #   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup, tp, tp70
 # `tp` runs the tensor-parallel tests (every GPU of the machine) and the 8B shape at TP=1 and TP=2,4
 # where the GPUs are there; `tp70` the 70B shape at the largest TP (scripts/gpu/check_tp.py).
+# RSERVE_TP_AB names the variants each TP > 1 also runs in (check_tp.py's VARIANTS; default all).
 # NCCL: RSERVE_NCCL_LIB, else the libnccl.so.2 that the machine's Python packages ship.
 # `wheel` installs target/cuda/wheels/*.whl (`make cuda-wheel`) with the wheels in .whl (pydantic
 # and its needs, where the machine lacks them) and runs scripts/gpu/check_wheel.py.
@@ -75,14 +76,14 @@ if has tp; then
   test_bin allreduce-group allreduce
   RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel tensor_parallel
   RSERVE_TP_PEER_ALLREDUCE=0 RSERVE_TEST_DEVICE=cuda test_bin tensor-parallel-nccl tensor_parallel
-  step tp-8b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 8b --sizes 1,2,4 --ab
+  step tp-8b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 8b --sizes 1,2,4 --ab "${RSERVE_TP_AB:-all}"
 fi
 if has tp70; then
   # 141 GB of weights: more than the disk or a default /dev/shm holds, so a tmpfs of its own
   scratch70=${RSERVE_SCRATCH70:-/mnt/rserve-70b}
   mkdir -p "$scratch70"; mountpoint -q "$scratch70" || mount -t tmpfs -o size=200g tmpfs "$scratch70"
   df -h "$scratch70" | tee -a "$OUT/summary.txt"
-  step tp-70b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 70b --sizes 1,2,4 --ab \
+  step tp-70b python3 scripts/gpu/check_tp.py --binary "$BUNDLE/rserve" --out "$OUT" --parts 70b --sizes 1,2,4 --ab "${RSERVE_TP_AB:-all}" \
     --scratch70 "$scratch70"
 fi
 if has wheel; then

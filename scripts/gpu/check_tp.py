@@ -52,7 +52,8 @@ def tp_server(a, path: Path, out: Path, tp: int, variant: str) -> check.Server:
 
 
 def runs_of(a, sizes: list[int], ab: tuple[str, ...] = tuple(VARIANTS)) -> list[tuple[int, str]]:
-    more = [v for v in ab if v != "default"] if a.ab else []
+    asked = [] if a.ab is None else list(VARIANTS) if a.ab == "all" else a.ab.split(",")
+    more = [v for v in ab if v != "default" and v in asked]
     return [(tp, "default") for tp in sizes] + [(tp, v) for tp in sizes if tp > 1 for v in more]
 
 
@@ -189,10 +190,14 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/rserve-big")
     p.add_argument("--scratch70", default="/dev/shm/rserve-70b")
     p.add_argument("--port", type=int, default=8031)
-    p.add_argument("--ab", action="store_true",
-                   help="also run each TP > 1 without async scheduling, then also without the fused norm, "
-                        "then with NCCL's all-reduce (VARIANTS)")
+    p.add_argument("--ab", nargs="?", const="all", default=None,
+                   help="also run each TP > 1 in the VARIANTS named (comma-separated; all when none "
+                        "is named): without async scheduling, then also without the fused norm, "
+                        "then with NCCL's all-reduce")
     a = p.parse_args()
+    unknown = [] if a.ab in (None, "all") else [v for v in a.ab.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--ab: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     n = gpus()
     sizes = [s for s in map(int, a.sizes.split(",")) if s <= n]

@@ -219,19 +219,28 @@ pub struct EngineHandle {
     info: Arc<EngineInfo>,
     stats: Arc<EngineStats>,
     next_id: Arc<AtomicU64>,
+    /// Disconnects when the engine thread has ended and dropped everything it held (the
+    /// first [`EngineHandle::shutdown`] takes it and waits).
+    ended: Arc<std::sync::Mutex<Option<mpsc::Receiver<()>>>>,
 }
 
+/// How long [`EngineHandle::shutdown`] waits for the engine thread to end.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 impl EngineHandle {
+    /// `ended` disconnects when the engine thread is gone.
     pub(crate) fn new(
         tx: mpsc::Sender<Command>,
         info: Arc<EngineInfo>,
         stats: Arc<EngineStats>,
+        ended: mpsc::Receiver<()>,
     ) -> Self {
         Self {
             tx,
             info,
             stats,
             next_id: Arc::new(AtomicU64::new(1)),
+            ended: Arc::new(std::sync::Mutex::new(Some(ended))),
         }
     }
 
@@ -417,8 +426,19 @@ impl EngineHandle {
             .map_err(EngineError::Model)
     }
 
-    /// Stops the engine thread once its queue is drained of commands.
+    /// Stops the engine thread once its queue is drained of commands, and waits (up to two
+    /// minutes) until it has ended and let go of its devices: an engine started next on the same
+    /// GPUs never meets this one's teardown.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+        let ended = match self.ended.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(rx) = ended {
+            if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(SHUTDOWN_WAIT) {
+                tracing::warn!("the engine thread did not end within {SHUTDOWN_WAIT:?}");
+            }
+        }
     }
 }

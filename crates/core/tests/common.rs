@@ -58,11 +58,22 @@ pub fn tolerance() -> f32 {
 }
 
 pub fn start(name: &str, f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
+    log_from_env();
     let mut cfg = EngineConfig::new(fixture_model(name));
     cfg.device = test_device();
     cfg.kv_cache = KvBudget::Blocks(256);
     f(&mut cfg);
     Engine::start(cfg).expect("engine starts")
+}
+
+/// The engine's log on stderr when `RUST_LOG` is set (once per test binary).
+pub fn log_from_env() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
 }
 
 pub fn assert_sound(h: &EngineHandle) {

@@ -388,8 +388,9 @@ impl PyEngine {
         )
     }
 
-    fn shutdown(&self) {
-        self.handle.shutdown();
+    fn shutdown(&self, py: Python<'_>) {
+        // waits for the engine thread to end, without holding the interpreter
+        py.detach(|| self.handle.shutdown());
     }
 }
 

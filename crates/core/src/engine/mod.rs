@@ -317,9 +317,12 @@ impl Engine {
         let preload: Vec<String> = cfg.lora_modules.iter().map(|(n, _)| n.clone()).collect();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::channel();
+        let (ended_tx, ended_rx) = mpsc::channel::<()>();
         std::thread::Builder::new()
             .name("rserve-engine".into())
             .spawn(move || {
+                // dropped last, after everything the engine holds
+                let _ended = ended_tx;
                 let mut engine = engine;
                 engine.preload_adapters(&preload);
                 // graphs are captured and launched on the engine thread's stream
@@ -340,7 +343,7 @@ impl Engine {
             rserve_kernels::candle_sass::modules_loaded_as_sass()
         );
         let _ = info.startup.set(clock.finish());
-        Ok(EngineHandle::new(tx, info, stats))
+        Ok(EngineHandle::new(tx, info, stats, ended_rx))
     }
 
     /// Captures the decode graphs before the first request, so no step pays for a capture.

@@ -318,11 +318,28 @@ impl Followers for Workers {
     }
 }
 
+/// How long the other ranks get to let go of their graphs and shards at shutdown before the
+/// group is aborted under them.
+const RANKS_END_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Drop for Workers {
     fn drop(&mut self) {
-        // nothing runs on the group any more: end it, so no rank waits in a collective
-        self.group.abort();
+        // each rank's loop ends when its channel closes: it drops its graphs (which hold work of
+        // the communicator) and its shard while the group is still whole; a rank that does not
+        // end in time is waiting in a collective, and aborting the group releases it
         self.txs.clear();
+        let deadline = std::time::Instant::now() + RANKS_END_WAIT;
+        while self.handles.iter().any(|h| !h.is_finished()) && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        if self.handles.iter().any(|h| !h.is_finished()) {
+            tracing::warn!(
+                "tensor parallelism: ranks still running {RANKS_END_WAIT:?} after shutdown; \
+                 aborting the group"
+            );
+        }
+        self.group.abort();
         for h in self.handles.drain(..) {
             let _ = h.join();
         }
