@@ -10,6 +10,7 @@ here, served by rserve next to transformers on the same GPU.
 - decode speed of one request with an image against text-only at the same length.
 - `rserve bench vision` (host and encoder time, the encoder's breakdown) with the segment attention
   kernel, without it, and with an earlier build named by RSERVE_BASELINE_BINARY.
+RSERVE_VISION_QUICK=1 stops after rserve's TTFT (no transformers TTFT, load or decode steps).
 """
 
 from __future__ import annotations
@@ -176,7 +177,11 @@ def part_vision(a, out: Path) -> None:
     import os
     import subprocess
 
-    runs = [("default", a.binary, {}), ("no-segment-kernel", a.binary, {"RSERVE_SEGMENT_KERNEL": "0"})]
+    # RSERVE_VISION_QUICK=1: the default build's benchmark, parity and rserve's TTFT only
+    quick = os.environ.get("RSERVE_VISION_QUICK") == "1"
+    runs = [("default", a.binary, {})]
+    if not quick:
+        runs.append(("no-segment-kernel", a.binary, {"RSERVE_SEGMENT_KERNEL": "0"}))
     if os.environ.get("RSERVE_BASELINE_BINARY"):
         runs.append(("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"]), {}))
     for variant, binary, env in runs:
@@ -239,6 +244,9 @@ def part_vision(a, out: Path) -> None:
         rec["ttft_1024_s"] = sorted(ttfts)[2]
         rec["ttft_text_same_len_s"] = sorted(text_ttfts)[2]
         rec["prompt_tokens_1024"] = len(n_img)
+        if quick:
+            emit(out, {**rec, "step": "ttft"})
+            return
         # transformers: processor + generate of one token, same image size
         hf_times, hf_pre = [], []
         for i in range(4):

@@ -106,12 +106,41 @@ fn clip8(v: i64) -> u8 {
     }
 }
 
+/// Output pixels from which a pass spreads its rows over threads (smaller images stay on the
+/// caller's thread).
+const PARALLEL_PIXELS: usize = 1 << 18;
+
+/// Fills the `row_len`-byte rows of `out` with `fill(row index, row)`, over threads when
+/// `parallel`. Rows are independent, so the bytes are the same either way.
+fn rows_of(out: &mut [u8], row_len: usize, parallel: bool, fill: impl Fn(usize, &mut [u8]) + Sync) {
+    use rayon::prelude::*;
+    if row_len == 0 {
+        return;
+    }
+    if parallel {
+        out.par_chunks_mut(row_len)
+            .enumerate()
+            .for_each(|(y, row)| fill(y, row));
+    } else {
+        for (y, row) in out.chunks_mut(row_len).enumerate() {
+            fill(y, row);
+        }
+    }
+}
+
 /// One horizontal pass: `rows` rows of `src` (width `w`) from row `first`, each resampled to
 /// `ow` pixels.
-fn horizontal(src: &[u8], w: usize, first: usize, rows: usize, ow: usize, c: &Coeffs) -> Vec<u8> {
+fn horizontal(
+    src: &[u8],
+    w: usize,
+    (first, rows): (usize, usize),
+    ow: usize,
+    c: &Coeffs,
+    parallel: bool,
+) -> Vec<u8> {
     let round = 1i64 << (PRECISION_BITS - 1);
     let mut out = vec![0u8; ow * rows * 3];
-    for y in 0..rows {
+    rows_of(&mut out, ow * 3, parallel, |y, row| {
         let line = &src[(y + first) * w * 3..][..w * 3];
         for (xx, &(xmin, n)) in c.bounds.iter().enumerate() {
             let k = &c.weights[xx * c.ksize..][..n];
@@ -123,19 +152,20 @@ fn horizontal(src: &[u8], w: usize, first: usize, rows: usize, ow: usize, c: &Co
                 }
             }
             for ch in 0..3 {
-                out[(y * ow + xx) * 3 + ch] = clip8(ss[ch]);
+                row[xx * 3 + ch] = clip8(ss[ch]);
             }
         }
-    }
+    });
     out
 }
 
 /// One vertical pass over `src` (width `w`) whose row 0 is source row `row0`.
-fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs) -> Vec<u8> {
+fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs, parallel: bool) -> Vec<u8> {
     let round = 1i64 << (PRECISION_BITS - 1);
     let oh = c.bounds.len();
     let mut out = vec![0u8; w * oh * 3];
-    for (yy, &(ymin, n)) in c.bounds.iter().enumerate() {
+    rows_of(&mut out, w * 3, parallel, |yy, row| {
+        let (ymin, n) = c.bounds[yy];
         let k = &c.weights[yy * c.ksize..][..n];
         for xx in 0..w {
             let mut ss = [round; 3];
@@ -146,10 +176,10 @@ fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs) -> Vec<u8> {
                 }
             }
             for ch in 0..3 {
-                out[(yy * w + xx) * 3 + ch] = clip8(ss[ch]);
+                row[xx * 3 + ch] = clip8(ss[ch]);
             }
         }
-    }
+    });
     out
 }
 
@@ -157,6 +187,18 @@ fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs) -> Vec<u8> {
 /// passes run in Pillow's (13) order: horizontal first, unless the height shrinks by more than
 /// twice what the width does.
 pub fn resize_rgb(src: &[u8], w: usize, h: usize, ow: usize, oh: usize, filter: Filter) -> Vec<u8> {
+    let parallel = ow.saturating_mul(oh).max(w.saturating_mul(h)) >= PARALLEL_PIXELS;
+    resize_rgb_on(src, (w, h), (ow, oh), filter, parallel)
+}
+
+/// [`resize_rgb`], its passes over threads or not.
+fn resize_rgb_on(
+    src: &[u8],
+    (w, h): (usize, usize),
+    (ow, oh): (usize, usize),
+    filter: Filter,
+    parallel: bool,
+) -> Vec<u8> {
     if (w, h) == (ow, oh) {
         return src.to_vec();
     }
@@ -171,22 +213,22 @@ pub fn resize_rgb(src: &[u8], w: usize, h: usize, ow: usize, oh: usize, filter: 
     let horiz = coeffs(w, ow, filter);
     if horizontal_first {
         if !need_h {
-            return vertical(src, w, 0, &vert);
+            return vertical(src, w, 0, &vert, parallel);
         }
         // only the rows the vertical pass reads
         let first = vert.bounds.first().map_or(0, |b| b.0);
         let last = vert.bounds.last().map_or(h, |b| b.0 + b.1);
-        let tmp = horizontal(src, w, first, last - first, ow, &horiz);
+        let tmp = horizontal(src, w, (first, last - first), ow, &horiz, parallel);
         if !need_v {
             return tmp;
         }
-        vertical(&tmp, ow, first, &vert)
+        vertical(&tmp, ow, first, &vert, parallel)
     } else {
-        let tmp = vertical(src, w, 0, &vert);
+        let tmp = vertical(src, w, 0, &vert, parallel);
         if !need_h {
             return tmp;
         }
-        horizontal(&tmp, w, 0, oh, ow, &horiz)
+        horizontal(&tmp, w, (0, oh), ow, &horiz, parallel)
     }
 }
 
@@ -218,5 +260,20 @@ mod tests {
         assert_eq!(out.len(), 28 * 5 * 3);
         assert!(out.iter().all(|&v| v == 77));
         assert_eq!(resize_rgb(&src, 13, 9, 13, 9, Filter::Bicubic), src);
+    }
+
+    #[test]
+    fn threads_give_the_same_bytes() {
+        let (w, h) = (97, 61);
+        let src: Vec<u8> = (0..w * h * 3).map(|i| (i * 37 % 251) as u8).collect();
+        for (ow, oh) in [(150, 40), (40, 150), (97, 30), (60, 61)] {
+            for filter in [Filter::Bicubic, Filter::Bilinear] {
+                assert_eq!(
+                    resize_rgb_on(&src, (w, h), (ow, oh), filter, true),
+                    resize_rgb_on(&src, (w, h), (ow, oh), filter, false),
+                    "{ow}x{oh} {filter:?}"
+                );
+            }
+        }
     }
 }
