@@ -23,7 +23,7 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{dtype_suffix, function, strided_launch, view};
+    use crate::cuda::{dtype_suffix, function, strided_launch, vector_items, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -48,13 +48,7 @@ mod cuda {
         let mut l = stream.launch_builder(&func);
         let cols_i = cols as i32;
         l.arg(&mut out).arg(&yv).arg(&bv).arg(&n).arg(&cols_i);
-        let per = (16 / std::mem::size_of::<T>()) as u64;
-        let items = if cols.is_multiple_of(per as usize) {
-            n as u64 / per
-        } else {
-            n as u64
-        };
-        let cfg = strided_launch(items);
+        let cfg = strided_launch(vector_items::<T>(rows * cols, cols));
         // SAFETY: matches `add_bias_<dtype>` in csrc/fused.cu; y is [rows, cols] and bias
         // [cols], both contiguous.
         unsafe { l.launch(cfg) }.w()?;

@@ -104,6 +104,17 @@ pub(crate) fn strided_launch(
     }
 }
 
+/// Work items of an element-wise kernel over `n` values in rows of `row_len` `T`s: one per
+/// 16-byte vector when rows are whole vectors (the kernel's vector path), else one per value.
+pub(crate) fn vector_items<T>(n: usize, row_len: usize) -> u64 {
+    let per = 16 / std::mem::size_of::<T>().max(1);
+    if row_len.is_multiple_of(per) {
+        (n / per) as u64
+    } else {
+        n as u64
+    }
+}
+
 /// Loads the kernel image on `dev` now (startup), so the first request does not pay for it.
 pub fn preload(dev: &CudaDevice) -> Result<()> {
     function(dev, "reshape_and_cache_f32").map(|_| ())

@@ -316,7 +316,7 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
-    use crate::cuda::{cuda_slice, dtype_suffix, function, strided_launch, view};
+    use crate::cuda::{cuda_slice, dtype_suffix, function, strided_launch, vector_items, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -455,13 +455,7 @@ mod cuda {
             let inter_i = inter as i32;
             b.arg(&mut out).arg(&input).arg(&n).arg(&inter_i);
             // a thread per 16-byte vector when rows are whole vectors (the kernel loops otherwise)
-            let per = 16 / std::mem::size_of::<T>();
-            let items = if inter.is_multiple_of(per) {
-                n as u64 / per as u64
-            } else {
-                n as u64
-            };
-            let cfg = strided_launch(items);
+            let cfg = strided_launch(vector_items::<T>(t * inter, inter));
             // SAFETY: matches `silu_and_mul_<dtype>` in csrc/fused.cu.
             unsafe { b.launch(cfg) }.w()?;
         }

@@ -36,6 +36,7 @@ enum How {
     Kernel {
         starts: Tensor,
         work: Tensor,
+        dtype: DType,
         head_dim: usize,
     },
     /// The composition: per segment length `(length, segments, rows)` with `rows`
@@ -59,7 +60,7 @@ impl SegmentPlan {
     ) -> Result<Self> {
         check_bounds(bounds, n)?;
         if kernel_fits(dev, dtype, head_dim) {
-            Self::kernel(bounds, dev, head_dim)
+            Self::kernel(bounds, dev, dtype, head_dim)
         } else {
             Self::composed(bounds, n, dev)
         }
@@ -102,7 +103,7 @@ impl SegmentPlan {
         })
     }
 
-    fn kernel(bounds: &[usize], dev: &Device, head_dim: usize) -> Result<Self> {
+    fn kernel(bounds: &[usize], dev: &Device, dtype: DType, head_dim: usize) -> Result<Self> {
         let starts: Vec<u32> = bounds.iter().map(|&b| b as u32).collect();
         let mut work: Vec<u32> = Vec::new();
         for (s, w) in bounds.windows(2).enumerate() {
@@ -115,6 +116,7 @@ impl SegmentPlan {
             how: How::Kernel {
                 starts: Tensor::from_vec(starts, bounds.len(), dev)?,
                 work: Tensor::from_vec(work, (items, 2), dev)?,
+                dtype,
                 head_dim,
             },
         })
@@ -136,9 +138,11 @@ impl SegmentPlan {
             How::Kernel {
                 starts,
                 work,
+                dtype,
                 head_dim,
             } => {
-                if hd != *head_dim || !kernel_fits(qkv.device(), qkv.dtype(), hd) {
+                // the plan was made for the kernel: only the operands' match is left to check
+                if hd != *head_dim || qkv.dtype() != *dtype || !qkv.device().is_cuda() {
                     candle_core::bail!(
                         "segment attention: planned for head dim {head_dim}, got {:?} {:?}",
                         qkv.dtype(),

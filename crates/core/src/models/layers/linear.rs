@@ -204,7 +204,8 @@ impl Linear {
         }
     }
 
-    fn load_parts(
+    /// `weight` `[out_dim, in_dim]` (and `bias` `[out_dim]` when `bias`) under `w`, dense.
+    pub(crate) fn load_parts(
         w: &Weights,
         in_dim: usize,
         out_dim: usize,

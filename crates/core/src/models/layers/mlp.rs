@@ -61,40 +61,24 @@ impl Mlp {
         if padded == intermediate {
             return Self::load(w, hidden, intermediate, bias);
         }
-        let part = |name: &str| -> std::result::Result<(Tensor, Option<Tensor>), LoadError> {
-            let p = w.pp(name);
-            let weight = p.get(&[intermediate, hidden], "weight")?;
-            let b = if bias {
-                Some(p.get(&[intermediate], "bias")?)
-            } else {
-                None
-            };
-            let pad = |t: Tensor| {
-                pad_with_zeros(t, 0, padded).map_err(|e| LoadError::Tensor {
-                    name: p.name_of("weight"),
-                    reason: e.to_string(),
-                })
-            };
-            Ok((pad(weight)?, b.map(pad).transpose()?))
-        };
-        let (gate, gate_b) = part("gate_proj")?;
-        let (up, up_b) = part("up_proj")?;
-        let down = w.pp("down_proj");
         let err = |e: candle_core::Error| LoadError::Tensor {
             name: w.name_of("mlp (padded)"),
             reason: e.to_string(),
         };
+        let part = |name: &str| -> std::result::Result<(Tensor, Option<Tensor>), LoadError> {
+            let (weight, b) = Linear::load_parts(&w.pp(name), hidden, intermediate, bias)?;
+            let pad = |t: Tensor| pad_with_zeros(t, 0, padded).map_err(err);
+            Ok((pad(weight)?, b.map(pad).transpose()?))
+        };
+        let (gate, gate_b) = part("gate_proj")?;
+        let (up, up_b) = part("up_proj")?;
         let gate_up_bias = match (gate_b, up_b) {
             (Some(g), Some(u)) => Some(Tensor::cat(&[&g, &u], 0).map_err(err)?),
             _ => None,
         };
-        let down_weight =
-            pad_with_zeros(down.get(&[hidden, intermediate], "weight")?, 1, padded).map_err(err)?;
-        let down_bias = if bias {
-            Some(down.get(&[hidden], "bias")?)
-        } else {
-            None
-        };
+        let (down_weight, down_bias) =
+            Linear::load_parts(&w.pp("down_proj"), intermediate, hidden, bias)?;
+        let down_weight = pad_with_zeros(down_weight, 1, padded).map_err(err)?;
         Ok(Self {
             gate_up_proj: Linear::new(Tensor::cat(&[&gate, &up], 0).map_err(err)?, gate_up_bias),
             down_proj: Linear::new(down_weight, down_bias),
