@@ -735,7 +735,8 @@ def part_lora(a, out: Path) -> None:
     with one adapter; loading one adapter at runtime. RSERVE_LORA_ISQ=q4k repeats the mix on an
     ISQ base. RSERVE_LORA_COUNTS (default 1,8,64) picks the mixes. RSERVE_LORA_AB=1 adds a server
     whose prompt chunks stay in the gathered kernels (RSERVE_LORA_MIN_RUN=0): base and one
-    adapter, for the run products' share."""
+    adapter, for the run products' share. RSERVE_LORA_FUSED_AB (e.g. 0,2) adds a server for each
+    RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -745,17 +746,22 @@ def part_lora(a, out: Path) -> None:
     emit(out, {"part": "lora-setup", "adapters": len(dirs), "made_s": time.time() - t0})
     served, extra_dir = dirs[:-1], dirs[-1]
     modules = [f"a{i}={d}" for i, d in enumerate(served)]
-    variants = [("", False)]
+    # (isq, prompt rows in the gathered kernels only, RSERVE_LORA_FUSED for decode rows)
+    variants = [("", False, "")]
+    variants += [("", False, v) for v in os.environ.get("RSERVE_LORA_FUSED_AB", "").split(",") if v]
     if os.environ.get("RSERVE_LORA_AB") == "1":
-        variants.append(("", True))
-    variants += [(f, False) for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
-    for isq, gathered_only in variants:
+        variants.append(("", True, ""))
+    variants += [(f, False, "") for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
+    for isq, gathered_only, launches in variants:
         rec: dict = {"part": "lora", "model": kind, "isq": isq or "none"}
         env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"}
         if gathered_only:
             env["RSERVE_LORA_MIN_RUN"] = "0"
             rec["prompt_rows"] = "gathered kernels only"
+        if launches:
+            env["RSERVE_LORA_FUSED"] = launches
+            rec["decode_rows"] = f"RSERVE_LORA_FUSED={launches}"
         args = ["--max-model-len", "4096", "--enable-lora", "--max-loras", str(len(served)),
                 "--max-cpu-loras", str(len(served) + 1), "--max-lora-rank", "16",
                 "--lora-modules", *modules]
@@ -763,7 +769,8 @@ def part_lora(a, out: Path) -> None:
             args += ["--isq", isq]
         try:
             srv = Server(a.binary, str(path), a.port, out, *args,
-                         tag=f"-lora{isq}{'-gathered' if gathered_only else ''}", env=env)
+                         tag=f"-lora{isq}{'-gathered' if gathered_only else ''}{'-fused' + launches if launches else ''}",
+                         env=env)
         except Exception as e:
             rec["error"] = repr(e)[-2000:]
             emit(out, rec)
@@ -782,6 +789,15 @@ def part_lora(a, out: Path) -> None:
                 rec[f"c64_{k}_ttft_ms"] = r["ttft_ms"]["median"]
                 if k != "base":
                     rec[f"c64_{k}_vs_base"] = r["output_throughput"] / runs["base"]["output_throughput"]
+            # greedy tokens of four requests at once (a decode batch of mixed adapters and a base
+            # row), to compare across the variants
+            names = [f"a{i % len(served)}" for i in (0, 1)] + [base, "a0"]
+            greedy = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "logprobs": 1}
+            with cf.ThreadPoolExecutor(4) as ex:
+                done = list(ex.map(lambda m: srv.post("/v1/completions", {"model": m, **greedy}), names))
+            rec["greedy"] = [{"model": m, "text": d["choices"][0]["text"],
+                              "logprobs": d["choices"][0]["logprobs"]["token_logprobs"]}
+                             for m, d in zip(names, done)]
             if not gathered_only:
                 b1b = bench_mix(a, srv, [base], 1, 4, 512, 256)
                 b1l = bench_mix(a, srv, ["a0"], 1, 4, 512, 256)

@@ -47,18 +47,13 @@ struct Fp8W {
 constexpr int kGemvRows = 4;  // R
 constexpr int kGemvSteps = 2;  // U
 
-// The epilogue of the streaming products: sums each thread's partial products acc[r][i] (W's row
-// row0 + r times x's row i) over the CTA through warp shuffles and shared memory and writes y
-// (`outs` wide); `row_scale` (may be null) multiplies each row's sum; in the GLU form rows R/2.. are
-// the up rows of the gate rows 0..R/2 and y is SiLU(gate) * up, both rounded to T first.
-template <typename T, int M, int R, int NT, bool GLU>
-__device__ __forceinline__ void gemv_store(T* __restrict__ y, const float (&acc)[R][M],
-                                           const float* __restrict__ row_scale, int m, int outs,
-                                           int row0, int rows) {
-  constexpr int RO = GLU ? R / 2 : R;
-  const int tid = threadIdx.x;
+// Sums each thread's partial products acc[r][i] (row r of the CTA's rows of W times x's row i)
+// over the CTA through warp shuffles and shared memory; entry r * M + i of the result is
+// cta_sum(red, r * M + i). Ends with a barrier.
+template <int M, int R, int NT>
+__device__ __forceinline__ const float* gemv_reduce(const float (&acc)[R][M]) {
   __shared__ float red[NT / 32][R * M];
-  const int lane = tid & 31, warp = tid >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -67,17 +62,34 @@ __device__ __forceinline__ void gemv_store(T* __restrict__ y, const float (&acc)
       if (lane == 0) red[warp][r * M + i] = v;
     }
   __syncthreads();
+  return &red[0][0];
+}
+
+template <int M, int R, int NT>
+__device__ __forceinline__ float cta_sum(const float* red, int e) {
+  float s = 0.f;
+#pragma unroll
+  for (int wp = 0; wp < NT / 32; ++wp) s += red[wp * R * M + e];
+  return s;
+}
+
+// The epilogue of the streaming products after gemv_reduce: writes y (`outs` wide) for the CTA's
+// rows row0 .. row0 + rows; `row_scale` (may be null) multiplies each row's sum; in the GLU form
+// rows R/2.. are the up rows of the gate rows 0..R/2 and y is SiLU(gate) * up, both rounded to T
+// first.
+template <typename T, int M, int R, int NT, bool GLU>
+__device__ __forceinline__ void gemv_store(T* __restrict__ y, const float* red,
+                                           const float* __restrict__ row_scale, int m, int outs,
+                                           int row0, int rows) {
+  constexpr int RO = GLU ? R / 2 : R;
+  const int tid = threadIdx.x;
   if (tid < RO * M) {
     const int r = tid / M, i = tid % M;
-    float s = 0.f;
-#pragma unroll
-    for (int wp = 0; wp < NT / 32; ++wp) s += red[wp][tid];
+    float s = cta_sum<M, R, NT>(red, tid);
     const int orow = row0 + min(r, rows - 1);
     if (row_scale != nullptr) s *= row_scale[orow];
     if (GLU) {
-      float u = 0.f;
-#pragma unroll
-      for (int wp = 0; wp < NT / 32; ++wp) u += red[wp][RO * M + tid];
+      float u = cta_sum<M, R, NT>(red, RO * M + tid);
       if (row_scale != nullptr) u *= row_scale[outs + orow];
       const float g = to_f32(from_f32<T>(s));
       s = g / (1.f + __expf(-g)) * to_f32(from_f32<T>(u));
@@ -86,33 +98,22 @@ __device__ __forceinline__ void gemv_store(T* __restrict__ y, const float (&acc)
   }
 }
 
-template <typename T, typename W, int M, int R, int U, int NT, bool GLU = false>
-__device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
-                          const float* __restrict__ row_scale, int m, int n, int k) {
+// Streams the R rows of W at wr (each k values of W's format) against the first m rows of x
+// ([m, k] contiguous) into acc. Launched as a dependent kernel, the first weight loads overlap the
+// previous kernel's tail: x (its output) is read only after pdl_wait.
+template <typename T, typename W, int M, int R, int U, int NT>
+__device__ __forceinline__ void gemv_stream(float (&acc)[R][M], const uint4* const (&wr)[R],
+                                            const T* __restrict__ x, int m, int k) {
   constexpr int XV = W::kVals / 8;  // 16-byte loads of x per chunk of W
-  constexpr int RO = GLU ? R / 2 : R;  // output rows per CTA
   const int tid = threadIdx.x;
-  const int outs = GLU ? n / 2 : n;    // width of y
-  const int row0 = blockIdx.x * RO;
-  const int rows = min(RO, outs - row0);
   const int chunks = k / W::kVals;  // 16-byte chunks per row of W
   const int xchunks = k / 8;        // 16-byte chunks per row of x
-  const size_t wrow_bytes = (size_t)chunks * 16;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const uint4* wr[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int wrow = row0 + min(r % RO, rows - 1) + (GLU && r >= RO ? outs : 0);
-    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(w) + wrow * wrow_bytes);
-  }
-  float acc[R][M];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < M; ++i) acc[r][i] = 0.f;
 
-  // Launched as a dependent kernel, the first weight loads overlap the previous kernel's tail:
-  // x (its output) is read, and y written, only after pdl_wait.
   bool waited = false;
   for (int c0 = tid; c0 < chunks; c0 += NT * U) {
     uint4 wv[U][R];
@@ -153,9 +154,34 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void
       }
     }
   }
-
   if (!waited) pdl_wait();
-  gemv_store<T, M, R, NT, GLU>(y, acc, row_scale, m, outs, row0, rows);
+}
+
+// The row pointers of the CTA owning outputs row0 .. row0 + rows of y (`outs` wide): W's rows
+// from w (each wrow_bytes long), in the GLU form the gate rows then the up rows `outs` later.
+template <int R, bool GLU>
+__device__ __forceinline__ void gemv_rows(const uint4* (&wr)[R], const void* w, size_t wrow_bytes,
+                                          int outs, int row0, int rows) {
+  constexpr int RO = GLU ? R / 2 : R;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int wrow = row0 + min(r % RO, rows - 1) + (GLU && r >= RO ? outs : 0);
+    wr[r] = reinterpret_cast<const uint4*>(static_cast<const char*>(w) + wrow * wrow_bytes);
+  }
+}
+
+template <typename T, typename W, int M, int R, int U, int NT, bool GLU = false>
+__device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
+                          const float* __restrict__ row_scale, int m, int n, int k) {
+  constexpr int RO = GLU ? R / 2 : R;  // output rows per CTA
+  const int outs = GLU ? n / 2 : n;    // width of y
+  const int row0 = blockIdx.x * RO;
+  const int rows = min(RO, outs - row0);
+  const uint4* wr[R];
+  gemv_rows<R, GLU>(wr, w, (size_t)(k / W::kVals) * 16, outs, row0, rows);
+  float acc[R][M];
+  gemv_stream<T, W, M, R, U, NT>(acc, wr, x, m, k);
+  gemv_store<T, M, R, NT, GLU>(y, gemv_reduce<M, R, NT>(acc), row_scale, m, outs, row0, rows);
 }
 
 }  // namespace

@@ -10,4 +10,5 @@
 #include "fp8.cu"
 #include "ggml.cu"
 #include "lora.cu"
+#include "gemv_lora.cu"
 #include "allreduce.cu"

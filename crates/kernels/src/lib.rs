@@ -34,6 +34,7 @@ pub mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
 pub mod lora;
+pub mod lora_gemv;
 pub mod metadata;
 pub mod paged_attention;
 pub mod quantize;

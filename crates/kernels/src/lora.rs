@@ -96,7 +96,7 @@ pub fn split_runs(slots: &mut [u32], min_len: usize) -> Vec<LoraRun> {
 
 impl LoraStack<'_> {
     /// `(slots, rank, in, out)`, checked against each other and the parts.
-    fn dims(&self) -> Result<(usize, usize, usize, usize)> {
+    pub(crate) fn dims(&self) -> Result<(usize, usize, usize, usize)> {
         let (s, pr, k) = self.a.dims3()?;
         let (sb, n, r) = self.b.dims3()?;
         let p = self.parts.len();
@@ -247,13 +247,13 @@ pub fn lora_add_reference(
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
+pub(crate) mod cuda {
     use super::{LoraRows, LoraRun, LoraStack};
     use crate::cuda::{
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
     use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
-    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Result, Tensor};
     use std::ffi::c_void;
@@ -438,7 +438,7 @@ mod cuda {
         parts: &[usize],
         slots: &Tensor,
         glu: bool,
-        (r, k, n): (usize, usize, usize),
+        (r, k, _): (usize, usize, usize),
     ) -> Result<Tensor> {
         let slots = slots.contiguous()?;
         let t = x.dim(0)?;
@@ -448,6 +448,65 @@ mod cuda {
         let sfx = dtype_suffix(T::DTYPE)?;
         // SAFETY: the expand reads the partials of adapter rows only, all written by the shrink.
         let mut part = unsafe { dev.alloc::<f32>(chunks * t * pr) }?;
+        {
+            let (xg, xl) = x.storage_and_layout();
+            let (ag, al) = a.storage_and_layout();
+            let (sg, sl) = slots.storage_and_layout();
+            let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
+            let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
+            let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
+            let (mut pp, _p) = part.device_ptr_mut(&stream);
+            let (mut xp, _x) = xv.device_ptr(&stream);
+            let (mut ap, _a) = av.device_ptr(&stream);
+            let (mut sp, _s) = sv.device_ptr(&stream);
+            let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
+            let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
+            let mut params = [
+                (&raw mut pp).cast::<c_void>(),
+                (&raw mut xp).cast::<c_void>(),
+                (&raw mut ldx).cast::<c_void>(),
+                (&raw mut ap).cast::<c_void>(),
+                (&raw mut sp).cast::<c_void>(),
+                (&raw mut ti).cast::<c_void>(),
+                (&raw mut pri).cast::<c_void>(),
+                (&raw mut ki).cast::<c_void>(),
+            ];
+            let grid = (t * pr * chunks).div_ceil(SHRINK_WARPS);
+            // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu):
+            // part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t]
+            // u32 (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per
+            // (token, output, chunk of k), warps past the last exit; the kernel waits before it
+            // reads.
+            let threads = (SHRINK_WARPS * 32) as u32;
+            unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
+        }
+        expand::<T>(dev, y, &part, chunks, b, parts, &slots, glu, r)
+    }
+
+    /// The expand of the BGMV form: adds the `chunks` partial sums of `u` in `part`
+    /// (`[chunks, t, parts * r]` f32, rows with an adapter written) and each row's `B_s u` to
+    /// `y` `[t, n]` in place (or, `glu`, writes `silu(g) * v` into a new `[t, n / 2]`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn expand<T: KernelElem>(
+        dev: &CudaDevice,
+        y: &Tensor,
+        part: &CudaSlice<f32>,
+        chunks: usize,
+        b: &Tensor,
+        parts: &[usize],
+        slots: &Tensor,
+        glu: bool,
+        r: usize,
+    ) -> Result<Tensor> {
+        let (t, n) = y.dims2()?;
+        let pr = parts.len() * r;
+        if part.len() < chunks * t * pr || !y.is_contiguous() || !b.is_contiguous() {
+            candle_core::bail!(
+                "lora expand: {chunks} x {t} x {pr} partials for y {:?}",
+                y.shape()
+            );
+        }
+        let stream = dev.cuda_stream();
         let width = if glu { n / 2 } else { n };
         // SAFETY: with glu every element of the new output is written by the expand.
         let mut fresh = if glu {
@@ -455,39 +514,14 @@ mod cuda {
         } else {
             None
         };
-        let (xg, xl) = x.storage_and_layout();
         let (yg, yl) = y.storage_and_layout();
-        let (ag, al) = a.storage_and_layout();
         let (bg, bl) = b.storage_and_layout();
         let (sg, sl) = slots.storage_and_layout();
-        let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
         let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
-        let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
         let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
         let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
-        let (mut pp, _p) = part.device_ptr_mut(&stream);
-        let (mut xp, _x) = xv.device_ptr(&stream);
-        let (mut ap, _a) = av.device_ptr(&stream);
+        let (mut pp, _p) = part.device_ptr(&stream);
         let (mut sp, _s) = sv.device_ptr(&stream);
-        let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
-        let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
-        let mut params = [
-            (&raw mut pp).cast::<c_void>(),
-            (&raw mut xp).cast::<c_void>(),
-            (&raw mut ldx).cast::<c_void>(),
-            (&raw mut ap).cast::<c_void>(),
-            (&raw mut sp).cast::<c_void>(),
-            (&raw mut ti).cast::<c_void>(),
-            (&raw mut pri).cast::<c_void>(),
-            (&raw mut ki).cast::<c_void>(),
-        ];
-        let grid = (t * pr * chunks).div_ceil(SHRINK_WARPS);
-        // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu):
-        // part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t]
-        // u32 (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per
-        // (token, output, chunk of k), warps past the last exit; the kernel waits before it reads.
-        let threads = (SHRINK_WARPS * 32) as u32;
-        unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         let (mut yp, _y) = yv.device_ptr(&stream);
         let (mut op, _o) = match fresh.as_mut() {
             Some(f) => {
@@ -503,14 +537,15 @@ mod cuda {
             col += w;
             *e = col as i32;
         }
-        let (mut ni, mut ri, mut ci) = (n as i32, r as i32, chunks as i32);
+        let (mut ti, mut ni, mut ri, mut pri, mut ci) =
+            (t as i32, n as i32, r as i32, pr as i32, chunks as i32);
         let (mut e0, mut e1) = (ends[0], ends[1]);
         let name = if glu {
             "lora_expand_glu"
         } else {
             "lora_expand"
         };
-        let expand = function(dev, &format!("{name}_{sfx}"))?;
+        let expand = function(dev, &format!("{name}_{}", dtype_suffix(T::DTYPE)?))?;
         let mut params = [
             (&raw mut op).cast::<c_void>(),
             (&raw mut yp).cast::<c_void>(),
@@ -528,12 +563,13 @@ mod cuda {
         let grid = t * width.div_ceil(EXPAND_THREADS);
         // SAFETY: `lora_expand[_glu]_<dtype>(out, y, part, b, slots, tokens, n, r, pr, chunks,
         // e0, e1)` (csrc/lora.cu): y [t, n] contiguous, out y itself (written in place, the
-        // caller's product) or, glu, a fresh [t, n / 2]; part written by the shrink just before on
-        // this stream; b [S, n, r]; slots as above; e0 <= e1 <= n the parts' ends; pr <= kMaxPr
-        // (rank <= MAX_RANK, checked); one CTA per (token, tile of EXPAND_THREADS columns).
+        // caller's product) or, glu, a fresh [t, n / 2]; part holds the partials written before
+        // on this stream (length checked); b [S, n, r] contiguous; slots [t] u32 (each < S or
+        // NO_ADAPTER); e0 <= e1 <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked
+        // by the stack); one CTA per (token, tile of EXPAND_THREADS columns).
         let threads = EXPAND_THREADS as u32;
         unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;
-        drop((_o, _y, _b, _p, _x, _a, _s));
+        drop((_o, _y, _b, _p, _s));
         match fresh {
             Some(f) => Ok(tensor_from_slice(f, dev, (t, width))),
             None => Ok(y.clone()),

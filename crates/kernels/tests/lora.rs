@@ -1,7 +1,8 @@
 //! The LoRA term of mixed-adapter batches: the grouped reference against a row-by-row f32
 //! product, and (with CUDA) the BGMV kernels and the cuBLAS runs against it, for one-part, fused
 //! three-part and two-part projections, rows without an adapter, ranks that are and are not
-//! multiples of the kernels' vectors, and the fused gate-up's SiLU-and-multiply.
+//! multiples of the kernels' vectors, and the fused gate-up's SiLU-and-multiply; the two-launch
+//! decode product (`lora_gemv`) against the product and the term composed.
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -296,6 +297,76 @@ mod cuda {
                 DType::F16 => 2e-3,
                 _ => 1e-5,
             }
+    }
+
+    /// The two-launch decode product against the streaming product plus the BGMV term, for 1 to
+    /// 4 rows (with and without adapters), plain and gate-up.
+    #[test]
+    fn the_two_launch_decode_product_matches_the_composed_one() -> Result<()> {
+        use rserve_kernels::lora_gemv::linear_rows_lora;
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::BF16, DType::F16] {
+            for (k, parts, r, glu) in [
+                (4096, &[4096, 1024, 1024][..], 16, false),
+                (64, &[48][..], 8, false),
+                (128, &[24, 24, 8][..], 5, false),
+                (4096, &[1024, 1024][..], 16, true),
+                (72, &[40, 40][..], 3, true),
+            ] {
+                let n: usize = parts.iter().sum();
+                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
+                    .to_dtype(dtype)?
+                    .to_device(&dev)?;
+                for round in 0..2u32 {
+                    for m in 1..=4usize {
+                        let slots: Vec<u32> = (0..m as u32)
+                            .map(|t| match (t + round) % 4 {
+                                3 => NO_ADAPTER,
+                                s => s,
+                            })
+                            .collect();
+                        let c = case_with(slots, k, parts, r, 3)?;
+                        let d = OnDevice::new(&c, dtype, &dev)?;
+                        let stack = LoraStack {
+                            a: &d.a,
+                            b: &d.b,
+                            parts: &c.parts,
+                        };
+                        let slots = Tensor::new(c.slots.as_slice(), &dev)?;
+                        let got = linear_rows_lora(&d.x, &w, &stack, &slots, glu)?
+                            .expect("the two-launch product applies");
+                        let rows = LoraRows {
+                            slots: Some(&slots),
+                            runs: &[],
+                        };
+                        let y = rserve_kernels::linear_rows(&d.x, &w)?;
+                        let want = if glu {
+                            host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
+                        } else {
+                            host(&lora_add(&y, &d.x, &stack, &rows)?)?
+                        };
+                        let got = host(&got)?;
+                        let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
+                        let diff = max_diff(&got, &want);
+                        assert!(
+                            diff <= tol,
+                            "{dtype:?} m{m} k{k} {parts:?} r{r} glu {glu}: {diff} > {tol}"
+                        );
+                    }
+                }
+                // five rows are not the kernel's: the caller composes
+                let c = case(5, k, parts, r, 3)?;
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let stack = LoraStack {
+                    a: &d.a,
+                    b: &d.b,
+                    parts: &c.parts,
+                };
+                let slots = Tensor::new(c.slots.as_slice(), &dev)?;
+                assert!(linear_rows_lora(&d.x, &w, &stack, &slots, glu)?.is_none());
+            }
+        }
+        Ok(())
     }
 
     /// Prompt chunks through cuBLAS runs beside gathered decode rows, plain and fused gate-up

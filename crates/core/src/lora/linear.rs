@@ -1,13 +1,15 @@
 //! The LoRA linear method: a base method (dense, quantized, FP8: any [`LinearMethod`]) plus the
 //! LoRA term of each row's adapter, read from the projection's device slots. A batch without
 //! adapters (no rows in the [`LayerCtx`]'s `lora`) runs the base method alone, its fused
-//! kernels included, so serving without adapters costs nothing.
+//! kernels included, so serving without adapters costs nothing. Decode batches over a dense base
+//! take the two-launch product of [`rserve_kernels::lora_gemv`] where it applies.
 
 use super::slots::ProjectionSlots;
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::{Result, Tensor};
 use rserve_kernels::lora::{lora_add, lora_add_silu_glu, LoraStack};
+use rserve_kernels::lora_gemv::linear_rows_lora;
 use std::sync::Arc;
 
 /// A projection whose rows may carry an adapter.
@@ -29,10 +31,25 @@ impl LoraLinear {
             parts: &self.slots.widths,
         }
     }
+
+    /// The product with the shrink, then the expand (decode rows over a dense base on CUDA), or
+    /// `None`.
+    fn fused(&self, x: &Tensor, ctx: &LayerCtx<'_>, glu: bool) -> Result<Option<Tensor>> {
+        let (Some(slots), true) = (ctx.lora.slots, ctx.lora.runs.is_empty()) else {
+            return Ok(None);
+        };
+        let Some(w) = self.base.dense_weight() else {
+            return Ok(None);
+        };
+        linear_rows_lora(x, w, &self.stack(), slots, glu)
+    }
 }
 
 impl LinearMethod for LoraLinear {
     fn matmul(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        if let Some(y) = self.fused(x, ctx, false)? {
+            return Ok(y);
+        }
         let y = self.base.matmul(x, ctx)?;
         if !ctx.lora.any() {
             return Ok(y);
@@ -44,6 +61,9 @@ impl LinearMethod for LoraLinear {
     fn matmul_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
         if !ctx.lora.any() {
             return self.base.matmul_silu_glu(x, ctx);
+        }
+        if let Some(y) = self.fused(x, ctx, true)? {
+            return Ok(y);
         }
         let y = self.base.matmul(x, ctx)?;
         lora_add_silu_glu(&y, x, &self.stack(), &ctx.lora)

@@ -32,6 +32,12 @@ pub trait LinearMethod: Send + Sync + fmt::Debug {
 
     /// `(out, in)`.
     fn shape(&self) -> (usize, usize);
+
+    /// The weight `[out, in]` when it is stored as loaded, in the model's dtype: fused kernels
+    /// that stream it themselves (the LoRA decode product) take it; other methods have none.
+    fn dense_weight(&self) -> Option<&Tensor> {
+        None
+    }
 }
 
 /// A weight kept as it was loaded, `[out, in]` in the model's dtype.
@@ -66,6 +72,10 @@ impl LinearMethod for Dense {
             d.first().copied().unwrap_or(0),
             d.get(1).copied().unwrap_or(0),
         )
+    }
+
+    fn dense_weight(&self) -> Option<&Tensor> {
+        Some(&self.weight)
     }
 }
 

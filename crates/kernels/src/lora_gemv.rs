@@ -1,0 +1,179 @@
+//! The decode product of an adapted projection in two launches (`csrc/gemv_lora.cu`): the
+//! streaming product `x W^T` with a few more CTAs that compute each row's `u = x A_s^T` in full,
+//! then the expand of [`crate::lora`] adding `B_s u` (or, for a fused gate-up, writing
+//! `silu(g) * v`). For batches of up to [`GEMV_MAX_ROWS`] rows with a 16-bit `W`, on CUDA. It
+//! replaces three launches (the product, the split-K shrink, an expand that adds the shrink's
+//! partials): one launch fewer per projection, and the expand reads one complete `u`.
+//!
+//! Where the kernel does not apply, [`linear_rows_lora`] says so and the caller composes
+//! [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the reference.
+
+use crate::gemv::GEMV_MAX_ROWS;
+use crate::lora::LoraStack;
+use candle_core::{DType, Result, Tensor};
+
+/// Whether decode rows of an adapted dense projection take the two launches: yes, unless
+/// `RSERVE_LORA_FUSED=0` (the three-launch form, for comparisons).
+pub fn fused_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("RSERVE_LORA_FUSED").as_deref().map(str::trim),
+            Ok("0")
+        )
+    })
+}
+
+/// `x W^T` plus each row's LoRA term (with `glu`, `silu(g) * v` of a fused gate-up's two halves
+/// after their terms: `[m, out / 2]`), `slots` `[m]` u32 the rows' adapter slots
+/// ([`crate::lora::NO_ADAPTER`]: none). `None` where the two-launch form does not apply: not
+/// CUDA, more than [`GEMV_MAX_ROWS`] rows, `W` not a contiguous weight in `x`'s 16-bit dtype, the
+/// stack in another dtype or not fitting `W`, a gate-up stack without two equal parts.
+pub fn linear_rows_lora(
+    x: &Tensor,
+    w: &Tensor,
+    stack: &LoraStack<'_>,
+    slots: &Tensor,
+    glu: bool,
+) -> Result<Option<Tensor>> {
+    if !applies(x, w, stack, slots, glu)? {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = x.device() {
+        return cuda::run(dev, x, w, stack, slots, glu).map(Some);
+    }
+    Ok(None)
+}
+
+fn applies(
+    x: &Tensor,
+    w: &Tensor,
+    stack: &LoraStack<'_>,
+    slots: &Tensor,
+    glu: bool,
+) -> Result<bool> {
+    if !fused_enabled() || !crate::gemv::kernel_applies(x, w) {
+        return Ok(false);
+    }
+    let (m, k) = x.dims2()?;
+    let (n, _) = w.dims2()?;
+    // a stack that does not fit itself is the composed path's error to report
+    let Ok((_, r, ak, bn)) = stack.dims() else {
+        return Ok(false);
+    };
+    let parts = stack.parts;
+    Ok(m <= GEMV_MAX_ROWS
+        && ak == k
+        && bn == n
+        && r > 0
+        && stack.a.dtype() == x.dtype()
+        && stack.b.dtype() == x.dtype()
+        && slots.dtype() == DType::U32
+        && slots.dims1()? == m
+        && (!glu || (parts.len() == 2 && parts[0] == parts[1])))
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use crate::cuda::{
+        cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
+    };
+    use crate::lora::LoraStack;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::CudaDevice;
+    use candle_core::{DType, Result, Tensor};
+    use std::ffi::c_void;
+
+    /// Rows of x the shrink CTAs cover (`kLoraTokens` in csrc/gemv_lora.cu) and rows of W (or A)
+    /// each CTA streams (`kGemvRows` in csrc/gemv.cu).
+    const LORA_TOKENS: usize = 4;
+    const ROWS_PER_CTA: usize = 4;
+
+    pub fn run(
+        dev: &CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        stack: &LoraStack<'_>,
+        slots: &Tensor,
+        glu: bool,
+    ) -> Result<Tensor> {
+        match x.dtype() {
+            DType::BF16 => launch::<half::bf16>(dev, x, w, stack, slots, glu),
+            DType::F16 => launch::<half::f16>(dev, x, w, stack, slots, glu),
+            dt => candle_core::bail!("lora gemv: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn launch<T: KernelElem>(
+        dev: &CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        stack: &LoraStack<'_>,
+        slots: &Tensor,
+        glu: bool,
+    ) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let (a, b, slots) = (
+            stack.a.contiguous()?,
+            stack.b.contiguous()?,
+            slots.contiguous()?,
+        );
+        let (m, k) = x.dims2()?;
+        let (n, _) = w.dims2()?;
+        let (_, pr, _) = a.dims3()?;
+        let r = b.dim(2)?;
+        let grid = LORA_TOKENS * pr.div_ceil(ROWS_PER_CTA) + n.div_ceil(ROWS_PER_CTA);
+        let stream = dev.cuda_stream();
+        // SAFETY: every element of y is written by the kernel; u's rows of tokens with an adapter
+        // are written by the shrink CTAs, and the expand reads only those.
+        let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+        let mut u = unsafe { dev.alloc::<f32>(LORA_TOKENS * pr) }?;
+        {
+            let (xg, xl) = x.storage_and_layout();
+            let (wg, wl) = w.storage_and_layout();
+            let (ag, al) = a.storage_and_layout();
+            let (sg, sl) = slots.storage_and_layout();
+            let xv = view::<T>(cuda_storage(&xg, "lora gemv x")?, xl, "lora gemv x")?;
+            let wv = view::<T>(cuda_storage(&wg, "lora gemv W")?, wl, "lora gemv W")?;
+            let av = view::<T>(cuda_storage(&ag, "lora gemv A")?, al, "lora gemv A")?;
+            let sv = view::<u32>(cuda_storage(&sg, "lora gemv slots")?, sl, "lora gemv slots")?;
+            let (mut yp, _y) = y.device_ptr_mut(&stream);
+            let (mut up, _u) = u.device_ptr_mut(&stream);
+            let (mut xp, _x) = xv.device_ptr(&stream);
+            let (mut wp, _w) = wv.device_ptr(&stream);
+            let (mut ap, _a) = av.device_ptr(&stream);
+            let (mut sp, _s) = sv.device_ptr(&stream);
+            let (mut mi, mut ni, mut ki, mut pri) = (m as i32, n as i32, k as i32, pr as i32);
+            let mut params = [
+                (&raw mut yp).cast::<c_void>(),
+                (&raw mut xp).cast::<c_void>(),
+                (&raw mut wp).cast::<c_void>(),
+                (&raw mut mi).cast::<c_void>(),
+                (&raw mut ni).cast::<c_void>(),
+                (&raw mut ki).cast::<c_void>(),
+                (&raw mut ap).cast::<c_void>(),
+                (&raw mut sp).cast::<c_void>(),
+                (&raw mut up).cast::<c_void>(),
+                (&raw mut pri).cast::<c_void>(),
+            ];
+            // (rows bucket, threads per CTA) as instantiated in csrc/gemv_lora.cu
+            let (bucket, threads) = match m {
+                1 => (1, 256),
+                2 => (2, 256),
+                _ => (4, 128),
+            };
+            let name = format!("gemv_shrink_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
+            let func = function(dev, &name)?;
+            // SAFETY: the parameters are `gemv_shrink_m<M>_<dtype>`'s (csrc/gemv_lora.cu) in
+            // order: y [m, n], x [m, k], W [n, k], A [S, pr, k] and slots [m] (each < S or
+            // NO_ADAPTER, as the layer's slots are), all contiguous (checked by `applies` and
+            // `view`); u [LORA_TOKENS, pr] f32; m <= M, k a multiple of 8; the grid is the
+            // shrink CTAs then the product's, as the kernel counts them; it waits for the
+            // previous kernel before it reads x or writes anything.
+            unsafe { launch_dependent(&func, &stream, grid as u32, threads, &mut params) }?;
+        }
+        let y = tensor_from_slice(y, dev, (m, n));
+        crate::lora::cuda::expand::<T>(dev, &y, &u, 1, &b, stack.parts, &slots, glu, r)
+    }
+}
