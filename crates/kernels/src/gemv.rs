@@ -10,6 +10,22 @@ use candle_core::{DType, Result, Tensor};
 /// The most rows of `x` the streaming kernel takes.
 pub const GEMV_MAX_ROWS: usize = 4;
 
+/// Outputs each CTA of the streaming kernels owns (`kGemvRows` in csrc/gemv.cu; the GLU form's
+/// CTA reads that many gate and as many up rows of `W`).
+#[cfg(feature = "cuda")]
+pub(crate) const GEMV_ROWS_PER_CTA: usize = 4;
+
+/// The instantiated rows bucket (`M`) and threads per CTA of the streaming kernels for `m` rows
+/// of `x` (csrc/gemv.cu, csrc/gemv_lora.cu).
+#[cfg(feature = "cuda")]
+pub(crate) fn gemv_launch_shape(m: usize) -> (usize, u32) {
+    match m {
+        1 => (1, 256),
+        2 => (2, 256),
+        _ => (4, 128),
+    }
+}
+
 /// `x` `[m, k]` times `w` `[n, k]` transposed: `[m, n]` in `x`'s dtype.
 pub fn linear_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
@@ -96,12 +112,7 @@ mod cuda {
         // SAFETY: every element of y is written by the kernel.
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
         if n > 0 {
-            // (rows bucket, threads per CTA) as instantiated in csrc/gemv.cu
-            let (bucket, threads) = match m {
-                1 => (1, 256),
-                2 => (2, 256),
-                _ => (4, 128),
-            };
+            let (bucket, threads) = super::gemv_launch_shape(m);
             let form = if glu { "gemv_glu" } else { "gemv" };
             let wform = if fp8.is_some() { "_fp8" } else { "" };
             let name = format!("{form}{wform}_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
@@ -137,8 +148,7 @@ mod cuda {
                     (&raw mut ni).cast::<c_void>(),
                     (&raw mut ki).cast::<c_void>(),
                 ];
-                // four outputs per CTA (kGemvRows; in the GLU form 4 gate + 4 up rows of W)
-                let grid = n.div_ceil(4) as u32;
+                let grid = n.div_ceil(super::GEMV_ROWS_PER_CTA) as u32;
                 // SAFETY: the parameters are `gemv[_glu][_fp8]_m<M>_<dtype>`'s (csrc/gemv.cu) in
                 // order: y, x, W and the row scales (null for 16-bit W) as device pointers, then
                 // m, W's rows (even for GLU) and k as i32; m <= M, k a multiple of W's values

@@ -79,16 +79,16 @@ mod cuda {
     use crate::cuda::{
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
+    use crate::gemv::{gemv_launch_shape, GEMV_ROWS_PER_CTA};
     use crate::lora::LoraStack;
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Result, Tensor};
     use std::ffi::c_void;
 
-    /// Rows of x the shrink CTAs cover (`kLoraTokens` in csrc/gemv_lora.cu) and rows of W (or A)
-    /// each CTA streams (`kGemvRows` in csrc/gemv.cu).
+    /// Rows of x the shrink CTAs cover (`kLoraTokens` in csrc/gemv_lora.cu); each CTA streams
+    /// GEMV_ROWS_PER_CTA rows of W or A.
     const LORA_TOKENS: usize = 4;
-    const ROWS_PER_CTA: usize = 4;
 
     pub fn run(
         dev: &CudaDevice,
@@ -123,7 +123,7 @@ mod cuda {
         let (n, _) = w.dims2()?;
         let (_, pr, _) = a.dims3()?;
         let r = b.dim(2)?;
-        let grid = LORA_TOKENS * pr.div_ceil(ROWS_PER_CTA) + n.div_ceil(ROWS_PER_CTA);
+        let grid = LORA_TOKENS * pr.div_ceil(GEMV_ROWS_PER_CTA) + n.div_ceil(GEMV_ROWS_PER_CTA);
         let stream = dev.cuda_stream();
         // SAFETY: every element of y is written by the kernel; u's rows of tokens with an adapter
         // are written by the shrink CTAs, and the expand reads only those.
@@ -157,12 +157,7 @@ mod cuda {
                 (&raw mut up).cast::<c_void>(),
                 (&raw mut pri).cast::<c_void>(),
             ];
-            // (rows bucket, threads per CTA) as instantiated in csrc/gemv_lora.cu
-            let (bucket, threads) = match m {
-                1 => (1, 256),
-                2 => (2, 256),
-                _ => (4, 128),
-            };
+            let (bucket, threads) = gemv_launch_shape(m);
             let name = format!("gemv_shrink_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
             let func = function(dev, &name)?;
             // SAFETY: the parameters are `gemv_shrink_m<M>_<dtype>`'s (csrc/gemv_lora.cu) in

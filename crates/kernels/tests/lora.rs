@@ -231,11 +231,7 @@ mod cuda {
                 let c = case(t, k, parts, r, s)?;
                 let d = OnDevice::new(&c, dtype, &dev)?;
                 let (x, y, want) = (&d.x, &d.y, &d.want);
-                let stack = LoraStack {
-                    a: &d.a,
-                    b: &d.b,
-                    parts: &c.parts,
-                };
+                let stack = d.stack(&c.parts);
                 let slots = Tensor::new(c.slots.as_slice(), &dev)?;
                 let rows = LoraRows {
                     slots: Some(&slots),
@@ -261,6 +257,14 @@ mod cuda {
     }
 
     impl OnDevice {
+        fn stack<'a>(&'a self, parts: &'a [usize]) -> LoraStack<'a> {
+            LoraStack {
+                a: &self.a,
+                b: &self.b,
+                parts,
+            }
+        }
+
         fn new(c: &Case, dtype: DType, dev: &Device) -> Result<Self> {
             let cast = |x: &Tensor| x.to_dtype(dtype);
             let (x, y, a, b) = (cast(&c.x)?, cast(&c.y)?, cast(&c.a)?, cast(&c.b)?);
@@ -327,11 +331,7 @@ mod cuda {
                             .collect();
                         let c = case_with(slots, k, parts, r, 3)?;
                         let d = OnDevice::new(&c, dtype, &dev)?;
-                        let stack = LoraStack {
-                            a: &d.a,
-                            b: &d.b,
-                            parts: &c.parts,
-                        };
+                        let stack = d.stack(&c.parts);
                         let slots = Tensor::new(c.slots.as_slice(), &dev)?;
                         let got = linear_rows_lora(&d.x, &w, &stack, &slots, glu)?
                             .expect("the two-launch product applies");
@@ -357,11 +357,7 @@ mod cuda {
                 // five rows are not the kernel's: the caller composes
                 let c = case(5, k, parts, r, 3)?;
                 let d = OnDevice::new(&c, dtype, &dev)?;
-                let stack = LoraStack {
-                    a: &d.a,
-                    b: &d.b,
-                    parts: &c.parts,
-                };
+                let stack = d.stack(&c.parts);
                 let slots = Tensor::new(c.slots.as_slice(), &dev)?;
                 assert!(linear_rows_lora(&d.x, &w, &stack, &slots, glu)?.is_none());
             }
@@ -383,11 +379,7 @@ mod cuda {
                 let c = case_with(chunked_slots(4), k, parts, r, 4)?;
                 let d = OnDevice::new(&c, dtype, &dev)?;
                 let (x, y, want) = (&d.x, &d.y, &d.want);
-                let stack = LoraStack {
-                    a: &d.a,
-                    b: &d.b,
-                    parts: &c.parts,
-                };
+                let stack = d.stack(&c.parts);
                 let mut gathered = c.slots.clone();
                 let runs = split_runs(&mut gathered, MIN_RUN);
                 let slots = Tensor::new(gathered.as_slice(), &dev)?;
