@@ -526,10 +526,13 @@ def part_speed(a, out: Path) -> None:
     model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ...", RSERVE_AB_ARGS="--flag value" and/or
     RSERVE_AB_BINARY=PATH (another build) each shape is served a second time with those variables
     set, flags added and that binary (an A/B on one checkpoint and one machine); RSERVE_AB_ROUNDS=N
-    repeats the pair N times, interleaved."""
+    repeats the pair N times, interleaved. RSERVE_SPEED_SETS="ARGS;ARGS;..." serves the checkpoint
+    once per set of server arguments (e.g. ";--isq fp8 --kv-cache-dtype fp8;--isq q4k": bf16,
+    then the two formats), each with its A/B pair."""
     import torch
 
     want = a.speed.split(",")
+    arg_sets = [shlex.split(x) for x in os.environ.get("RSERVE_SPEED_SETS", "").split(";")]
     ab_env = dict(kv.split("=", 1) for kv in shlex.split(os.environ.get("RSERVE_AB_ENV", "")))
     ab_args = shlex.split(os.environ.get("RSERVE_AB_ARGS", ""))
     ab_binary = Path(os.environ["RSERVE_AB_BINARY"]) if os.environ.get("RSERVE_AB_BINARY") else None
@@ -547,8 +550,10 @@ def part_speed(a, out: Path) -> None:
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
         ab = ab_env or ab_args or ab_binary
-        variants = ([({}, [], a.binary)] + ([(ab_env, ab_args, ab_binary or a.binary)] if ab else [])) * rounds
-        for variant, extra, binary in variants:
+        pair = [({}, [], a.binary, "")] + ([(ab_env, ab_args, ab_binary or a.binary, "-ab")] if ab else [])
+        variants = [(v, base + x, b, f"-s{i}{t}" if len(arg_sets) > 1 else t)
+                    for i, base in enumerate(arg_sets) for v, x, b, t in pair * rounds]
+        for variant, extra, binary, tag in variants:
             rec: dict = {"part": "speed", "model": kind, **hf}
             if variant:
                 rec["env"] = variant
@@ -556,10 +561,9 @@ def part_speed(a, out: Path) -> None:
                 rec["args"] = extra
             if ab_binary:
                 rec["binary"] = str(binary)
-            is_ab = bool(variant or extra or binary != a.binary)
             srv = Server(binary, str(path), a.port, out, "--max-model-len", "9000", *extra,
                          env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
-                              **variant}, tag="-ab" if is_ab else "")
+                              **variant}, tag=tag)
             rec["ready_s"] = srv.ready_s
             try:
                 speed_benches(a, srv, out, want, rec, kind)
