@@ -1,5 +1,6 @@
 //! Times the CPU quantized products on the projection shapes of a Qwen2.5-0.5B-shaped and a
-//! Llama-3.2-1B-shaped model: weight bytes streamed per second at 1 and 8 activation rows.
+//! Llama-3.2-1B-shaped model: weight bytes streamed per second at 1 and 8 activation rows (at 1
+//! row both from the cache, the same weight again, and from memory, copies in turn).
 //!
 //!     RAYON_NUM_THREADS=2 cargo run --release -p rserve-kernels --example cpu_quant_bench
 
@@ -25,8 +26,8 @@ fn main() {
         BlockType::Q4K,
         BlockType::Q6K,
     ];
-    println!("| shape | format | MB | m=1 GB/s | m=1 ms | m=8 GB/s | prefill int8 GFLOP/s | prefill f32 GFLOP/s |");
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("| shape | format | MB | m=1 GB/s | m=1 ms | m=1 from memory GB/s | m=8 GB/s | prefill int8 GFLOP/s | prefill f32 GFLOP/s |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     // optional filters: CPU_QUANT_BENCH=FORMAT[,SHAPE-SUBSTRING]
     let filter = std::env::var("CPU_QUANT_BENCH").unwrap_or_default();
     let mut filter = filter.split(',');
@@ -62,6 +63,25 @@ fn main() {
                     .fold(f64::MAX, f64::min);
                 res.push((q.len() as f64 / s / 1e9, s * 1e3));
             }
+            // batch 1 from memory: enough copies of the weight (at least 256 MB) taken in turn,
+            // as a decode step meets each projection
+            let copies = (256e6 / q.len() as f64).ceil() as usize;
+            let cold: Vec<X8Weight> = (0..copies.min(64))
+                .map(|_| X8Weight::from_ggml(f, &q, n, k).expect("layout"))
+                .collect();
+            let x = values(k, 2);
+            let turns = cold.len().max(4);
+            let s = (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    for i in 0..turns {
+                        std::hint::black_box(cold[i % cold.len()].matmul(&x, 1).expect("matmul"));
+                    }
+                    t.elapsed().as_secs_f64() / turns as f64
+                })
+                .fold(f64::MAX, f64::min);
+            drop(cold);
+            let cold_gbs = q.len() as f64 / s / 1e9;
             // prefill: 512 rows (CPU_QUANT_BENCH_ROWS) through the integer products, and through the dequantized
             // weight and an f32 product
             let m: usize = std::env::var("CPU_QUANT_BENCH_ROWS")
@@ -95,7 +115,7 @@ fn main() {
             });
             let gflop = 2.0 * (m * n * k) as f64 / 1e9;
             println!(
-                "| {name} | {f:?} | {mb:.1} | {:.2} | {:.3} | {:.2} | {:.1} | {:.1} |",
+                "| {name} | {f:?} | {mb:.1} | {:.2} | {:.3} | {cold_gbs:.2} | {:.2} | {:.1} | {:.1} |",
                 res[0].0,
                 res[0].1,
                 res[1].0,

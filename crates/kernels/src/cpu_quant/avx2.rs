@@ -15,25 +15,27 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::x8::{Group, Layout};
-use super::{Acts, QK};
+use super::{Acts, RowsOut, QK};
 use crate::quantize::BlockType;
 use std::arch::x86_64::*;
 
-/// How far ahead of the blocks being multiplied the loops ask the cache for the levels: eight
-/// kilobytes, a loaded memory latency's worth of one core's stream (on the 2-core benchmark VM
-/// the 4- and 6-bit formats stream 8-30% faster than at two kilobytes; `q8_0` is unchanged).
-const AHEAD: usize = 8192;
+/// How far ahead of the blocks being multiplied the loops ask for the levels: 32 kilobytes, into
+/// L2 rather than L1 (which a stream that far ahead would thrash). On the 2-core benchmark VM
+/// (Zen 4, 32 GB/s for a plain two-thread read) the batch-1 products of a weight streamed from
+/// memory went from 17-18 GB/s (eight kilobytes ahead into L1) to 27-28 GB/s for `q4_0` and
+/// `q4_K` and 24 for `q6_K` (`cpu_quant_bench`, the 1B head).
+pub(super) const AHEAD: usize = 32 * 1024;
 
 /// Bytes of 8-bit activations a tile of prefill rows holds (a quarter of a core's L2 on current
 /// x86 server parts).
 const TILE_BYTES: usize = 128 * 1024;
 
-/// Asks the cache for the `bytes` (a multiple of 64) at `p` (which need not be valid memory).
+/// Asks L2 for the `bytes` (a multiple of 64) at `p` (which need not be valid memory).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch(p: *const u8, bytes: usize) {
+pub(super) fn prefetch(p: *const u8, bytes: usize) {
     for l in (0..bytes).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l).cast());
+        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(l).cast());
     }
 }
 
@@ -55,7 +57,7 @@ unsafe fn load(p: *const u8) -> __m256i {
 /// Eight f16 scales.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales8(p: *const u8) -> __m256 {
+pub(super) unsafe fn scales8(p: *const u8) -> __m256 {
     // SAFETY: 16 readable bytes (caller)
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
 }
@@ -141,6 +143,93 @@ pub(super) fn scale_into(acc: &mut __m256, sum: __m256i, dw: __m256, da: f32) {
     );
 }
 
+/// `acc += (sum - offset * (sum of the block's levels)) * dw * d_a` for activation block `blk`:
+/// the products of unsigned levels stored `offset` above the signed ones.
+///
+/// # Safety
+/// `blk` is below the activation blocks of `acts`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn offset_into(
+    acc: &mut __m256,
+    sum: __m256i,
+    offset: i32,
+    dw: __m256,
+    acts: &Acts,
+    blk: usize,
+) {
+    // SAFETY: the caller's
+    let ([h0, h1], da) = unsafe { (*acts.half.get_unchecked(blk), *acts.d.get_unchecked(blk)) };
+    let sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(offset * (h0 + h1)));
+    scale_into(acc, sum, dw, da);
+}
+
+/// Super-block `sb` of a `q4_K` group: its eight rows' scales `d` and `dmin`, once the cache was
+/// asked for the levels, sub-block scales and minimums `AHEAD` of it.
+///
+/// # Safety
+/// `sb` is below `g.nb`, `g` pointing into a live `q4_K` weight.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_super_block(g: &Group, sb: usize) -> (__m256, __m256) {
+    let [qs, d, dmin, sc, mn] = g.region;
+    prefetch(qs.wrapping_add(1024 * sb + AHEAD), 1024);
+    prefetch(sc.wrapping_add(64 * sb + AHEAD / 8), 64);
+    prefetch(mn.wrapping_add(64 * sb + AHEAD / 8), 64);
+    // SAFETY: super-block `sb`'s scales (caller)
+    unsafe { (scales8(d.add(16 * sb)), scales8(dmin.add(16 * sb))) }
+}
+
+/// Group `t` of sub-blocks `2c` and `2c + 1` of super-block `sb` of a `q4_K` group: the low and
+/// the high nibbles of one 32-byte load.
+///
+/// # Safety
+/// As [`q4k_super_block`], `c < 4`, `t < 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_nibbles(g: &Group, sb: usize, c: usize, t: usize) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY: within the super-block's levels (caller)
+    let v = unsafe { load(g.region[0].add(1024 * sb + 256 * c + 32 * t)) };
+    (
+        _mm256_and_si256(v, m4),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
+    )
+}
+
+/// Sub-block `sub` of super-block `sb` of a `q4_K` group into `acc`: `sum`, the integer sums of
+/// its levels with activation block `blk` already times the sub-block scales, scaled by `dv` and
+/// the activation's scale, less the sub-block minimums times `dmv` and the activation's sum.
+///
+/// # Safety
+/// As [`q4k_super_block`], `sub < 8`, `blk` below the activation blocks of `acts`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn q4k_sub_block(
+    acc: &mut __m256,
+    sum: __m256i,
+    (dv, dmv): (__m256, __m256),
+    g: &Group,
+    sb: usize,
+    sub: usize,
+    acts: &Acts,
+    blk: usize,
+) {
+    // SAFETY: the sub-block's minimums and the activation block (caller)
+    let (mins, [h0, h1], da) = unsafe {
+        (
+            _mm_loadl_epi64(g.region[4].add(64 * sb + 8 * sub).cast()),
+            *acts.half.get_unchecked(blk),
+            *acts.d.get_unchecked(blk),
+        )
+    };
+    let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins));
+    scale_into(acc, sum, dv, da);
+    let m = _mm256_mul_ps(dmv, _mm256_set1_ps(da * (h0 + h1) as f32));
+    *acc = _mm256_fnmadd_ps(mins, m, *acc);
+}
+
 /// The eight rows of group `g` times activation rows starting at blocks `a0[r]`: one vector per
 /// activation row, lane `j` the product with weight row `j`.
 ///
@@ -159,9 +248,17 @@ pub(super) unsafe fn group_dot<const R: usize>(
     // SAFETY: the activation blocks are in bounds (asserted); the weight's (caller)
     unsafe {
         match format {
+            BlockType::Q8_0 if super::vnni::available() => super::vnni::q8_0(g, acts, a0),
             BlockType::Q8_0 => q8_0(g, acts, a0),
+            BlockType::Q4_0 if super::vnni::available() => {
+                super::vnni::q4_0::<false, R>(g, acts, a0)
+            }
             BlockType::Q4_0 => q4_0::<false, R>(g, acts, a0),
+            BlockType::Q5_0 if super::vnni::available() => {
+                super::vnni::q4_0::<true, R>(g, acts, a0)
+            }
             BlockType::Q5_0 => q4_0::<true, R>(g, acts, a0),
+            BlockType::Q4K if super::vnni::available() => super::vnni::q4k(g, acts, a0),
             BlockType::Q4K => q4k(g, acts, a0),
             BlockType::Q6K if super::vnni::available() => super::vnni::q6k(g, acts, a0),
             BlockType::Q6K => q6k(g, acts, a0),
@@ -170,7 +267,7 @@ pub(super) unsafe fn group_dot<const R: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+pub(super) unsafe fn q8_0<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
     let [qs, d, ..] = g.region;
     let ones = _mm256_set1_epi16(1);
     let aq = acts.q.as_ptr();
@@ -219,45 +316,58 @@ fn fifth_bits(qh: __m256i, gi: usize) -> __m256i {
     _mm256_and_si256(v, _mm256_set1_epi8(0x10))
 }
 
-/// `q4_0`, and `q5_0` when `FIVE` (the fifth bits from their own region).
+/// The levels of block `b` of a `q4_0` group, or of a `q5_0` group when `FIVE` (the fifth bits
+/// from their own region), as bytes in groups of four per row, and the eight rows' scales; asks
+/// for the block `AHEAD` of it.
+///
+/// # Safety
+/// `b` is below `g.nb`, `g` pointing into a live weight of that format.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0<const FIVE: bool, const R: usize>(
-    g: &Group,
-    acts: &Acts,
-    a0: [usize; R],
-) -> [__m256; R] {
+pub(super) unsafe fn q4_0_levels<const FIVE: bool>(g: &Group, b: usize) -> ([__m256i; 8], __m256) {
     let qs = g.region[0];
     let (qh, d) = if FIVE {
         (g.region[1], g.region[2])
     } else {
         (g.region[1], g.region[1])
     };
-    let offset = if FIVE { 16 } else { 8 };
     let m4 = _mm256_set1_epi8(0x0F);
+    // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions (caller)
+    let w = unsafe { qs.add(128 * b) };
+    prefetch(w.wrapping_add(AHEAD), 128);
+    if FIVE && b.is_multiple_of(2) {
+        prefetch(qh.wrapping_add(32 * b + AHEAD / 4), 64);
+    }
+    let mut lv = [_mm256_setzero_si256(); 8];
+    for t in 0..4 {
+        let v = unsafe { load(w.add(32 * t)) };
+        lv[t] = _mm256_and_si256(v, m4);
+        lv[t + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+    }
+    if FIVE {
+        let h = unsafe { load(qh.add(32 * b)) };
+        for (gi, l) in lv.iter_mut().enumerate() {
+            *l = _mm256_or_si256(*l, fifth_bits(h, gi));
+        }
+    }
+    (lv, unsafe { scales8(d.add(16 * b)) })
+}
+
+/// `q4_0`, and `q5_0` when `FIVE`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4_0<const FIVE: bool, const R: usize>(
+    g: &Group,
+    acts: &Acts,
+    a0: [usize; R],
+) -> [__m256; R] {
+    let offset = if FIVE { 16 } else { 8 };
     let ones = _mm256_set1_epi16(1);
     let aq = acts.q.as_ptr();
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
-        let w = unsafe { qs.add(128 * b) };
-        prefetch(w.wrapping_add(AHEAD), 128);
-        if FIVE && b % 2 == 0 {
-            prefetch(qh.wrapping_add(32 * b + AHEAD / 4), 64);
-        }
-        let mut lv = [_mm256_setzero_si256(); 8];
-        for t in 0..4 {
-            let v = unsafe { load(w.add(32 * t)) };
-            lv[t] = _mm256_and_si256(v, m4);
-            lv[t + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
-        }
-        if FIVE {
-            let h = unsafe { load(qh.add(32 * b)) };
-            for (gi, l) in lv.iter_mut().enumerate() {
-                *l = _mm256_or_si256(*l, fifth_bits(h, gi));
-            }
-        }
-        let dw = unsafe { scales8(d.add(16 * b)) };
+        let (lv, dw) = unsafe { q4_0_levels::<FIVE>(g, b) };
         for r in 0..R {
             let blk = a0[r] + b;
             let ap = unsafe { aq.add(blk * QK) };
@@ -272,34 +382,25 @@ unsafe fn q4_0<const FIVE: bool, const R: usize>(
             if FIVE {
                 s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s[1], ones));
             }
-            let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
-            s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(offset * (h0 + h1)));
-            scale_into(&mut acc[r], s32, dw, unsafe { *acts.d.get_unchecked(blk) });
+            unsafe { offset_into(&mut acc[r], s32, offset, dw, acts, blk) };
         }
     }
     acc
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
-    let [qs, d, dmin, sc, mn] = g.region;
-    let m4 = _mm256_set1_epi8(0x0F);
+pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256; R] {
+    let sc = g.region[3];
     let aq = acts.q.as_ptr();
     let mut acc = [_mm256_setzero_ps(); R];
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        let (dv, dmv) = unsafe { (scales8(d.add(16 * sb)), scales8(dmin.add(16 * sb))) };
-        prefetch(qs.wrapping_add(1024 * sb + AHEAD), 1024);
-        prefetch(sc.wrapping_add(64 * sb + AHEAD / 8), 64);
-        prefetch(mn.wrapping_add(64 * sb + AHEAD / 8), 64);
+        let scales = unsafe { q4k_super_block(g, sb) };
         for c in 0..4 {
-            let w = unsafe { qs.add(1024 * sb + 256 * c) };
             let mut s = [[_mm256_setzero_si256(); 2]; R];
             for t in 0..8 {
-                let v = unsafe { load(w.add(32 * t)) };
-                let lo = _mm256_and_si256(v, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                let (lo, hi) = unsafe { q4k_nibbles(g, sb, c, t) };
                 for r in 0..R {
                     let ap = unsafe { aq.add((a0[r] + 8 * sb + 2 * c) * QK) };
                     let p0 = _mm256_maddubs_epi16(lo, unsafe { bcast(ap, t) });
@@ -311,15 +412,10 @@ unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]) -> [__m256
             for h in 0..2 {
                 let sub = 2 * c + h;
                 let scp = unsafe { scale_pairs::<false>(sc.add(64 * sb + 8 * sub)) };
-                let mins = unsafe { _mm_loadl_epi64(mn.add(64 * sb + 8 * sub).cast()) };
-                let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins));
                 for r in 0..R {
+                    let sum = _mm256_madd_epi16(s[r][h], scp);
                     let blk = a0[r] + 8 * sb + sub;
-                    let da = unsafe { *acts.d.get_unchecked(blk) };
-                    scale_into(&mut acc[r], _mm256_madd_epi16(s[r][h], scp), dv, da);
-                    let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
-                    let m = _mm256_mul_ps(dmv, _mm256_set1_ps(da * (h0 + h1) as f32));
-                    acc[r] = _mm256_fnmadd_ps(mins, m, acc[r]);
+                    unsafe { q4k_sub_block(&mut acc[r], sum, scales, g, sb, sub, acts, blk) };
                 }
             }
         }
@@ -464,14 +560,13 @@ unsafe fn dot_into<const R: usize>(
     }
 }
 
-/// Groups `groups` of the weight times all `m` activation rows (each `nb` blocks), four
-/// activation rows at a time, into `out[(8 (g - groups.start) + j) * m + i]` (weight row `8g + j`,
-/// activation row `i`).
+/// Groups `groups` of the weight times one activation row, into `out[8 (g - groups.start) + j]`
+/// (weight row `8g + j`).
 ///
 /// # Safety
-/// As [`group_dot`], for every group in `groups`; `out` holds `8 m` values per group.
+/// As [`group_dot`], for every group in `groups`; `out` holds 8 values per group.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn products(
+pub(super) unsafe fn products_one(
     format: BlockType,
     layout: &Layout,
     groups: std::ops::Range<usize>,
@@ -479,24 +574,48 @@ pub(super) unsafe fn products(
     nb: usize,
     out: &mut [f32],
 ) {
-    let m = out.len() / 8 / groups.len().max(1);
-    if m == 1 {
-        // batch-1 decode: the lanes are the outputs
-        let one: unsafe fn(&Group, &Acts, [usize; 1]) -> [__m256; 1] = match format {
-            BlockType::Q8_0 => q8_0::<1>,
-            BlockType::Q4_0 => q4_0::<false, 1>,
-            BlockType::Q5_0 => q4_0::<true, 1>,
-            BlockType::Q4K => q4k::<1>,
-            BlockType::Q6K if super::vnni::available() => super::vnni::q6k::<1>,
-            BlockType::Q6K => q6k::<1>,
-        };
-        assert!(acts.d.len() >= nb && out.len() >= 8 * groups.len());
-        for (o, g) in out.chunks_exact_mut(8).zip(groups) {
-            // SAFETY: the caller's guarantees; eight f32 values
-            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), one(&layout.group(g), acts, [0])[0]) };
-        }
-        return;
+    // the first groups' bytes are asked for at once: the loops ask for each block's only once
+    // they run, `AHEAD` bytes before it
+    let (start, len) = layout.span(groups.clone());
+    prefetch(start, len.min(AHEAD));
+    // batch-1 decode: the lanes are the outputs
+    let one: unsafe fn(&Group, &Acts, [usize; 1]) -> [__m256; 1] = match format {
+        BlockType::Q8_0 if super::vnni::available() => super::vnni::q8_0::<1>,
+        BlockType::Q8_0 => q8_0::<1>,
+        BlockType::Q4_0 if super::vnni::available() => super::vnni::q4_0::<false, 1>,
+        BlockType::Q4_0 => q4_0::<false, 1>,
+        BlockType::Q5_0 if super::vnni::available() => super::vnni::q4_0::<true, 1>,
+        BlockType::Q5_0 => q4_0::<true, 1>,
+        BlockType::Q4K if super::vnni::available() => super::vnni::q4k::<1>,
+        BlockType::Q4K => q4k::<1>,
+        BlockType::Q6K if super::vnni::available() => super::vnni::q6k::<1>,
+        BlockType::Q6K => q6k::<1>,
+    };
+    assert!(acts.d.len() >= nb && out.len() >= 8 * groups.len());
+    for (o, g) in out.chunks_exact_mut(8).zip(groups) {
+        // SAFETY: the caller's guarantees; eight f32 values
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), one(&layout.group(g), acts, [0])[0]) };
     }
+}
+
+/// Groups `groups` of the weight times all `y.rows()` activation rows (each `nb` blocks), four
+/// activation rows at a time, into the columns `8 groups.start..8 groups.end` of `y`.
+///
+/// # Safety
+/// As [`group_dot`], for every group in `groups`; `acts` holds `y.rows()` rows; no other thread
+/// writes these columns of `y` meanwhile.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn products_rows(
+    format: BlockType,
+    layout: &Layout,
+    groups: std::ops::Range<usize>,
+    acts: &Acts,
+    nb: usize,
+    y: RowsOut,
+) {
+    let m = y.rows();
+    let (start, len) = layout.span(groups.clone());
+    prefetch(start, len.min(AHEAD));
     // activation rows in tiles that stay in the core's L2 while every group of the task passes
     // over them (each group's weight bytes stay in L1 for the tile's rows)
     let tile = (TILE_BYTES / (nb * QK)).max(4) / 4 * 4;
@@ -504,8 +623,6 @@ pub(super) unsafe fn products(
         let t1 = (t0 + tile).min(m);
         for g in groups.clone() {
             let grp = layout.group(g);
-            let start = (g - groups.start) * 8 * m;
-            let out = &mut out[start..start + 8 * m];
             let mut i = t0;
             while i < t1 {
                 let rows = (t1 - i).min(4);
@@ -521,9 +638,8 @@ pub(super) unsafe fn products(
                     }
                 }
                 for (r, vr) in v.iter().take(rows).enumerate() {
-                    for (j, &x) in vr.iter().enumerate() {
-                        out[j * m + i + r] = x;
-                    }
+                    // SAFETY: row i + r < m; these columns are this task's (caller)
+                    unsafe { y.put(i + r, 8 * g, vr) };
                 }
                 i += rows;
             }

@@ -8,12 +8,14 @@
 //! one activation layout serve every format), and each block carries the sums of its two halves
 //! for the K-quants' minimums and offsets.
 //!
-//! Two implementations of each block product: portable Rust over ggml's bytes (the reference the
-//! tests hold the other to, exactly), and hand-written AVX2 over the grouped layout (`avx2.rs`:
+//! Three implementations of each block product: portable Rust over ggml's bytes (the reference
+//! the tests hold the others to, exactly), hand-written AVX2 over the grouped layout (`avx2.rs`:
 //! one vector lane per weight row, bytes multiplied pairwise into 16-bit sums, then into 32-bit
-//! lanes, the scales applied in f32), chosen at run time, so one portable binary or wheel uses
-//! the vector units of the host it runs on. Groups of rows are spread over the rayon pool; each
-//! weight group is read once for every four activation rows.
+//! lanes, the scales applied in f32), and the same with AVX-512 VNNI's byte dot products on
+//! 256-bit vectors (`vnni.rs`, the same bits as AVX2), chosen at run time, so one portable binary
+//! or wheel uses the vector units of the host it runs on. Groups of rows are spread over the
+//! rayon pool; each weight group is read once for every four activation rows, and over several
+//! activation rows each task writes its columns of the result in place.
 //!
 //! Reference: the weight dequantized to f32 times the activations (tests here and in
 //! `rserve-core`'s `quant::ggml`).
@@ -215,6 +217,47 @@ fn row_dot(format: QFormat, w: &[u8], acts: &Acts, a0: usize) -> f32 {
     acc
 }
 
+/// The `[m, n]` row-major result of a product over several activation rows, written by the tasks
+/// of the product in place: each task owns the columns of its groups of weight rows.
+#[derive(Clone, Copy)]
+pub(crate) struct RowsOut {
+    ptr: *mut f32,
+    n: usize,
+    m: usize,
+}
+
+// SAFETY: the tasks that share a `RowsOut` write disjoint columns (`put`'s contract), and the
+// buffer outlives them (the product waits for every task)
+unsafe impl Send for RowsOut {}
+unsafe impl Sync for RowsOut {}
+
+impl RowsOut {
+    fn new(y: &mut [f32], m: usize) -> Self {
+        Self {
+            ptr: y.as_mut_ptr(),
+            n: y.len() / m.max(1),
+            m,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// Row `i`'s columns `col..col + 8` (those below n) take `v`.
+    ///
+    /// # Safety
+    /// `i < m`; no other thread writes these columns meanwhile.
+    #[inline]
+    pub unsafe fn put(&self, i: usize, col: usize, v: &[f32; 8]) {
+        let cols = self.n.saturating_sub(col).min(8);
+        // SAFETY: row i of m rows of n values, columns col..col + cols (caller)
+        unsafe {
+            std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.add(i * self.n + col), cols);
+        }
+    }
+}
+
 /// Whether the AVX2 build runs on this host.
 pub fn uses_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -255,8 +298,6 @@ impl X8Weight {
         let format = self.format();
         let rb = format.row_bytes(k);
         let groups = self.groups();
-        // out_t[row, i]: one weight row's products with every activation row
-        let mut out_t = vec![0f32; groups * ROWS * m];
         // several tasks per thread; over many activation rows, few enough groups per task that
         // their weight bytes stay in L2 while tiles of activation rows pass over them
         let cap = if m > 4 {
@@ -268,6 +309,24 @@ impl X8Weight {
             .div_ceil(8 * rayon::current_num_threads())
             .clamp(1, cap);
         let layout = self.layout();
+        #[cfg(target_arch = "x86_64")]
+        if avx2 && m > 1 {
+            // every task writes its groups' columns of y in place
+            let mut y = vec![0f32; m * n];
+            let out = RowsOut::new(&mut y, m);
+            (0..groups.div_ceil(per_task))
+                .into_par_iter()
+                .for_each(|c| {
+                    let tg = c * per_task..((c + 1) * per_task).min(groups);
+                    // SAFETY: AVX2, FMA and F16C are present (`uses_avx2`); the groups are this
+                    // weight's, `acts` holds `m` rows of `k` values, and the tasks' groups (so
+                    // their columns of y) are disjoint
+                    unsafe { avx2::products_rows(format, &layout, tg, &acts, nb, out) };
+                });
+            return Ok(y);
+        }
+        // out_t[row, i]: one weight row's products with every activation row
+        let mut out_t = vec![0f32; groups * ROWS * m];
         out_t
             .par_chunks_mut(per_task * ROWS * m)
             .enumerate()
@@ -275,10 +334,10 @@ impl X8Weight {
                 let first = c * per_task;
                 #[cfg(target_arch = "x86_64")]
                 if avx2 {
-                    let groups = first..first + chunk.len() / (ROWS * m);
+                    let groups = first..first + chunk.len() / ROWS;
                     // SAFETY: AVX2, FMA and F16C are present (`uses_avx2`); the groups are this
-                    // weight's and `acts` holds `m` rows of `k` values
-                    unsafe { avx2::products(format, &layout, groups, &acts, nb, chunk) };
+                    // weight's and `acts` holds one row of `k` values
+                    unsafe { avx2::products_one(format, &layout, groups, &acts, nb, chunk) };
                     return;
                 }
                 let mut buf = Vec::new();
@@ -295,12 +354,22 @@ impl X8Weight {
             out_t.truncate(n);
             return Ok(out_t);
         }
+        // y = out_t^T, in parallel over bands of 16 rows of y: each band reads one cache line of
+        // every row of out_t and writes its own rows
+        const BAND: usize = 16;
         let mut y = vec![0f32; m * n];
-        for j in 0..n {
-            for i in 0..m {
-                y[i * n + j] = out_t[j * m + i];
-            }
-        }
+        y.par_chunks_mut(BAND * n)
+            .enumerate()
+            .for_each(|(c, band)| {
+                let i0 = c * BAND;
+                let rows = band.len() / n;
+                for j in 0..n {
+                    let src = &out_t[j * m + i0..j * m + i0 + rows];
+                    for (ii, &v) in src.iter().enumerate() {
+                        band[ii * n + j] = v;
+                    }
+                }
+            });
         Ok(y)
     }
 

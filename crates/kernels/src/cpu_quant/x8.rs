@@ -402,6 +402,15 @@ impl Layout {
             nb: self.nb,
         }
     }
+
+    /// Where groups `groups` start and how many bytes they take (one contiguous run).
+    #[inline]
+    pub fn span(&self, groups: std::ops::Range<usize>) -> (*const u8, usize) {
+        (
+            self.base.wrapping_add(groups.start * self.stride),
+            groups.len() * self.stride,
+        )
+    }
 }
 
 // SAFETY: the pointers point into an `X8Weight`'s storage, which is never written after it is
