@@ -197,34 +197,36 @@ pub(super) unsafe fn q4k_nibbles(g: &Group, sb: usize, c: usize, t: usize) -> (_
     )
 }
 
-/// Sub-block `sub` of super-block `sb` of a `q4_K` group into `acc`: `sum`, the integer sums of
-/// its levels with activation block `blk` already times the sub-block scales, scaled by `dv` and
-/// the activation's scale, less the sub-block minimums times `dmv` and the activation's sum.
+/// The eight rows' minimums of sub-block `sub` of super-block `sb` of a `q4_K` group, in f32.
 ///
 /// # Safety
-/// As [`q4k_super_block`], `sub < 8`, `blk` below the activation blocks of `acts`.
+/// As [`q4k_super_block`], `sub < 8`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn q4k_mins(g: &Group, sb: usize, sub: usize) -> __m256 {
+    // SAFETY: the sub-block's minimums (caller)
+    let mins = unsafe { _mm_loadl_epi64(g.region[4].add(64 * sb + 8 * sub).cast()) };
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))
+}
+
+/// A `q4_K` sub-block into `acc`: `sum`, the integer sums of its levels with activation block
+/// `blk` already times the sub-block scales, scaled by `dv` and the activation's scale, less the
+/// sub-block's minimums `mins` times `dmv` and the activation's sum.
+///
+/// # Safety
+/// `blk` is below the activation blocks of `acts`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q4k_sub_block(
     acc: &mut __m256,
     sum: __m256i,
     (dv, dmv): (__m256, __m256),
-    g: &Group,
-    sb: usize,
-    sub: usize,
+    mins: __m256,
     acts: &Acts,
     blk: usize,
 ) {
-    // SAFETY: the sub-block's minimums and the activation block (caller)
-    let (mins, [h0, h1], da) = unsafe {
-        (
-            _mm_loadl_epi64(g.region[4].add(64 * sb + 8 * sub).cast()),
-            *acts.half.get_unchecked(blk),
-            *acts.d.get_unchecked(blk),
-        )
-    };
-    let mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins));
+    // SAFETY: the activation block (caller)
+    let ([h0, h1], da) = unsafe { (*acts.half.get_unchecked(blk), *acts.d.get_unchecked(blk)) };
     scale_into(acc, sum, dv, da);
     let m = _mm256_mul_ps(dmv, _mm256_set1_ps(da * (h0 + h1) as f32));
     *acc = _mm256_fnmadd_ps(mins, m, *acc);
@@ -412,10 +414,11 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
             for h in 0..2 {
                 let sub = 2 * c + h;
                 let scp = unsafe { scale_pairs::<false>(sc.add(64 * sb + 8 * sub)) };
+                let mins = unsafe { q4k_mins(g, sb, sub) };
                 for r in 0..R {
                     let sum = _mm256_madd_epi16(s[r][h], scp);
                     let blk = a0[r] + 8 * sb + sub;
-                    unsafe { q4k_sub_block(&mut acc[r], sum, scales, g, sb, sub, acts, blk) };
+                    unsafe { q4k_sub_block(&mut acc[r], sum, scales, mins, acts, blk) };
                 }
             }
         }

@@ -7,8 +7,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{
-    bcast, offset_into, prefetch, q4_0_levels, q4k_nibbles, q4k_sub_block, q4k_super_block,
-    q6_group, q6_super_block, scale_into, scale_pairs, scales8, AHEAD,
+    bcast, offset_into, prefetch, q4_0_levels, q4k_mins, q4k_nibbles, q4k_sub_block,
+    q4k_super_block, q6_group, q6_super_block, scale_into, scale_pairs, scales8, AHEAD,
 };
 use super::x8::Group;
 use super::{Acts, QK};
@@ -132,10 +132,11 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
             for h in 0..2 {
                 let sub = 2 * c + h;
                 let m = unsafe { scales_u32(sc.add(64 * sb + 8 * sub)) };
+                let mins = unsafe { q4k_mins(g, sb, sub) };
                 for r in 0..R {
                     let sum = _mm256_mullo_epi32(s[r][h], m);
                     let blk = a0[r] + 8 * sb + sub;
-                    unsafe { q4k_sub_block(&mut acc[r], sum, scales, g, sb, sub, acts, blk) };
+                    unsafe { q4k_sub_block(&mut acc[r], sum, scales, mins, acts, blk) };
                 }
             }
         }
