@@ -587,6 +587,7 @@ __device__ void paged_decode_tc_impl(
 #define PAGED_DECODE_G(T, C, NAME, G)                                                             \
   extern "C" __global__ void __launch_bounds__(kDecThreads)                                       \
       paged_decode_g##G##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                                     \
+    pdl_wait();                                                                                   \
     paged_decode_impl<T, C, G>(PAGED_DECODE_ARGS);                                                \
   }
 #define PAGED_DECODE(T, C, NAME) PAGED_DECODE_G(T, C, NAME, 1) PAGED_DECODE_G(T, C, NAME, 4) \
@@ -597,10 +598,12 @@ RSERVE_FOR_CACHES(PAGED_DECODE)
 #define PAGED_DECODE_TC_W(T, C, NAME, D, W)                                                       \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
+    pdl_wait();                                                                                   \
     paged_decode_tc_impl<T, C, D, 3, W, false>(PAGED_DECODE_ARGS);                                \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
+    pdl_wait();                                                                                   \
     paged_decode_tc_impl<T, C, D, 3, W, true>(PAGED_DECODE_ARGS);                                 \
   }
 #define PAGED_DECODE_TC(T, C, NAME, D) \

@@ -9,6 +9,7 @@
 template <typename T>
 __device__ void silu_and_mul_impl(T* __restrict__ out, const T* __restrict__ gu, long n, int inter) {
   pdl_trigger();  // the down product may start streaming its weights
+  pdl_wait();     // gu is the kernel before's output
   constexpr int VN = Vec16<T>::N;
   const long stride = (long)gridDim.x * blockDim.x;
   const bool vec = inter % VN == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(gu)) & 15) == 0;
@@ -86,6 +87,7 @@ template <typename T>
 __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
                                   const T* __restrict__ w, int tokens, int hidden, float eps) {
   pdl_trigger();  // the next product may start streaming its weights
+  pdl_wait();     // x is the kernel before's output
   __shared__ float partial[32];
   const long row = blockIdx.x;
   T* sum = out + row * hidden;
@@ -164,6 +166,8 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
                                      int heads, int kv_heads, int head_dim, long row_stride,
                                      C* __restrict__ k_cache, C* __restrict__ v_cache,
                                      const int64_t* __restrict__ slots, float k_inv, float v_inv) {
+  pdl_trigger();  // attention may launch; it waits for this kernel
+  pdl_wait();     // qkv is the product's output
   const int half = head_dim / 2;
   const long pos = positions[blockIdx.x];
   const int64_t slot = slots ? slots[blockIdx.x] : -1;

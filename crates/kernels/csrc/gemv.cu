@@ -173,6 +173,7 @@ __device__ __forceinline__ void gemv_rows(const uint4* (&wr)[R], const void* w, 
 template <typename T, typename W, int M, int R, int U, int NT, bool GLU = false>
 __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
                           const float* __restrict__ row_scale, int m, int n, int k) {
+  pdl_trigger();  // the next kernel may launch (it waits for this one)
   constexpr int RO = GLU ? R / 2 : R;  // output rows per CTA
   const int outs = GLU ? n / 2 : n;    // width of y
   const int row0 = blockIdx.x * RO;

@@ -20,6 +20,7 @@ __device__ void gemv_shrink_impl(T* __restrict__ y, const T* __restrict__ x,
                                  const T* __restrict__ w, int m, int n, int k,
                                  const T* __restrict__ a, const uint32_t* __restrict__ slots,
                                  float* __restrict__ u, int pr) {
+  pdl_trigger();  // the expand may launch (it waits for this kernel)
   using W = DenseW<T>;
   const int per_token = (pr + R - 1) / R;
   const int shrinks = kLoraTokens * per_token;

@@ -349,6 +349,7 @@ __device__ void quantize_slab(XSlab<M>& xs, const T* __restrict__ x, int m, int 
 template <typename T, typename F, int M, int R, bool GLU>
 __device__ void ggml_gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void* __restrict__ w,
                                const void* __restrict__ d, int m, int n, int k) {
+  pdl_trigger();  // the next kernel may launch (it waits for this one)
   constexpr int U = F::kSteps;
   constexpr int RO = GLU ? R / 2 : R;  // outputs per warp
   __shared__ XSlab<M> xs;

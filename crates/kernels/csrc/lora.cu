@@ -24,6 +24,7 @@ template <typename T>
 __device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__ x, long ldx,
                                  const T* __restrict__ a, const uint32_t* __restrict__ slots,
                                  int tokens, int pr, int k) {
+  pdl_trigger();  // the next kernel may launch (it waits for this one)
   pdl_wait();
   const int chunks = (k + kShrinkChunk - 1) / kShrinkChunk;
   const long w = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -84,6 +85,7 @@ template <typename T, bool kGlu>
 __device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ part,
                                  const T* __restrict__ b, const uint32_t* __restrict__ slots,
                                  int tokens, int n, int r, int pr, int chunks, int e0, int e1) {
+  pdl_trigger();  // the next kernel may launch (it waits for this one)
   pdl_wait();
   __shared__ float u[kMaxPr];
   const int width = kGlu ? n / 2 : n;

@@ -215,6 +215,7 @@ template <typename T>
 __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part_acc,
                              const float* __restrict__ part_ml, int splits, long total_rows, int D) {
   pdl_trigger();  // the o product may start streaming its weights
+  pdl_wait();     // the partials are the split kernel's output
   __shared__ float w[kMaxSplits];
   __shared__ float total;
   const long row = blockIdx.x;
@@ -251,6 +252,7 @@ __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part
       int num_heads, int kv_heads, int head_dim, int block_size, int heads_per_cta,               \
       int queries_per_cta, int rows_cap, int tile_keys, float scale, int window, long q_stride,   \
       int split_keys, long total_rows, float* part_acc, float* part_ml) {                         \
+    pdl_wait();                                                                                   \
     paged_attention_impl<T, C>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, work,  \
                             width, num_heads, kv_heads, head_dim, block_size, heads_per_cta,      \
                             queries_per_cta, rows_cap, tile_keys, scale, window, q_stride,        \

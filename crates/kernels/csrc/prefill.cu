@@ -258,6 +258,7 @@ __device__ __forceinline__ void pf_paged_prefill_impl(
       const uint32_t* seq_lens, const uint32_t* query_start, const uint32_t* work, int width,     \
       int num_heads, int kv_heads, int block_size, int queries_per_cta, float scale, int window,  \
       long q_stride) {                                                                            \
+    pdl_wait();                                                                                   \
     pf_paged_prefill_impl<T, C, D>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start, \
                                    work, width, num_heads, kv_heads, block_size, queries_per_cta, \
                                    scale, window, q_stride);                                      \

@@ -3,7 +3,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
@@ -94,10 +95,8 @@ pub(crate) fn function_with_shared(
 
 /// A grid-stride launch over `items` work items: 256 threads a block, blocks enough for one item
 /// a thread up to a cap (the kernels loop past it).
-pub(crate) fn strided_launch(
-    items: u64,
-) -> candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-    candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+pub(crate) fn strided_launch(items: u64) -> LaunchConfig {
+    LaunchConfig {
         grid_dim: (items.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
@@ -217,6 +216,7 @@ fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
 
 /// Launches `func` on `stream` as a programmatic dependent of the kernel before it in the stream
 /// (or as a plain launch when that is switched off): the kernel may start before that one ends.
+/// One-dimensional grid and block, no dynamic shared memory; [`Dependent`] takes any shape.
 ///
 /// # Safety
 /// `params` points at the kernel's arguments, in order and of the right types, alive for the
@@ -230,18 +230,37 @@ pub(crate) unsafe fn launch_dependent(
     block: u32,
     params: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the caller's contract
+    unsafe { launch_dependent_cfg(func, stream, cfg, params) }
+}
+
+/// [`launch_dependent`] with any grid, block and dynamic shared memory.
+///
+/// # Safety
+/// As [`launch_dependent`]; `cfg.shared_mem_bytes` within what `func` was allowed.
+unsafe fn launch_dependent_cfg(
+    func: &CudaFunction,
+    stream: &CudaStream,
+    cfg: LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
     // SAFETY: a zeroed launch attribute is valid plain data; the id and value are set below.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
     let cfg = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: u32::from(dependent_launch_enabled()),
@@ -258,4 +277,60 @@ pub(crate) unsafe fn launch_dependent(
     }
     .result()
     .w()
+}
+
+/// The arguments of one kernel launched as a programmatic dependent ([`launch_dependent`]),
+/// pushed in the kernel's order: plain values and device buffers (whose stream-order guards are
+/// held until the launch is submitted).
+pub(crate) struct Dependent<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    /// each argument's value, boxed so its address stays put until the launch
+    values: Vec<Box<dyn std::any::Any>>,
+    params: Vec<*mut std::ffi::c_void>,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Dependent<'a> {
+    pub fn new(stream: &'a CudaStream, func: &'a CudaFunction) -> Self {
+        Self {
+            stream,
+            func,
+            values: Vec::new(),
+            params: Vec::new(),
+            guards: Vec::new(),
+        }
+    }
+
+    /// A value argument (an integer, a float, a device pointer).
+    pub fn val<V: DeviceRepr + 'static>(&mut self, v: V) -> &mut Self {
+        let mut b = Box::new(v);
+        self.params.push((&raw mut *b).cast());
+        self.values.push(b);
+        self
+    }
+
+    /// A buffer the kernel reads.
+    pub fn buf<T, S: DevicePtr<T>>(&mut self, s: &'a S) -> &mut Self {
+        let (p, g) = s.device_ptr(self.stream);
+        self.guards.push(g);
+        self.val(p)
+    }
+
+    /// A buffer the kernel writes.
+    pub fn buf_mut<T, S: DevicePtrMut<T>>(&mut self, s: &'a mut S) -> &mut Self {
+        let (p, g) = s.device_ptr_mut(self.stream);
+        self.guards.push(g);
+        self.val(p)
+    }
+
+    /// Submits the launch.
+    ///
+    /// # Safety
+    /// As [`launch_dependent`] for the arguments pushed; `cfg.shared_mem_bytes` within what the
+    /// function was allowed.
+    pub unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
+        // SAFETY: the caller's contract; the boxed values and the buffers outlive the call
+        unsafe { launch_dependent_cfg(self.func, self.stream, cfg, &mut self.params) }
+    }
 }

@@ -316,7 +316,9 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
-    use crate::cuda::{cuda_slice, dtype_suffix, function, strided_launch, vector_items, view};
+    use crate::cuda::{
+        cuda_slice, dtype_suffix, function, strided_launch, vector_items, view, Dependent,
+    };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -451,13 +453,13 @@ mod cuda {
         if n > 0 {
             let func = function(&dev, &format!("silu_and_mul_{}", dtype_suffix(T::DTYPE)?))?;
             let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&func);
-            let inter_i = inter as i32;
-            b.arg(&mut out).arg(&input).arg(&n).arg(&inter_i);
+            let mut b = Dependent::new(&stream, &func);
+            b.buf_mut(&mut out).buf(&input).val(n).val(inter as i32);
             // a thread per 16-byte vector when rows are whole vectors (the kernel loops otherwise)
             let cfg = strided_launch(vector_items::<T>(t * inter, inter));
-            // SAFETY: matches `silu_and_mul_<dtype>` in csrc/fused.cu.
-            unsafe { b.launch(cfg) }.w()?;
+            // SAFETY: matches `silu_and_mul_<dtype>` in csrc/fused.cu, which waits for the kernel
+            // before it at entry.
+            unsafe { b.launch(cfg) }?;
         }
         Ok((T::wrap_cuda_slice(out, dev), Shape::from((t, inter))))
     }
@@ -500,15 +502,14 @@ mod cuda {
         if t > 0 {
             let func = function(&dev, &format!("add_rms_norm_{}", dtype_suffix(T::DTYPE)?))?;
             let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&func);
-            let (ti, hi) = (t as i32, h as i32);
-            b.arg(&mut out)
-                .arg(&xv)
-                .arg(&rv)
-                .arg(&wv)
-                .arg(&ti)
-                .arg(&hi)
-                .arg(&eps);
+            let mut b = Dependent::new(&stream, &func);
+            b.buf_mut(&mut out)
+                .buf(&xv)
+                .buf(&rv)
+                .buf(&wv)
+                .val(t as i32)
+                .val(h as i32)
+                .val(eps);
             // a thread per 16-byte vector of the row when the row is made of them
             let per = 16 / std::mem::size_of::<T>();
             let lanes = if h.is_multiple_of(per) { h / per } else { h };
@@ -517,8 +518,9 @@ mod cuda {
                 block_dim: (block_threads(lanes, 1024), 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu.
-            unsafe { b.launch(cfg) }.w()?;
+            // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu, which waits for the kernel
+            // before it at entry.
+            unsafe { b.launch(cfg) }?;
         }
         Ok((T::wrap_cuda_slice(out, dev), Shape::from((2, t, h))))
     }
@@ -588,15 +590,14 @@ mod cuda {
         let per_thread = if (d / 2) % vn == 0 { vn } else { 1 };
         let Some(cw) = &op.cache else {
             let func = function(&dev, &format!("rotary_qk_{suffix}"))?;
-            let mut b = stream.launch_builder(&func);
-            let (rh, hd) = (op.rotated_heads as i32, d as i32);
-            b.arg(qkv)
-                .arg(positions)
-                .arg(cos)
-                .arg(sin)
-                .arg(&rh)
-                .arg(&hd)
-                .arg(&stride);
+            let mut b = Dependent::new(&stream, &func);
+            b.buf_mut(qkv)
+                .buf(positions)
+                .buf(cos)
+                .buf(sin)
+                .val(op.rotated_heads as i32)
+                .val(d as i32)
+                .val(stride);
             let cfg = LaunchConfig {
                 grid_dim: (t as u32, 1, 1),
                 block_dim: (
@@ -606,9 +607,10 @@ mod cuda {
                 ),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu; positions index tables of
-            // max_positions rows (the model never schedules a position past max_model_len).
-            unsafe { b.launch(cfg) }.w()?;
+            // SAFETY: matches `rotary_qk_<dtype>` in csrc/fused.cu (which waits for the kernel
+            // before it at entry); positions index tables of max_positions rows (the model never
+            // schedules a position past max_model_len).
+            unsafe { b.launch(cfg) }?;
             return Ok(());
         };
         let kv_heads = op.rotated_heads - cw.heads;
@@ -633,26 +635,25 @@ mod cuda {
         } else {
             (1f32, 1f32)
         };
-        let mut b = stream.launch_builder(&func);
-        let (h, kvh, hd) = (cw.heads as i32, kv_heads as i32, d as i32);
-        b.arg(qkv)
-            .arg(positions)
-            .arg(cos)
-            .arg(sin)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&hd)
-            .arg(&stride);
+        let mut b = Dependent::new(&stream, &func);
+        b.buf_mut(qkv)
+            .buf(positions)
+            .buf(cos)
+            .buf(sin)
+            .val(cw.heads as i32)
+            .val(kv_heads as i32)
+            .val(d as i32)
+            .val(stride);
         if fp8 {
             k8 = cuda_slice::<u8>(&kg, "k_cache")?;
             v8 = cuda_slice::<u8>(&vg, "v_cache")?;
-            b.arg(k8).arg(v8);
+            b.buf(k8).buf(v8);
         } else {
             k16 = cuda_slice::<T>(&kg, "k_cache")?;
             v16 = cuda_slice::<T>(&vg, "v_cache")?;
-            b.arg(k16).arg(v16);
+            b.buf(k16).buf(v16);
         }
-        b.arg(slots).arg(&k_inv).arg(&v_inv);
+        b.buf(slots).val(k_inv).val(v_inv);
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
             block_dim: (
@@ -665,8 +666,9 @@ mod cuda {
         // SAFETY: matches `rotary_qk_cache_<dtype>[_fp8]` in csrc/fused.cu; positions index tables of
         // max_positions rows; the slots were checked against both caches (same shape) on the
         // host. The kernel writes the caches through these views: they are device memory that
-        // no host reference reads, and this stream orders the write before any attention read.
-        unsafe { b.launch(cfg) }.w()?;
+        // no host reference reads, and this stream orders the write before any attention read
+        // (the kernel waits for the kernel before it at entry, and attention waits for it).
+        unsafe { b.launch(cfg) }?;
         Ok(())
     }
 

@@ -6,12 +6,12 @@ use super::{
     decode_tc_warps, prefill_shared_bytes, LaunchPlan, PagedAttention, DECODE_MIN_SPLIT_KEYS,
     PREFILL_HEAD_DIMS,
 };
-use crate::cuda::function;
+use crate::cuda::{function, Dependent};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
 };
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::Result;
 use candle_core::{Layout, Shape};
 
@@ -30,6 +30,8 @@ pub fn multiprocessors(dev: &CudaDevice) -> usize {
 
 /// Output, q, caches and metadata, then a sequence or work list, then kernel-specific ints,
 /// then scale, window and q's token stride: the leading arguments of every attention kernel.
+/// Every attention kernel launches as a programmatic dependent and waits for the kernel before
+/// it at entry.
 pub struct Operands<'a, T, C> {
     pub q: CudaView<'a, T>,
     pub q_stride: i64,
@@ -46,24 +48,24 @@ impl<T: DeviceRepr, C: DeviceRepr> Operands<'_, T, C> {
     pub fn args<'b>(
         &'b self,
         stream: &'b CudaStream,
-        func: &'b candle_core::cuda_backend::cudarc::driver::CudaFunction,
+        func: &'b CudaFunction,
         out: &'b mut CudaSlice<T>,
         list: &'b CudaSlice<u32>,
-        ints: &'b [i32],
-    ) -> LaunchArgs<'b> {
-        let mut b = stream.launch_builder(func);
-        b.arg(out)
-            .arg(&self.q)
-            .arg(self.k)
-            .arg(self.v)
-            .arg(self.tables)
-            .arg(self.lens)
-            .arg(self.starts)
-            .arg(list);
-        for v in ints {
-            b.arg(v);
+        ints: &[i32],
+    ) -> Dependent<'b> {
+        let mut b = Dependent::new(stream, func);
+        b.buf_mut(out)
+            .buf(&self.q)
+            .buf(self.k)
+            .buf(self.v)
+            .buf(self.tables)
+            .buf(self.lens)
+            .buf(self.starts)
+            .buf(list);
+        for &v in ints {
+            b.val(v);
         }
-        b.arg(&self.scale).arg(&self.window).arg(&self.q_stride);
+        b.val(self.scale).val(self.window).val(self.q_stride);
         b
     }
 }
@@ -97,11 +99,11 @@ impl Splits {
     }
 
     /// The trailing arguments: keys per split (0: none), rows, the partial buffers.
-    pub fn push<'b>(&'b mut self, b: &mut LaunchArgs<'b>) {
-        b.arg(&self.keys)
-            .arg(&self.rows)
-            .arg(&mut self.acc)
-            .arg(&mut self.ml);
+    pub fn push<'b>(&'b mut self, b: &mut Dependent<'b>) {
+        b.val(self.keys)
+            .val(self.rows)
+            .buf_mut(&mut self.acc)
+            .buf_mut(&mut self.ml);
     }
 
     /// Merges the partials into `out` when the launch split.
@@ -124,22 +126,22 @@ impl Splits {
         }
         let combine = function(dev, &format!("paged_attention_combine_{suffix}"))?;
         let stream = dev.cuda_stream();
-        let mut c = stream.launch_builder(&combine);
-        let (splits_i, d_i) = (self.count as i32, d as i32);
-        c.arg(out)
-            .arg(&self.acc)
-            .arg(&self.ml)
-            .arg(&splits_i)
-            .arg(&self.rows)
-            .arg(&d_i);
+        let mut c = Dependent::new(&stream, &combine);
+        c.buf_mut(out)
+            .buf(&self.acc)
+            .buf(&self.ml)
+            .val(self.count as i32)
+            .val(self.rows)
+            .val(d as i32);
         let cfg = LaunchConfig {
             grid_dim: (self.rows as u32, 1, 1),
             block_dim: (d.min(128) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches `paged_attention_combine_<dtype>`; every (split, row) entry was
-        // written by the split launch before it; at most 512 splits.
-        unsafe { c.launch(cfg) }.w()?;
+        // written by the split launch before it (the merge waits for it at entry); at most 512
+        // splits.
+        unsafe { c.launch(cfg) }?;
         Ok(())
     }
 }
@@ -158,8 +160,6 @@ impl PagedAttention<'_> {
             cuda_slice, dtype_suffix, function, function_with_shared, keys_as_rows_decode_enabled,
             tensor_core_decode_enabled, token_rows,
         };
-        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-        use candle_core::cuda_backend::WrapErr;
 
         let dims = ql.dims();
         let (num_tokens, num_heads, d) = (dims[0], dims[1], dims[2]);
@@ -276,7 +276,7 @@ impl PagedAttention<'_> {
                 // `paged_decode_{tc,tk}_w<W>_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16
                 // for the tc kernel, 8 for tk, whose head dim and q alignment are checked above),
                 // rows are 16-byte multiples, metadata validated.
-                unsafe { b.launch(cfg) }.w()?;
+                unsafe { b.launch(cfg) }?;
             }
             splits.merge(&dev, suffix, &mut out, d)?;
         }
@@ -292,7 +292,7 @@ impl PagedAttention<'_> {
             let items = cuda_slice::<u32>(&wg, "work")?;
             let func = function(&dev, &format!("paged_prefill_d{d}_{ksuffix}"))?;
             let iv = ints(&[width, num_heads, kvh, bs, per]);
-            let mut b = ops.args(&stream, &func, &mut out, items, &iv);
+            let b = ops.args(&stream, &func, &mut out, items, &iv);
             let cfg = LaunchConfig {
                 grid_dim: (num_work as u32, kvh as u32, 1),
                 block_dim: (128, 1, 1),
@@ -300,7 +300,7 @@ impl PagedAttention<'_> {
             };
             // SAFETY: argument order and types match `paged_prefill_d<D>_<dtype>` in
             // csrc/prefill.cu; 64 / group queries per item keep a CTA within 64 rows.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
             return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
         }
         let plan = LaunchPlan::new(num_heads, kvh, d, elem)?;
@@ -342,7 +342,7 @@ impl PagedAttention<'_> {
             // SAFETY: argument order and types match `paged_attention_<dtype>` in
             // csrc/paged_attention.cu; the metadata was validated against the cache shape; the
             // partial buffers hold `splits` rows per (token, head) when split.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }?;
         }
         splits.merge(&dev, suffix, &mut out, d)?;
         Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)))
