@@ -206,10 +206,12 @@ __device__ void paged_attention_impl(
 }
 
 // One CTA per (token, head) row: merges the splits' (max, sum, accumulator) into the output.
-// Thread 0 turns the splits' maxima into weights exp(m_s - M) in shared memory (at most
-// kMaxSplits splits; the host never makes more) and the total L = sum of weight * sum; then each
-// thread adds its columns over the splits.
+// Warp 0 weighs the splits: their maxima's maximum M, each split's weight exp(m_s - M), the total
+// L = sum of weight * sum, and the list of splits with a nonzero weight in split order (at most
+// kMaxSplits splits; the host never makes more); then each thread adds its columns over the
+// listed splits, eight loads in flight at a time.
 constexpr int kMaxSplits = 512;
+constexpr int kCombineBatch = 8;
 
 template <typename T>
 __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part_acc,
@@ -217,28 +219,54 @@ __device__ void combine_impl(T* __restrict__ out, const float* __restrict__ part
   pdl_trigger();  // the o product may start streaming its weights
   pdl_wait();     // the partials are the split kernel's output
   __shared__ float w[kMaxSplits];
+  __shared__ int live_split[kMaxSplits];
   __shared__ float total;
+  __shared__ int live_count;
   const long row = blockIdx.x;
-  for (int s = threadIdx.x; s < splits; s += blockDim.x) w[s] = part_ml[2 * (s * total_rows + row)];
-  __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
     float M = -INFINITY;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, w[s]);
+    for (int s = lane; s < splits; s += 32) M = fmaxf(M, part_ml[2 * (s * total_rows + row)]);
+    M = warp_max(M);
     float L = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      w[s] = w[s] > -INFINITY ? __expf(w[s] - M) : 0.f;
-      L += w[s] * part_ml[2 * (s * total_rows + row) + 1];
+    int count = 0;
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+      const int s = s0 + lane;
+      float ws = 0.f;
+      if (s < splits) {
+        const float ms = part_ml[2 * (s * total_rows + row)];
+        ws = ms > -INFINITY ? __expf(ms - M) : 0.f;
+        L = fmaf(ws, part_ml[2 * (s * total_rows + row) + 1], L);
+      }
+      const unsigned live = __ballot_sync(0xffffffffu, ws != 0.f);
+      if (ws != 0.f) {
+        const int at = count + __popc(live & ((1u << lane) - 1u));
+        w[at] = ws;
+        live_split[at] = s;
+      }
+      count += __popc(live);
     }
-    total = L;
+    L = warp_sum(L);
+    if (lane == 0) {
+      total = L;
+      live_count = count;
+    }
   }
   __syncthreads();
   const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int n = live_count;
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     float a = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) {
-      if (w[s] != 0.f) a = fmaf(w[s], part_acc[(s * total_rows + row) * D + c], a);
+    int i = 0;
+    for (; i + kCombineBatch <= n; i += kCombineBatch) {
+      float v[kCombineBatch];
+#pragma unroll
+      for (int e = 0; e < kCombineBatch; ++e)
+        v[e] = part_acc[(live_split[i + e] * total_rows + row) * D + c];
+#pragma unroll
+      for (int e = 0; e < kCombineBatch; ++e) a = fmaf(w[i + e], v[e], a);
     }
+    for (; i < n; ++i) a = fmaf(w[i], part_acc[(live_split[i] * total_rows + row) * D + c], a);
     out[row * D + c] = from_f32<T>(a * inv);
   }
 }
