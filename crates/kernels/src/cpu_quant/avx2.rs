@@ -39,6 +39,17 @@ pub(super) fn prefetch(p: *const u8, bytes: usize) {
     }
 }
 
+/// Asks the cache for block `b`'s share of group `g`'s bytes `AHEAD` of it. The group's regions
+/// are one run of `g.share` bytes a block, so the blocks' asks cover the weight's stream without
+/// gaps whatever its fields (asks made region by region, each `AHEAD` of its own region, left
+/// a fifth of a `q6_K` stream to demand misses). Products of `R` activation rows spend `R` times
+/// as long on each byte, so they ask `AHEAD / R` ahead.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn prefetch_block<const R: usize>(g: &Group, b: usize) {
+    prefetch(g.region[0].wrapping_add(g.share * b + AHEAD / R), g.share);
+}
+
 /// Four activation bytes (values `4g..4g + 4` of the block at `p`) in every lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -164,18 +175,14 @@ pub(super) unsafe fn offset_into(
     scale_into(acc, sum, dw, da);
 }
 
-/// Super-block `sb` of a `q4_K` group: its eight rows' scales `d` and `dmin`, once the cache was
-/// asked for the levels, sub-block scales and minimums `AHEAD` of it.
+/// Super-block `sb` of a `q4_K` group: its eight rows' scales `d` and `dmin`.
 ///
 /// # Safety
 /// `sb` is below `g.nb`, `g` pointing into a live `q4_K` weight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q4k_super_block(g: &Group, sb: usize) -> (__m256, __m256) {
-    let [qs, d, dmin, sc, mn] = g.region;
-    prefetch(qs.wrapping_add(1024 * sb + AHEAD), 1024);
-    prefetch(sc.wrapping_add(64 * sb + AHEAD / 8), 64);
-    prefetch(mn.wrapping_add(64 * sb + AHEAD / 8), 64);
+    let [_, d, dmin, _, _] = g.region;
     // SAFETY: super-block `sb`'s scales (caller)
     unsafe { (scales8(d.add(16 * sb)), scales8(dmin.add(16 * sb))) }
 }
@@ -278,7 +285,7 @@ pub(super) unsafe fn q8_0<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
         let w = unsafe { qs.add(256 * b) };
-        prefetch(w.wrapping_add(AHEAD), 256);
+        prefetch_block::<R>(g, b);
         let mut sum = [_mm256_setzero_si256(); R];
         for gi in 0..8 {
             let wv = unsafe { load(w.add(32 * gi)) };
@@ -319,8 +326,7 @@ fn fifth_bits(qh: __m256i, gi: usize) -> __m256i {
 }
 
 /// The levels of block `b` of a `q4_0` group, or of a `q5_0` group when `FIVE` (the fifth bits
-/// from their own region), as bytes in groups of four per row, and the eight rows' scales; asks
-/// for the block `AHEAD` of it.
+/// from their own region), as bytes in groups of four per row, and the eight rows' scales.
 ///
 /// # Safety
 /// `b` is below `g.nb`, `g` pointing into a live weight of that format.
@@ -336,10 +342,6 @@ pub(super) unsafe fn q4_0_levels<const FIVE: bool>(g: &Group, b: usize) -> ([__m
     let m4 = _mm256_set1_epi8(0x0F);
     // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions (caller)
     let w = unsafe { qs.add(128 * b) };
-    prefetch(w.wrapping_add(AHEAD), 128);
-    if FIVE && b.is_multiple_of(2) {
-        prefetch(qh.wrapping_add(32 * b + AHEAD / 4), 64);
-    }
     let mut lv = [_mm256_setzero_si256(); 8];
     for t in 0..4 {
         let v = unsafe { load(w.add(32 * t)) };
@@ -369,6 +371,7 @@ pub(super) unsafe fn q4_0<const FIVE: bool, const R: usize>(
     for b in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
+        prefetch_block::<R>(g, b);
         let (lv, dw) = unsafe { q4_0_levels::<FIVE>(g, b) };
         for r in 0..R {
             let blk = a0[r] + b;
@@ -398,6 +401,7 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        prefetch_block::<R>(g, sb);
         let scales = unsafe { q4k_super_block(g, sb) };
         for c in 0..4 {
             let mut s = [[_mm256_setzero_si256(); 2]; R];
@@ -470,18 +474,14 @@ pub(super) unsafe fn q6_group(lsrc: *const u8, hsrc: *const u8, t: usize) -> [__
     ]
 }
 
-/// Super-block `sb` of a `q6_K` group: its eight rows' scales `d`, once the cache was asked for
-/// the levels and sub-block scales `AHEAD` of it.
+/// Super-block `sb` of a `q6_K` group: its eight rows' scales `d`.
 ///
 /// # Safety
 /// `sb` is below `g.nb`, `g` pointing into a live `q6_K` weight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q6_super_block(g: &Group, sb: usize) -> __m256 {
-    let [ql, qh, sc, d, _] = g.region;
-    prefetch(ql.wrapping_add(1024 * sb + AHEAD), 1024);
-    prefetch(qh.wrapping_add(512 * sb + AHEAD / 2), 512);
-    prefetch(sc.wrapping_add(128 * sb + AHEAD / 8), 128);
+    let [.., d, _] = g.region;
     // SAFETY: super-block `sb`'s scales (caller)
     unsafe { scales8(d.add(16 * sb)) }
 }
@@ -494,6 +494,7 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        prefetch_block::<R>(g, sb);
         let dv = unsafe { q6_super_block(g, sb) };
         // the 16 sub-blocks' scales of the eight rows, as `madd` multipliers
         let mut scp = [_mm256_setzero_si256(); 16];

@@ -7,8 +7,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{
-    bcast, offset_into, prefetch, q4_0_levels, q4k_mins, q4k_nibbles, q4k_sub_block,
-    q4k_super_block, q6_group, q6_super_block, scale_into, scale_pairs, scales8, AHEAD,
+    bcast, offset_into, prefetch_block, q4_0_levels, q4k_mins, q4k_nibbles, q4k_sub_block,
+    q4k_super_block, q6_group, q6_super_block, scale_into, scale_pairs, scales8,
 };
 use super::x8::Group;
 use super::{Acts, QK};
@@ -58,7 +58,7 @@ pub(super) unsafe fn q8_0<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R]
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
         let w = unsafe { qs.add(256 * b) };
-        prefetch(w.wrapping_add(AHEAD), 256);
+        prefetch_block::<R>(g, b);
         let mut sum = [_mm256_setzero_si256(); R];
         for gi in 0..8 {
             let wv = _mm256_xor_si256(unsafe { _mm256_loadu_si256(w.add(32 * gi).cast()) }, flip);
@@ -91,6 +91,7 @@ pub(super) unsafe fn q4_0<const FIVE: bool, const R: usize>(
     for b in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
+        prefetch_block::<R>(g, b);
         let (lv, dw) = unsafe { q4_0_levels::<FIVE>(g, b) };
         for r in 0..R {
             let blk = a0[r] + b;
@@ -117,6 +118,7 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        prefetch_block::<R>(g, sb);
         let scales = unsafe { q4k_super_block(g, sb) };
         for c in 0..4 {
             // sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
@@ -144,6 +146,36 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     acc
 }
 
+/// The sums of groups `t0..t0 + 4` of a `q6_K` half super-block (`lsrc`, `hsrc` as for
+/// `q6_group`) against activation blocks `blocks[r] + q`, per block `q` and row `r`: one call per
+/// sub-block half, so that every accumulator is a register (indexing one array by `t / 4` kept
+/// them on the stack).
+///
+/// # Safety
+/// As `q6_group`; activation blocks `blocks[r] + (0..4)` exist.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn q6_sums<const R: usize>(
+    lsrc: *const u8,
+    hsrc: *const u8,
+    t0: usize,
+    aq: *const i8,
+    blocks: [usize; R],
+) -> [[__m256i; R]; 4] {
+    let mut s = [[_mm256_setzero_si256(); R]; 4];
+    for t in t0..t0 + 4 {
+        // SAFETY: within the half super-block and the activation blocks (caller)
+        let lv = unsafe { q6_group(lsrc, hsrc, t) };
+        for q in 0..4 {
+            for r in 0..R {
+                let a = unsafe { bcast(aq.add((blocks[r] + q) * QK), t) };
+                s[q][r] = _mm256_dpbusd_epi32(s[q][r], lv[q], a);
+            }
+        }
+    }
+    s
+}
+
 /// `avx2::q6k` with VNNI: the eight rows of group `g` times activation rows from blocks `a0[r]`.
 ///
 /// # Safety
@@ -156,23 +188,21 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
+        prefetch_block::<R>(g, sb);
         let dv = unsafe { q6_super_block(g, sb) };
         for h in 0..2 {
             let lsrc = unsafe { ql.add(1024 * sb + 512 * h) };
             let hsrc = unsafe { qh.add(512 * sb + 256 * h) };
             // values 128h + 32q + (0..32): activation block 4h + q; its sub-blocks 8h + 2q and
             // 8h + 2q + 1 hold groups t < 4 and t >= 4
-            let mut s = [[[_mm256_setzero_si256(); R]; 2]; 4];
-            for t in 0..8 {
-                let lv = unsafe { q6_group(lsrc, hsrc, t) };
-                for q in 0..4 {
-                    for r in 0..R {
-                        let ap = unsafe { aq.add((a0[r] + 8 * sb + 4 * h + q) * QK) };
-                        let a = unsafe { bcast(ap, t) };
-                        s[q][t / 4][r] = _mm256_dpbusd_epi32(s[q][t / 4][r], lv[q], a);
-                    }
-                }
-            }
+            let blocks = a0.map(|b| b + 8 * sb + 4 * h);
+            let s = unsafe {
+                [
+                    q6_sums(lsrc, hsrc, 0, aq, blocks),
+                    q6_sums(lsrc, hsrc, 4, aq, blocks),
+                ]
+            };
+            let s = |q: usize, half: usize, r: usize| s[half][q][r];
             for q in 0..4 {
                 let s0 = 8 * h + 2 * q;
                 let (m0, m1) = unsafe {
@@ -190,8 +220,8 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
                 for r in 0..R {
                     let blk = a0[r] + 8 * sb + 4 * h + q;
                     let scaled = _mm256_add_epi32(
-                        _mm256_mullo_epi32(s[q][0][r], m0),
-                        _mm256_mullo_epi32(s[q][1][r], m1),
+                        _mm256_mullo_epi32(s(q, 0, r), m0),
+                        _mm256_mullo_epi32(s(q, 1, r), m1),
                     );
                     // the offset 32: 32 (sc0 * sum of values 0..16 + sc1 * sum of 16..32)
                     let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };

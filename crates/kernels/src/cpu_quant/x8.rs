@@ -195,11 +195,13 @@ pub struct X8Weight {
     data: Lines,
 }
 
-/// Pointers to one group's regions (one per field) and its block count.
+/// Pointers to one group's regions (one per field), its block count and its bytes per block (the
+/// regions are one run from `region[0]`, `share` bytes a block: every field of eight rows).
 #[derive(Clone, Copy)]
 pub(crate) struct Group {
     pub region: [*const u8; 5],
     pub nb: usize,
+    pub share: usize,
 }
 
 impl X8Weight {
@@ -335,6 +337,7 @@ impl X8Weight {
             stride: Self::group_stride(self.format, self.k),
             offsets,
             nb,
+            share: off / nb.max(1),
         }
     }
 
@@ -390,6 +393,7 @@ pub(crate) struct Layout {
     stride: usize,
     offsets: [usize; 5],
     nb: usize,
+    share: usize,
 }
 
 impl Layout {
@@ -400,6 +404,7 @@ impl Layout {
         Group {
             region: self.offsets.map(|o| base.wrapping_add(o)),
             nb: self.nb,
+            share: self.share,
         }
     }
 
