@@ -175,14 +175,16 @@ pub(super) unsafe fn offset_into(
     scale_into(acc, sum, dw, da);
 }
 
-/// Super-block `sb` of a `q4_K` group: its eight rows' scales `d` and `dmin`.
+/// Super-block `sb` of a `q4_K` group: its eight rows' scales `d` and `dmin`, once the cache was
+/// asked for the super-block's share of the group ([`prefetch_block`], for `R` activation rows).
 ///
 /// # Safety
 /// `sb` is below `g.nb`, `g` pointing into a live `q4_K` weight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4k_super_block(g: &Group, sb: usize) -> (__m256, __m256) {
+pub(super) unsafe fn q4k_super_block<const R: usize>(g: &Group, sb: usize) -> (__m256, __m256) {
     let [_, d, dmin, _, _] = g.region;
+    prefetch_block::<R>(g, sb);
     // SAFETY: super-block `sb`'s scales (caller)
     unsafe { (scales8(d.add(16 * sb)), scales8(dmin.add(16 * sb))) }
 }
@@ -326,13 +328,18 @@ fn fifth_bits(qh: __m256i, gi: usize) -> __m256i {
 }
 
 /// The levels of block `b` of a `q4_0` group, or of a `q5_0` group when `FIVE` (the fifth bits
-/// from their own region), as bytes in groups of four per row, and the eight rows' scales.
+/// from their own region), as bytes in groups of four per row, and the eight rows' scales, once
+/// the cache was asked for the block's share of the group ([`prefetch_block`], for `R` rows).
 ///
 /// # Safety
 /// `b` is below `g.nb`, `g` pointing into a live weight of that format.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4_0_levels<const FIVE: bool>(g: &Group, b: usize) -> ([__m256i; 8], __m256) {
+pub(super) unsafe fn q4_0_levels<const FIVE: bool, const R: usize>(
+    g: &Group,
+    b: usize,
+) -> ([__m256i; 8], __m256) {
+    prefetch_block::<R>(g, b);
     let qs = g.region[0];
     let (qh, d) = if FIVE {
         (g.region[1], g.region[2])
@@ -371,8 +378,7 @@ pub(super) unsafe fn q4_0<const FIVE: bool, const R: usize>(
     for b in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
-        prefetch_block::<R>(g, b);
-        let (lv, dw) = unsafe { q4_0_levels::<FIVE>(g, b) };
+        let (lv, dw) = unsafe { q4_0_levels::<FIVE, R>(g, b) };
         for r in 0..R {
             let blk = a0[r] + b;
             let ap = unsafe { aq.add(blk * QK) };
@@ -401,8 +407,7 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        prefetch_block::<R>(g, sb);
-        let scales = unsafe { q4k_super_block(g, sb) };
+        let scales = unsafe { q4k_super_block::<R>(g, sb) };
         for c in 0..4 {
             let mut s = [[_mm256_setzero_si256(); 2]; R];
             for t in 0..8 {
@@ -474,14 +479,16 @@ pub(super) unsafe fn q6_group(lsrc: *const u8, hsrc: *const u8, t: usize) -> [__
     ]
 }
 
-/// Super-block `sb` of a `q6_K` group: its eight rows' scales `d`.
+/// Super-block `sb` of a `q6_K` group: its eight rows' scales `d`, once the cache was asked for
+/// the super-block's share of the group ([`prefetch_block`], for `R` activation rows).
 ///
 /// # Safety
 /// `sb` is below `g.nb`, `g` pointing into a live `q6_K` weight.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q6_super_block(g: &Group, sb: usize) -> __m256 {
+pub(super) unsafe fn q6_super_block<const R: usize>(g: &Group, sb: usize) -> __m256 {
     let [.., d, _] = g.region;
+    prefetch_block::<R>(g, sb);
     // SAFETY: super-block `sb`'s scales (caller)
     unsafe { scales8(d.add(16 * sb)) }
 }
@@ -494,8 +501,7 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        prefetch_block::<R>(g, sb);
-        let dv = unsafe { q6_super_block(g, sb) };
+        let dv = unsafe { q6_super_block::<R>(g, sb) };
         // the 16 sub-blocks' scales of the eight rows, as `madd` multipliers
         let mut scp = [_mm256_setzero_si256(); 16];
         for (s, v) in scp.iter_mut().enumerate() {

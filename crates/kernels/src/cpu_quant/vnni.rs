@@ -91,8 +91,7 @@ pub(super) unsafe fn q4_0<const FIVE: bool, const R: usize>(
     for b in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): block `b` of the group's regions, and
         // activation block `a0[r] + b` (caller)
-        prefetch_block::<R>(g, b);
-        let (lv, dw) = unsafe { q4_0_levels::<FIVE>(g, b) };
+        let (lv, dw) = unsafe { q4_0_levels::<FIVE, R>(g, b) };
         for r in 0..R {
             let blk = a0[r] + b;
             let ap = unsafe { aq.add(blk * QK) };
@@ -118,8 +117,7 @@ pub(super) unsafe fn q4k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        prefetch_block::<R>(g, sb);
-        let scales = unsafe { q4k_super_block(g, sb) };
+        let scales = unsafe { q4k_super_block::<R>(g, sb) };
         for c in 0..4 {
             // sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
             let mut s = [[_mm256_setzero_si256(); 2]; R];
@@ -188,21 +186,19 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
     for sb in 0..g.nb {
         // SAFETY (the pointer arithmetic and loads): super-block `sb` of the group's regions,
         // and activation blocks `a0[r] + 8 sb + (0..8)` (caller)
-        prefetch_block::<R>(g, sb);
-        let dv = unsafe { q6_super_block(g, sb) };
+        let dv = unsafe { q6_super_block::<R>(g, sb) };
         for h in 0..2 {
             let lsrc = unsafe { ql.add(1024 * sb + 512 * h) };
             let hsrc = unsafe { qh.add(512 * sb + 256 * h) };
             // values 128h + 32q + (0..32): activation block 4h + q; its sub-blocks 8h + 2q and
             // 8h + 2q + 1 hold groups t < 4 and t >= 4
             let blocks = a0.map(|b| b + 8 * sb + 4 * h);
-            let s = unsafe {
-                [
+            let (lo, hi) = unsafe {
+                (
                     q6_sums(lsrc, hsrc, 0, aq, blocks),
                     q6_sums(lsrc, hsrc, 4, aq, blocks),
-                ]
+                )
             };
-            let s = |q: usize, half: usize, r: usize| s[half][q][r];
             for q in 0..4 {
                 let s0 = 8 * h + 2 * q;
                 let (m0, m1) = unsafe {
@@ -220,8 +216,8 @@ pub(super) unsafe fn q6k<const R: usize>(g: &Group, acts: &Acts, a0: [usize; R])
                 for r in 0..R {
                     let blk = a0[r] + 8 * sb + 4 * h + q;
                     let scaled = _mm256_add_epi32(
-                        _mm256_mullo_epi32(s(q, 0, r), m0),
-                        _mm256_mullo_epi32(s(q, 1, r), m1),
+                        _mm256_mullo_epi32(lo[q][r], m0),
+                        _mm256_mullo_epi32(hi[q][r], m1),
                     );
                     // the offset 32: 32 (sc0 * sum of values 0..16 + sc1 * sum of 16..32)
                     let [h0, h1] = unsafe { *acts.half.get_unchecked(blk) };
