@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <float.h>
 #include <stdint.h>
 #include <type_traits>
 
@@ -87,6 +88,23 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// ---- FP8 E4M3 activation rows (the FP8 products' per-token quantization, csrc/fp8.cu): a row's
+// scale is amax / 448 (448: E4M3's largest value), at least FLT_MIN, and 1 for a row of zeros;
+// each value is x / scale rounded to nearest-even and saturated, the bits of src/fp8.rs.
+__device__ __forceinline__ float fp8_row_scale(float amax) {
+  return amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f;
+}
+__device__ __forceinline__ uint8_t fp8_byte(float x, float s) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3));
+}
+// Four E4M3 bytes of four values divided by s.
+__device__ __forceinline__ uint32_t fp8_pack4(const float* f, float s) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w |= (uint32_t)fp8_byte(f[e], s) << (8 * e);
+  return w;
 }
 
 // Programmatic dependent launch (sm_90). A kernel launched with programmatic stream

@@ -29,15 +29,6 @@ __device__ __forceinline__ float block_max(float v) {
 // Vectors of 16 bytes a thread keeps in registers in the single-pass quantizer.
 constexpr int kFp8HeldVectors = 4;
 
-// Four E4M3 bytes of four values divided by s, as the CPU encoder rounds them.
-__device__ __forceinline__ uint32_t fp8_pack4(const float* f, float s) {
-  uint32_t w = 0;
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-    w |= (uint32_t)__nv_cvt_float_to_fp8(f[e] / s, __NV_SATFINITE, __NV_E4M3) << (8 * e);
-  return w;
-}
-
 // One CTA per row of x [rows, k]: q [rows, k] E4M3 bytes, scale [rows]. Rows of up to
 // 256 * kFp8HeldVectors 16-byte vectors (8,192 16-bit values) whose vectors are aligned are read
 // once, held in registers while the CTA takes the row's maximum, and written 8 (4) bytes at a
@@ -68,7 +59,7 @@ __device__ void fp8_quantize_rows_impl(uint8_t* __restrict__ q, float* __restric
     for (int i = threadIdx.x; i < k; i += kFp8Threads) amax = fmaxf(amax, fabsf(to_f32(xr[i])));
   }
   amax = block_max(amax);
-  const float s = amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f;
+  const float s = fp8_row_scale(amax);
   if (threadIdx.x == 0) scale[row] = s;
   if (held) {
 #pragma unroll
@@ -84,7 +75,7 @@ __device__ void fp8_quantize_rows_impl(uint8_t* __restrict__ q, float* __restric
     return;
   }
   for (int i = threadIdx.x; i < k; i += kFp8Threads) {
-    qr[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(to_f32(xr[i]) / s, __NV_SATFINITE, __NV_E4M3));
+    qr[i] = fp8_byte(to_f32(xr[i]), s);
   }
 }
 

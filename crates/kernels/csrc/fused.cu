@@ -64,28 +64,38 @@ __device__ void add_bias_impl(T* __restrict__ out, const T* __restrict__ y, cons
     out[idx] = from_f32<T>(to_f32(y[idx]) + to_f32(bias[idx % cols]));
 }
 
-// 1 / sqrt(mean + eps) of a row whose squares this block's threads summed into `ss` each (every
-// thread gets it); `partial` is 32 floats of shared memory, free again when this returns.
-__device__ __forceinline__ float block_rms_inv(float ss, float* partial, int hidden, float eps) {
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+// The sum (with MAX, the largest) of the values the block's threads hold, in every thread;
+// `partial` is 32 floats of shared memory, free again when this returns.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* partial) {
+  v = MAX ? warp_max(v) : warp_sum(v);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
   __syncthreads();
   if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
-    v = warp_sum(v);
-    if (threadIdx.x == 0) partial[0] = rsqrtf(v / hidden + eps);
+    float t = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.f;
+    t = MAX ? warp_max(t) : warp_sum(t);
+    if (threadIdx.x == 0) partial[0] = t;
   }
   __syncthreads();
-  const float inv = partial[0];
+  const float r = partial[0];
   __syncthreads();
-  return inv;
+  return r;
+}
+
+// 1 / sqrt(mean + eps) of a row whose squares this block's threads summed into `ss` each (every
+// thread gets it); `partial` as for block_reduce.
+__device__ __forceinline__ float block_rms_inv(float ss, float* partial, int hidden, float eps) {
+  return rsqrtf(block_reduce<false>(ss, partial) / hidden + eps);
 }
 
 // One CTA per row. out: [2, tokens, H]: the sum x + residual (rounded to T), then its RMS norm
-// times the weight.
+// times the weight. With q (and qscale) the normed row is also quantized as an FP8 product's
+// activations are (fp8_quantize_rows: q [tokens, H] E4M3, qscale [tokens]): the same bits, in the
+// same kernel.
 template <typename T>
 __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
-                                  const T* __restrict__ w, int tokens, int hidden, float eps) {
+                                  const T* __restrict__ w, int tokens, int hidden, float eps,
+                                  uint8_t* __restrict__ q = nullptr, float* __restrict__ qscale = nullptr) {
   pdl_trigger();  // the next product may start streaming its weights
   pdl_wait();     // x is the kernel before's output
   __shared__ float partial[32];
@@ -123,6 +133,7 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
     }
   }
   const float inv = block_rms_inv(ss, partial, hidden, eps);
+  float amax = 0.f;
   if (vec) {
     // this thread wrote these sums itself: a plain (coherent) load, not the read-only path
     for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
@@ -131,14 +142,41 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
       load16(w + i, wv);
       alignas(16) T o[VN];
 #pragma unroll
-      for (int e = 0; e < VN; ++e) o[e] = from_f32<T>(sv[e] * inv * wv[e]);
+      for (int e = 0; e < VN; ++e) {
+        o[e] = from_f32<T>(sv[e] * inv * wv[e]);
+        amax = fmaxf(amax, fabsf(to_f32(o[e])));
+      }
       *reinterpret_cast<uint4*>(norm + i) = *reinterpret_cast<const uint4*>(o);
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const T o = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
+      norm[i] = o;
+      amax = fmaxf(amax, fabsf(to_f32(o)));
+    }
+  }
+  if (q == nullptr) return;
+  // the FP8 form of the normed row, each thread re-reading the values it wrote
+  const float s = fp8_row_scale(block_reduce<true>(amax, partial));
+  if (threadIdx.x == 0) qscale[row] = s;
+  uint8_t* qr = q + row * hidden;
+  if (vec && ((reinterpret_cast<uintptr_t>(q) | (size_t)hidden) & (VN - 1)) == 0) {
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float f[VN];
+      Vec16<T>::unpack(*reinterpret_cast<const uint4*>(norm + i), f);
+      if constexpr (VN == 8) {
+        *reinterpret_cast<uint2*>(qr + i) = make_uint2(fp8_pack4(f, s), fp8_pack4(f + 4, s));
+      } else {
+        *reinterpret_cast<uint32_t*>(qr + i) = fp8_pack4(f, s);
+      }
     }
     return;
   }
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    norm[i] = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
-  }
+  // the non-vector path's values: this thread's stride, as written above; the vector path's
+  // when q is not aligned to it: this thread's vectors
+  const int step = vec ? VN : 1;
+  for (int i = threadIdx.x * step; i < hidden; i += blockDim.x * step)
+    for (int e = 0; e < step; ++e) qr[i + e] = fp8_byte(to_f32(norm[i + e]), s);
 }
 
 // Stores Vec16<T>::N floats into a cache row: rounded to T, then (FP8 caches) times `inv` and
@@ -270,6 +308,11 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   extern "C" __global__ void add_rms_norm_##NAME(T* out, const T* x, const T* res, const T* w,     \
                                                  int tokens, int hidden, float eps) {              \
     add_rms_norm_impl<T>(out, x, res, w, tokens, hidden, eps);                                     \
+  }                                                                                                \
+  extern "C" __global__ void add_rms_norm_fp8_##NAME(T* out, uint8_t* q, float* qscale,           \
+                                                     const T* x, const T* res, const T* w,         \
+                                                     int tokens, int hidden, float eps) {          \
+    add_rms_norm_impl<T>(out, x, res, w, tokens, hidden, eps, q, qscale);                          \
   }                                                                                                \
   extern "C" __global__ void rotary_qk_##NAME(T* qkv, const uint32_t* positions, const T* cos,     \
                                               const T* sin, int rotated_heads, int head_dim,       \

@@ -160,26 +160,101 @@ pub fn dequantize_rows(q: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tenso
     Tensor::from_vec(out, (rows, k), q.device())?.to_dtype(dtype)
 }
 
+/// Activation rows already in FP8 form, made by the kernel that produced them (the norm before
+/// a product, [`crate::add_rms_norm_fp8`]): `q` `[rows, k]` E4M3 and `scale` `[rows]` f32, the
+/// bits [`quantize_rows`] gives. An FP8 tensor-core product takes them instead of quantizing its
+/// input itself.
+#[derive(Debug, Clone)]
+pub struct Fp8Rows {
+    pub q: Tensor,
+    pub scale: Tensor,
+}
+
+/// Whether an FP8 product quantizes its input `x` (`[m, k]`) per token, so that it can take the
+/// rows as [`Fp8Rows`]: 16-bit activations on a GPU with FP8 tensor cores, more rows than the
+/// streaming decode kernel takes.
+pub fn takes_fp8_rows(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        let Ok((m, k)) = x.dims2() else {
+            return false;
+        };
+        x.device().is_cuda()
+            && matches!(x.dtype(), DType::BF16 | DType::F16)
+            && m > crate::gemv::GEMV_MAX_ROWS
+            && k.is_multiple_of(16)
+            && tensor_cores(x.device())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = x;
+        false
+    }
+}
+
+/// [`crate::add_rms_norm`] with the normed rows' FP8 form ([`quantize_rows`] of them, the same
+/// bits): `(x + residual, norm, rows)`, in one kernel on CUDA for 16-bit activations, the two ops
+/// elsewhere.
+pub fn add_rms_norm_rows(
+    x: &Tensor,
+    residual: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Fp8Rows)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = x.device() {
+        if matches!(x.dtype(), DType::BF16 | DType::F16) {
+            crate::fused::check_add_rms_norm("add_rms_norm_rows", x, residual, weight)?;
+            return cuda::add_rms_norm_rows(dev, x, residual, weight, eps as f32);
+        }
+    }
+    let (sum, normed) = crate::add_rms_norm(x, residual, weight, eps)?;
+    let (q, scale) = quantize_rows(&normed)?;
+    Ok((sum, normed, Fp8Rows { q, scale }))
+}
+
 /// `x` `[m, k]` times the E4M3 weight `q` `[n, k]` (row scales `scale` `[n]`) transposed:
 /// `[m, n]` in `x`'s dtype.
 pub fn linear(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    linear_with_rows(x, None, q, scale)
+}
+
+/// [`linear`] of `x`, whose FP8 form `rows` may come with it (taken where the product quantizes
+/// its input).
+pub fn linear_with_rows(
+    x: &Tensor,
+    rows: Option<&Fp8Rows>,
+    q: &Tensor,
+    scale: &Tensor,
+) -> Result<Tensor> {
     check(x, q, scale)?;
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::linear(x, q, scale, false)? {
+    if let Some(y) = cuda::linear(x, rows, q, scale, false)? {
         return Ok(y);
     }
+    let _ = rows;
     reference_linear(x, q, scale)
 }
 
 /// `silu(x G^T) * (x U^T)` for a fused gate-up E4M3 weight `q` `[2 * inter, k]` (gate rows,
 /// then up rows): `[m, inter]`.
 pub fn silu_glu(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
+    silu_glu_with_rows(x, None, q, scale)
+}
+
+/// [`silu_glu`] of `x` with its FP8 form `rows`, as [`linear_with_rows`].
+pub fn silu_glu_with_rows(
+    x: &Tensor,
+    rows: Option<&Fp8Rows>,
+    q: &Tensor,
+    scale: &Tensor,
+) -> Result<Tensor> {
     check(x, q, scale)?;
     #[cfg(feature = "cuda")]
-    if let Some(y) = cuda::linear(x, q, scale, true)? {
+    if let Some(y) = cuda::linear(x, rows, q, scale, true)? {
         return Ok(y);
     }
-    crate::silu_and_mul(&linear(x, q, scale)?)
+    crate::silu_and_mul(&linear_with_rows(x, rows, q, scale)?)
 }
 
 /// The reference product: the weight dequantized to `x`'s dtype, then a dense product.
@@ -285,6 +360,82 @@ mod cuda {
         ))
     }
 
+    pub fn add_rms_norm_rows(
+        dev: &CudaDevice,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, super::Fp8Rows)> {
+        match x.dtype() {
+            DType::BF16 => add_rms_norm_rows_as::<half::bf16>(dev, x, residual, weight, eps),
+            _ => add_rms_norm_rows_as::<half::f16>(dev, x, residual, weight, eps),
+        }
+    }
+
+    fn add_rms_norm_rows_as<T>(
+        dev: &CudaDevice,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor, super::Fp8Rows)>
+    where
+        T: crate::cuda::KernelElem,
+    {
+        let (rows, h) = x.dims2()?;
+        let (x, residual, weight) = (
+            x.contiguous()?,
+            residual.contiguous()?,
+            weight.contiguous()?,
+        );
+        if residual.dtype() != x.dtype() || weight.dtype() != x.dtype() {
+            candle_core::bail!("add_rms_norm_rows: dtypes differ");
+        }
+        let stream = dev.cuda_stream();
+        // SAFETY: every element, byte and scale is written by the kernel (one CTA per row).
+        let mut out = unsafe { dev.alloc::<T>(2 * rows * h) }?;
+        let mut q = unsafe { dev.alloc::<u8>(rows * h) }?;
+        let mut s = unsafe { dev.alloc::<f32>(rows) }?;
+        if rows > 0 && h > 0 {
+            let func = function(
+                dev,
+                &format!("add_rms_norm_fp8_{}", dtype_suffix(T::DTYPE)?),
+            )?;
+            let (xg, xl) = x.storage_and_layout();
+            let (rg, rl) = residual.storage_and_layout();
+            let (wg, wl) = weight.storage_and_layout();
+            let xv = view::<T>(cuda_storage(&xg, "x")?, xl, "x")?;
+            let rv = view::<T>(cuda_storage(&rg, "residual")?, rl, "residual")?;
+            let wv = view::<T>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+            let mut b = crate::cuda::Dependent::new(&stream, &func);
+            b.buf_mut(&mut out)
+                .buf_mut(&mut q)
+                .buf_mut(&mut s)
+                .buf(&xv)
+                .buf(&rv)
+                .buf(&wv)
+                .val(rows as i32)
+                .val(h as i32)
+                .val(eps);
+            let cfg = crate::fused::norm_launch::<T>(rows, h);
+            // SAFETY: matches `add_rms_norm_fp8_<dtype>(out, q, qscale, x, res, w, tokens,
+            // hidden, eps)` in csrc/fused.cu: x and residual [rows, h], weight [h], out holds
+            // 2 rows * h values, q rows * h bytes and s rows scales; the kernel waits for the
+            // kernel before it at entry.
+            unsafe { b.launch(cfg) }?;
+        }
+        let out = tensor_from_slice(out, dev, (2, rows, h));
+        Ok((
+            out.get(0)?,
+            out.get(1)?,
+            super::Fp8Rows {
+                q: tensor_from_slice(q, dev, (rows, h)),
+                scale: tensor_from_slice(s, dev, rows),
+            },
+        ))
+    }
+
     pub fn dequantize_rows(
         dev: &CudaDevice,
         q: &Tensor,
@@ -333,7 +484,13 @@ mod cuda {
     }
 
     /// The CUDA product, or `None` where it is the reference's (CPU tensors, f32 activations).
-    pub fn linear(x: &Tensor, q: &Tensor, scale: &Tensor, glu: bool) -> Result<Option<Tensor>> {
+    pub fn linear(
+        x: &Tensor,
+        rows: Option<&super::Fp8Rows>,
+        q: &Tensor,
+        scale: &Tensor,
+        glu: bool,
+    ) -> Result<Option<Tensor>> {
         let Device::Cuda(dev) = x.device() else {
             return Ok(None);
         };
@@ -352,7 +509,13 @@ mod cuda {
                 .map(Some);
         }
         if m > 0 && k % 16 == 0 && n % 16 == 0 && super::tensor_cores(x.device()) {
-            let (xq, sx) = quantize_rows(dev, &x)?;
+            // the rows' FP8 form when it came with them (made from these very values)
+            let (xq, sx) = match rows {
+                Some(r) if r.q.dims2()? == (m, k) && r.scale.dims1()? == m => {
+                    (r.q.clone(), r.scale.clone())
+                }
+                _ => quantize_rows(dev, &x)?,
+            };
             let y = fp8_gemm::scaled_mm(dev, &xq, &sx, q, scale, x.dtype())?;
             return if glu {
                 crate::silu_and_mul(&y).map(Some)

@@ -314,6 +314,9 @@ impl candle_core::InplaceOp1 for Rotary<'_> {
 }
 
 #[cfg(feature = "cuda")]
+pub(crate) use cuda::norm_launch;
+
+#[cfg(feature = "cuda")]
 mod cuda {
     use super::Rotary;
     use crate::cuda::{
@@ -510,19 +513,24 @@ mod cuda {
                 .val(t as i32)
                 .val(h as i32)
                 .val(eps);
-            // a thread per 16-byte vector of the row when the row is made of them
-            let per = 16 / std::mem::size_of::<T>();
-            let lanes = if h.is_multiple_of(per) { h / per } else { h };
-            let cfg = LaunchConfig {
-                grid_dim: (t as u32, 1, 1),
-                block_dim: (block_threads(lanes, 1024), 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = norm_launch::<T>(t, h);
             // SAFETY: matches `add_rms_norm_<dtype>` in csrc/fused.cu, which waits for the kernel
             // before it at entry.
             unsafe { b.launch(cfg) }?;
         }
         Ok((T::wrap_cuda_slice(out, dev), Shape::from((2, t, h))))
+    }
+
+    /// The launch of the norm kernels over `rows` rows of `h` values of `T`: a CTA per row, a
+    /// thread per 16-byte vector of the row when the row is made of them.
+    pub(crate) fn norm_launch<T>(rows: usize, h: usize) -> LaunchConfig {
+        let per = 16 / std::mem::size_of::<T>();
+        let lanes = if h.is_multiple_of(per) { h / per } else { h };
+        LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (block_threads(lanes, 1024), 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     impl candle_core::CustomOp3 for AddRmsNorm {

@@ -131,6 +131,26 @@ fn rel_err(got: &Tensor, want: &Tensor) -> Result<f32> {
 }
 
 #[test]
+fn cpu_norm_rows_are_the_norm_then_the_quantizer() -> Result<()> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (3, 40), &dev)?;
+    let r = Tensor::randn(0f32, 1., (3, 40), &dev)?;
+    let w = Tensor::randn(0f32, 1., 40, &dev)?;
+    let (sum, normed, f8) = fp8::add_rms_norm_rows(&x, &r, &w, 1e-6)?;
+    let (want_sum, want_normed) = rserve_kernels::add_rms_norm(&x, &r, &w, 1e-6)?;
+    assert_eq!(sum.to_vec2::<f32>()?, want_sum.to_vec2::<f32>()?);
+    assert_eq!(normed.to_vec2::<f32>()?, want_normed.to_vec2::<f32>()?);
+    let (q, s) = quantize_rows_ref(&want_normed.flatten_all()?.to_vec1()?, 40);
+    assert_eq!(f8.q.flatten_all()?.to_vec1::<u8>()?, q);
+    assert_eq!(f8.scale.to_vec1::<f32>()?, s);
+    assert!(
+        !fp8::takes_fp8_rows(&x),
+        "no FP8 product on the CPU quantizes its input"
+    );
+    Ok(())
+}
+
+#[test]
 fn cpu_products_are_the_dequantized_weights() -> Result<()> {
     let cpu = Device::Cpu;
     let (x, q, s) = operands(&cpu, DType::F32, 3, 24, 64)?;
@@ -196,6 +216,50 @@ mod cuda {
                         let e = rel_err(&fp8::silu_glu(&x, &q, &s)?, &(g.silu()? * u)?)?;
                         assert!(e < 2e-2, "glu {dtype:?} m {m} n {n} k {k}: {e}");
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The norm that hands its rows to an FP8 product in FP8 form: the sum and norm of
+    /// `add_rms_norm`, and the bits `quantize_rows` gives for that norm, row lengths with and
+    /// without whole vectors; the products over them equal the ones that quantize themselves.
+    #[test]
+    fn the_norms_fp8_rows_are_the_quantizers_bits() -> Result<()> {
+        let dev = gpu();
+        for dtype in [DType::BF16, DType::F16] {
+            for (rows, h) in [(300, 4096), (7, 1000), (64, 2048), (5, 8192)] {
+                let x = (Tensor::randn(0f32, 1., (rows, h), &dev)? * 3.0)?.to_dtype(dtype)?;
+                let r = Tensor::randn(0f32, 1., (rows, h), &dev)?.to_dtype(dtype)?;
+                let w = (Tensor::randn(0f32, 1., h, &dev)? + 1.0)?.to_dtype(dtype)?;
+                let (sum, normed, f8) = fp8::add_rms_norm_rows(&x, &r, &w, 1e-5)?;
+                let (want_sum, want_normed) = rserve_kernels::add_rms_norm(&x, &r, &w, 1e-5)?;
+                let bits = |t: &Tensor| -> Result<Vec<f32>> {
+                    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+                };
+                assert_eq!(bits(&sum)?, bits(&want_sum)?, "{dtype:?} {rows}x{h} sum");
+                assert_eq!(
+                    bits(&normed)?,
+                    bits(&want_normed)?,
+                    "{dtype:?} {rows}x{h} norm"
+                );
+                let (q, s) = fp8::quantize_rows(&want_normed)?;
+                assert_eq!(
+                    f8.q.flatten_all()?.to_vec1::<u8>()?,
+                    q.flatten_all()?.to_vec1::<u8>()?,
+                    "{dtype:?} {rows}x{h} bytes"
+                );
+                assert_eq!(
+                    f8.scale.to_vec1::<f32>()?,
+                    s.to_vec1::<f32>()?,
+                    "{dtype:?} scales"
+                );
+                if h % 16 == 0 {
+                    let (_, wq, ws) = operands(&dev, dtype, rows, 64, h)?;
+                    let a = fp8::linear_with_rows(&normed, Some(&f8), &wq, &ws)?;
+                    let b = fp8::linear(&normed, &wq, &ws)?;
+                    assert_eq!(bits(&a)?, bits(&b)?, "{dtype:?} {rows}x{h} product");
                 }
             }
         }

@@ -56,6 +56,24 @@ impl LinearMethod for Fp8Linear {
         fp8::silu_glu(x, &self.q, &self.scale)
     }
 
+    fn takes_fp8_rows(&self, x: &Tensor) -> bool {
+        fp8::takes_fp8_rows(x)
+    }
+
+    fn matmul_fp8_rows(
+        &self,
+        x: &Tensor,
+        rows: &fp8::Fp8Rows,
+        glu: bool,
+        _ctx: &LayerCtx<'_>,
+    ) -> Result<Tensor> {
+        if glu {
+            fp8::silu_glu_with_rows(x, Some(rows), &self.q, &self.scale)
+        } else {
+            fp8::linear_with_rows(x, Some(rows), &self.q, &self.scale)
+        }
+    }
+
     fn shape(&self) -> (usize, usize) {
         let d = self.q.dims();
         (

@@ -99,6 +99,11 @@ impl Attention {
         self.kv_scales
     }
 
+    /// Whether the q/k/v product would take `x`'s rows in FP8 form.
+    pub fn takes_fp8_rows(&self, x: &Tensor) -> bool {
+        self.qkv_proj.takes_fp8_rows(x)
+    }
+
     /// `x`: `[num_tokens, hidden]`; `cache`: this layer's keys and values, each
     /// `[num_blocks, block_size, kv_heads, head_dim]` (an FP8 cache's key scale joins the score
     /// scale and its value scale multiplies the output).
@@ -109,15 +114,27 @@ impl Attention {
         batch: &ForwardBatch,
         cache: &LayerKv,
     ) -> Result<Tensor> {
+        self.forward_with(x, None, rope, batch, cache)
+    }
+
+    /// [`Attention::forward`] of `x`, whose FP8 form `rows` may come with it.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        rows: Option<&rserve_kernels::fp8::Fp8Rows>,
+        rope: &StepRope,
+        batch: &ForwardBatch,
+        cache: &LayerKv,
+    ) -> Result<Tensor> {
         let s = &self.spec;
         let t = x.dim(0)?;
         let (h, kvh) = (s.num_heads, s.num_kv_heads);
         // [T, heads + 2 * kv_heads, head_dim]
         let ctx = batch.layer_ctx();
-        let mut qkv = self
-            .qkv_proj
-            .forward(x, &ctx)?
-            .reshape((t, h + 2 * kvh, s.head_dim))?;
+        let mut qkv =
+            self.qkv_proj
+                .forward_with(x, rows, &ctx)?
+                .reshape((t, h + 2 * kvh, s.head_dim))?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             let q = qn.forward(&qkv.narrow(1, 0, h)?)?;
             let k = kn.forward(&qkv.narrow(1, h, kvh)?)?;

@@ -15,6 +15,7 @@ use crate::models::Model;
 use crate::parallel::{join_vocab, TpShard};
 use crate::weights::Weights;
 use candle_core::{DType, Result, Tensor};
+use rserve_kernels::fp8::Fp8Rows;
 
 /// Everything the stack needs to know, normalised from any supported `config.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -240,18 +241,25 @@ impl Decoder {
         let mut residual = embeds; // [T, hidden]
         let mut out: Option<Tensor> = None;
         for (layer, cache) in self.layers.iter().zip(&kv.layers) {
-            let h = match out.take() {
-                None => layer.input_layernorm.forward(&residual)?,
+            // each norm also hands an FP8 product the normed rows in FP8 form when it wants them
+            let (h, rows) = match out.take() {
+                None => (layer.input_layernorm.forward(&residual)?, None),
                 Some(o) => {
-                    let (sum, normed) = self.add_norm(&layer.input_layernorm, &o, &residual)?;
+                    let fp8 = layer.self_attn.takes_fp8_rows(&o);
+                    let (sum, normed, rows) =
+                        self.add_norm(&layer.input_layernorm, &o, &residual, fp8)?;
                     residual = sum;
-                    normed
+                    (normed, rows)
                 }
             };
-            let a = layer.self_attn.forward(&h, &rope, batch, cache)?;
-            let (sum, h) = self.add_norm(&layer.post_attention_layernorm, &a, &residual)?;
+            let a = layer
+                .self_attn
+                .forward_with(&h, rows.as_ref(), &rope, batch, cache)?;
+            let fp8 = layer.mlp.takes_fp8_rows(&a);
+            let (sum, h, rows) =
+                self.add_norm(&layer.post_attention_layernorm, &a, &residual, fp8)?;
             residual = sum;
-            out = Some(layer.mlp.forward(&h, &ctx)?);
+            out = Some(layer.mlp.forward_with(&h, rows.as_ref(), &ctx)?);
         }
         let out = out.map(|o| self.reduced(o)).transpose()?;
         let x = match out {
@@ -272,11 +280,24 @@ impl Decoder {
     }
 
     /// `norm`'s [`RmsNorm::forward_add`] of a row-parallel layer's output `x` (summed over the
-    /// ranks first under tensor parallelism).
-    fn add_norm(&self, norm: &RmsNorm, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// ranks first under tensor parallelism), with the normed rows' FP8 form when `fp8` asks
+    /// for it (not under tensor parallelism, whose norm is fused with the all-reduce).
+    fn add_norm(
+        &self,
+        norm: &RmsNorm,
+        x: &Tensor,
+        residual: &Tensor,
+        fp8: bool,
+    ) -> Result<(Tensor, Tensor, Option<Fp8Rows>)> {
         match &self.tp {
-            None => norm.forward_add(x, residual),
-            Some(t) => norm.forward_reduce_add(x, residual, t.comm.as_ref()),
+            None if fp8 => {
+                let (sum, normed, rows) = norm.forward_add_fp8(x, residual)?;
+                Ok((sum, normed, Some(rows)))
+            }
+            None => norm.forward_add(x, residual).map(|(s, n)| (s, n, None)),
+            Some(t) => norm
+                .forward_reduce_add(x, residual, t.comm.as_ref())
+                .map(|(s, n)| (s, n, None)),
         }
     }
 

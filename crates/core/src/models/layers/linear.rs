@@ -15,6 +15,7 @@ use crate::quant::ggml::GgmlLinear;
 use crate::weights::Weights;
 use candle_core::quantized::GgmlDType;
 use candle_core::{Result, Tensor};
+use rserve_kernels::fp8::Fp8Rows;
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
@@ -37,6 +38,29 @@ pub trait LinearMethod: Send + Sync + fmt::Debug {
     /// that stream it themselves (the LoRA decode product) take it; other methods have none.
     fn dense_weight(&self) -> Option<&Tensor> {
         None
+    }
+
+    /// Whether the product quantizes the rows of `x` to FP8 itself (an FP8 tensor-core product),
+    /// so that the kernel before it may hand them over in that form as well
+    /// ([`LinearMethod::matmul_fp8_rows`]).
+    fn takes_fp8_rows(&self, _x: &Tensor) -> bool {
+        false
+    }
+
+    /// [`LinearMethod::matmul`] (with `glu`, [`LinearMethod::matmul_silu_glu`]) of `x` whose FP8
+    /// form `rows` came with it.
+    fn matmul_fp8_rows(
+        &self,
+        x: &Tensor,
+        _rows: &Fp8Rows,
+        glu: bool,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<Tensor> {
+        if glu {
+            self.matmul_silu_glu(x, ctx)
+        } else {
+            self.matmul(x, ctx)
+        }
     }
 }
 
@@ -344,18 +368,48 @@ impl Linear {
     /// For a fused gate-up projection (gate rows, then up rows): `silu(gate) * up`,
     /// `[num_tokens, out / 2]`.
     pub fn forward_silu_glu(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
-        match &self.bias {
-            None => self.method.matmul_silu_glu(x, ctx),
-            Some(_) => rserve_kernels::silu_and_mul(&self.forward(x, ctx)?),
-        }
+        self.forward_silu_glu_with(x, None, ctx)
     }
 
     /// `x`: `[num_tokens, in]` -> `[num_tokens, out]`.
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
-        let y = self.method.matmul(x, ctx)?;
+        self.forward_with(x, None, ctx)
+    }
+
+    /// Whether the product would take `x`'s rows in FP8 form ([`Linear::forward_with`]).
+    pub fn takes_fp8_rows(&self, x: &Tensor) -> bool {
+        self.method.takes_fp8_rows(x)
+    }
+
+    /// [`Linear::forward`] of `x`, whose FP8 form `rows` (made by the kernel before, the same
+    /// bits the product's own quantization gives) may come with it.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        rows: Option<&Fp8Rows>,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<Tensor> {
+        let y = match rows {
+            Some(r) => self.method.matmul_fp8_rows(x, r, false, ctx)?,
+            None => self.method.matmul(x, ctx)?,
+        };
         match &self.bias {
             Some(b) => rserve_kernels::add_bias(&y, b),
             None => Ok(y),
+        }
+    }
+
+    /// [`Linear::forward_silu_glu`] of `x` with its FP8 form `rows`, as [`Linear::forward_with`].
+    pub fn forward_silu_glu_with(
+        &self,
+        x: &Tensor,
+        rows: Option<&Fp8Rows>,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<Tensor> {
+        match (&self.bias, rows) {
+            (None, Some(r)) => self.method.matmul_fp8_rows(x, r, true, ctx),
+            (None, None) => self.method.matmul_silu_glu(x, ctx),
+            (Some(_), _) => rserve_kernels::silu_and_mul(&self.forward_with(x, rows, ctx)?),
         }
     }
 }

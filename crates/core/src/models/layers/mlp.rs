@@ -87,7 +87,22 @@ impl Mlp {
 
     /// `x`: `[num_tokens, hidden]`.
     pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
-        let h = self.gate_up_proj.forward_silu_glu(x, ctx)?;
+        self.forward_with(x, None, ctx)
+    }
+
+    /// Whether the gate-up product would take `x`'s rows in FP8 form.
+    pub fn takes_fp8_rows(&self, x: &Tensor) -> bool {
+        self.gate_up_proj.takes_fp8_rows(x)
+    }
+
+    /// [`Mlp::forward`] of `x`, whose FP8 form `rows` may come with it.
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        rows: Option<&rserve_kernels::fp8::Fp8Rows>,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<Tensor> {
+        let h = self.gate_up_proj.forward_silu_glu_with(x, rows, ctx)?;
         self.down_proj.forward(&h, ctx)
     }
 }

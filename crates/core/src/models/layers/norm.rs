@@ -28,6 +28,16 @@ impl RmsNorm {
         rserve_kernels::add_rms_norm(x, residual, &self.weight, f64::from(self.eps))
     }
 
+    /// [`RmsNorm::forward_add`] with the normed rows' FP8 form, for an FP8 product that would
+    /// quantize them itself (one kernel on GPUs).
+    pub fn forward_add_fp8(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+    ) -> Result<(Tensor, Tensor, rserve_kernels::fp8::Fp8Rows)> {
+        rserve_kernels::fp8::add_rms_norm_rows(x, residual, &self.weight, f64::from(self.eps))
+    }
+
     /// [`RmsNorm::forward_add`] of a row-parallel layer's partial output `x`, summed over the
     /// ranks of `comm` first (in one kernel where `comm` has one).
     pub fn forward_reduce_add(
