@@ -89,10 +89,10 @@ __device__ __forceinline__ float block_rms_inv(float ss, float* partial, int hid
 }
 
 // One CTA per row. out: [2, tokens, H]: the sum x + residual (rounded to T), then its RMS norm
-// times the weight. With q (and qscale) the normed row is also quantized as an FP8 product's
-// activations are (fp8_quantize_rows: q [tokens, H] E4M3, qscale [tokens]): the same bits, in the
-// same kernel.
-template <typename T>
+// times the weight. With FP8 the normed row is also quantized as an FP8 product's activations
+// are (fp8_quantize_rows: q [tokens, H] E4M3, qscale [tokens]): the same bits, in the same kernel;
+// q starts on a 16-byte boundary (a fresh allocation).
+template <typename T, bool FP8 = false>
 __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
                                   const T* __restrict__ w, int tokens, int hidden, float eps,
                                   uint8_t* __restrict__ q = nullptr, float* __restrict__ qscale = nullptr) {
@@ -144,7 +144,7 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
 #pragma unroll
       for (int e = 0; e < VN; ++e) {
         o[e] = from_f32<T>(sv[e] * inv * wv[e]);
-        amax = fmaxf(amax, fabsf(to_f32(o[e])));
+        if (FP8) amax = fmaxf(amax, fabsf(to_f32(o[e])));
       }
       *reinterpret_cast<uint4*>(norm + i) = *reinterpret_cast<const uint4*>(o);
     }
@@ -152,15 +152,15 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
       const T o = from_f32<T>(to_f32(sum[i]) * inv * to_f32(w[i]));
       norm[i] = o;
-      amax = fmaxf(amax, fabsf(to_f32(o)));
+      if (FP8) amax = fmaxf(amax, fabsf(to_f32(o)));
     }
   }
-  if (q == nullptr) return;
+  if (!FP8) return;
   // the FP8 form of the normed row, each thread re-reading the values it wrote
   const float s = fp8_row_scale(block_reduce<true>(amax, partial));
   if (threadIdx.x == 0) qscale[row] = s;
   uint8_t* qr = q + row * hidden;
-  if (vec && ((reinterpret_cast<uintptr_t>(q) | (size_t)hidden) & (VN - 1)) == 0) {
+  if (vec) {  // a row of whole vectors: its bytes start on a VN-byte boundary
     for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
       float f[VN];
       Vec16<T>::unpack(*reinterpret_cast<const uint4*>(norm + i), f);
@@ -172,11 +172,7 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
     }
     return;
   }
-  // the non-vector path's values: this thread's stride, as written above; the vector path's
-  // when q is not aligned to it: this thread's vectors
-  const int step = vec ? VN : 1;
-  for (int i = threadIdx.x * step; i < hidden; i += blockDim.x * step)
-    for (int e = 0; e < step; ++e) qr[i + e] = fp8_byte(to_f32(norm[i + e]), s);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) qr[i] = fp8_byte(to_f32(norm[i]), s);
 }
 
 // Stores Vec16<T>::N floats into a cache row: rounded to T, then (FP8 caches) times `inv` and
@@ -312,7 +308,7 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   extern "C" __global__ void add_rms_norm_fp8_##NAME(T* out, uint8_t* q, float* qscale,           \
                                                      const T* x, const T* res, const T* w,         \
                                                      int tokens, int hidden, float eps) {          \
-    add_rms_norm_impl<T>(out, x, res, w, tokens, hidden, eps, q, qscale);                          \
+    add_rms_norm_impl<T, true>(out, x, res, w, tokens, hidden, eps, q, qscale);                          \
   }                                                                                                \
   extern "C" __global__ void rotary_qk_##NAME(T* qkv, const uint32_t* positions, const T* cos,     \
                                               const T* sin, int rotated_heads, int head_dim,       \

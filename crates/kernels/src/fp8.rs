@@ -161,7 +161,7 @@ pub fn dequantize_rows(q: &Tensor, scale: &Tensor, dtype: DType) -> Result<Tenso
 }
 
 /// Activation rows already in FP8 form, made by the kernel that produced them (the norm before
-/// a product, [`crate::add_rms_norm_fp8`]): `q` `[rows, k]` E4M3 and `scale` `[rows]` f32, the
+/// a product, [`add_rms_norm_rows`]): `q` `[rows, k]` E4M3 and `scale` `[rows]` f32, the
 /// bits [`quantize_rows`] gives. An FP8 tensor-core product takes them instead of quantizing its
 /// input itself.
 #[derive(Debug, Clone)]
