@@ -179,14 +179,40 @@ fn over_white(p: &[u8]) -> [u8; 3] {
 }
 
 /// `x * scale` as f32 then `(x - mean) / std` per channel, in f32, as the Hugging Face
-/// processors rescale and normalize; channel-first (`[3, height, width]`).
+/// processors rescale and normalize, tabulated for the 256 values of each channel (the same bits
+/// as the arithmetic per pixel).
+#[derive(Debug, Clone)]
+pub struct Normalizer {
+    table: [[f32; 256]; 3],
+}
+
+impl Normalizer {
+    pub fn new(mean: [f32; 3], std: [f32; 3]) -> Self {
+        let mut table = [[0f32; 256]; 3];
+        for (c, row) in table.iter_mut().enumerate() {
+            for (v, out) in row.iter_mut().enumerate() {
+                let x = (v as f64 * (1.0 / 255.0)) as f32;
+                *out = (x - mean[c]) / std[c];
+            }
+        }
+        Self { table }
+    }
+
+    /// The normalized value of byte `v` of channel `c` (0, 1 or 2).
+    #[inline]
+    pub fn value(&self, c: usize, v: u8) -> f32 {
+        self.table[c % 3][usize::from(v)]
+    }
+}
+
+/// The normalized image channel-first (`[3, height, width]`).
 pub fn normalize_chw(img: &RgbImage, mean: [f32; 3], std: [f32; 3]) -> Vec<f32> {
+    let norm = Normalizer::new(mean, std);
     let plane = img.width * img.height;
     let mut out = vec![0f32; 3 * plane];
     for (i, px) in img.data.chunks_exact(3).enumerate() {
-        for c in 0..3 {
-            let x = (f64::from(px[c]) * (1.0 / 255.0)) as f32;
-            out[c * plane + i] = (x - mean[c]) / std[c];
+        for (c, &v) in px.iter().enumerate() {
+            out[c * plane + i] = norm.value(c, v);
         }
     }
     out

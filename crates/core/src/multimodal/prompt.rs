@@ -116,10 +116,11 @@ pub struct Processor {
 impl Processor {
     /// Preprocesses one decoded image.
     pub fn image(&self, img: &RgbImage) -> Result<ImageInput, ImageError> {
-        let hash = img.content_hash();
         match &self.kind {
             ImageProcessor::Qwen2Vl(cfg) => {
-                let px = cfg.preprocess(img)?;
+                // the hash beside the preprocessing, on another thread
+                let (hash, px) = rayon::join(|| img.content_hash(), || cfg.preprocess(img));
+                let px = px?;
                 let rows = px.grid_thw.iter().product::<usize>();
                 Ok(ImageInput {
                     shape: [rows, px.pixel_values.len() / rows.max(1)],
@@ -134,7 +135,8 @@ impl Processor {
                 patch_size,
                 keep_cls,
             } => {
-                let pixels = config.preprocess(img)?;
+                let (hash, pixels) = rayon::join(|| img.content_hash(), || config.preprocess(img));
+                let pixels = pixels?;
                 let side = config.crop_size / (*patch_size).max(1);
                 Ok(ImageInput {
                     shape: [3, config.crop_size * config.crop_size],

@@ -4,8 +4,8 @@
 //! `temporal_patch_size` frames and cut into patches ordered so that each `merge_size x
 //! merge_size` group of patches is contiguous (the merger folds them into one token).
 
-use super::resample::Filter;
-use super::{normalize_chw, ImageError, RgbImage};
+use super::resample::{rows_of, Filter, PARALLEL_PIXELS};
+use super::{ImageError, Normalizer, RgbImage};
 use serde::Deserialize;
 
 /// CLIP's normalization, which Qwen2-VL keeps.
@@ -105,11 +105,12 @@ impl Qwen2VlConfig {
         Ok((h_bar as usize, w_bar as usize))
     }
 
-    /// The encoder's input for one image.
+    /// The encoder's input for one image: the resized image's bytes normalized straight into
+    /// the patch layout, merged groups of rows over threads for large images.
     pub fn preprocess(&self, img: &RgbImage) -> Result<Qwen2VlPixels, ImageError> {
         let (rh, rw) = self.smart_resize(img.height, img.width)?;
         let resized = img.resized(rw, rh, Filter::Bicubic);
-        let chw = normalize_chw(&resized, self.image_mean, self.image_std);
+        let norm = Normalizer::new(self.image_mean, self.image_std);
         let (p, m, t) = (
             self.patch_size,
             self.merge_size,
@@ -118,30 +119,29 @@ impl Qwen2VlConfig {
         let (gh, gw) = (rh / p, rw / p);
         let row = 3 * t * p * p;
         let mut out = vec![0f32; gh * gw * row];
-        let plane = rh * rw;
-        // patch order: (h / m, w / m, m, m); inside a patch: (channel, frame, py, px)
-        let mut idx = 0;
-        for bh in 0..gh / m {
-            for bw in 0..gw / m {
-                for mh in 0..m {
-                    for mw in 0..m {
-                        let (py0, px0) = ((bh * m + mh) * p, (bw * m + mw) * p);
-                        let dst = &mut out[idx * row..][..row];
-                        let mut k = 0;
-                        for c in 0..3 {
-                            for _frame in 0..t {
-                                for y in 0..p {
-                                    let src = &chw[c * plane + (py0 + y) * rw + px0..][..p];
-                                    dst[k..k + p].copy_from_slice(src);
-                                    k += p;
-                                }
-                            }
+        let src = &resized.data;
+        // patch order: (h / m, w / m, m, m); inside a patch: (channel, frame, py, px); one band
+        // of `m` patch rows at a time
+        let band = (gw / m.max(1)) * m * m * row;
+        rows_of(&mut out, band, rh * rw >= PARALLEL_PIXELS, |bh, dst| {
+            for (g, patch) in dst.chunks_exact_mut(row).enumerate() {
+                let (bw, mh, mw) = (g / (m * m), g / m % m, g % m);
+                let (py0, px0) = ((bh * m + mh) * p, (bw * m + mw) * p);
+                for (c, planes) in patch.chunks_exact_mut(t * p * p).enumerate() {
+                    let (first, repeats) = planes.split_at_mut(p * p);
+                    for (y, out) in first.chunks_exact_mut(p).enumerate() {
+                        let line = &src[((py0 + y) * rw + px0) * 3..][..3 * p];
+                        for (o, px) in out.iter_mut().zip(line.chunks_exact(3)) {
+                            *o = norm.value(c, px[c]);
                         }
-                        idx += 1;
+                    }
+                    // the image repeated as every frame
+                    for frame in repeats.chunks_exact_mut(p * p) {
+                        frame.copy_from_slice(first);
                     }
                 }
             }
-        }
+        });
         Ok(Qwen2VlPixels {
             pixel_values: out,
             grid_thw: [1, gh, gw],

@@ -108,11 +108,16 @@ fn clip8(v: i64) -> u8 {
 
 /// Output pixels from which a pass spreads its rows over threads (smaller images stay on the
 /// caller's thread).
-const PARALLEL_PIXELS: usize = 1 << 18;
+pub(crate) const PARALLEL_PIXELS: usize = 1 << 18;
 
-/// Fills the `row_len`-byte rows of `out` with `fill(row index, row)`, over threads when
-/// `parallel`. Rows are independent, so the bytes are the same either way.
-fn rows_of(out: &mut [u8], row_len: usize, parallel: bool, fill: impl Fn(usize, &mut [u8]) + Sync) {
+/// Fills the `row_len`-element rows of `out` with `fill(row index, row)`, over threads when
+/// `parallel`. Rows are independent, so the values are the same either way.
+pub(crate) fn rows_of<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    parallel: bool,
+    fill: impl Fn(usize, &mut [T]) + Sync,
+) {
     use rayon::prelude::*;
     if row_len == 0 {
         return;

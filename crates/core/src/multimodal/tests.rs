@@ -246,3 +246,70 @@ fn mutated_images_fail_cleanly() {
         "{ok} decoded, {refused} refused"
     );
 }
+
+/// The patch layout composed step by step: the channel-first normalized image, then each patch's
+/// rows copied out (what the fused preprocessing must equal, bit for bit).
+fn composed_patches(cfg: &Qwen2VlConfig, img: &RgbImage) -> Vec<f32> {
+    let (rh, rw) = cfg.smart_resize(img.height, img.width).expect("fits");
+    let resized = img.resized(rw, rh, super::resample::Filter::Bicubic);
+    let chw = normalize_chw(&resized, cfg.image_mean, cfg.image_std);
+    let (p, m, t) = (cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size);
+    let plane = rh * rw;
+    let mut out = Vec::new();
+    for bh in 0..rh / p / m {
+        for bw in 0..rw / p / m {
+            for mh in 0..m {
+                for mw in 0..m {
+                    let (py0, px0) = ((bh * m + mh) * p, (bw * m + mw) * p);
+                    for c in 0..3 {
+                        for _ in 0..t {
+                            for y in 0..p {
+                                out.extend_from_slice(
+                                    &chw[c * plane + (py0 + y) * rw + px0..][..p],
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_fused_patch_layout_equals_the_composed_one() {
+    let cfg = Qwen2VlConfig {
+        max_pixels: 12_845_056,
+        ..Qwen2VlConfig::default()
+    };
+    // 300x200 stays on one thread; 700x600 (over 2^18 pixels) spreads its bands over threads
+    for (w, h) in [(300, 200), (700, 600)] {
+        let img = test_pattern(w, h, 7);
+        let got = cfg.preprocess(&img).expect("preprocess");
+        let want = composed_patches(&cfg, &img);
+        assert_eq!(got.pixel_values.len(), want.len(), "{w}x{h}");
+        assert!(
+            got.pixel_values
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{w}x{h}"
+        );
+    }
+}
+
+#[test]
+fn the_normalizer_table_is_the_arithmetic() {
+    let (mean, std) = (super::qwen2_vl::CLIP_MEAN, super::qwen2_vl::CLIP_STD);
+    let norm = Normalizer::new(mean, std);
+    for c in 0..3 {
+        for v in 0..=255u8 {
+            let x = (f64::from(v) * (1.0 / 255.0)) as f32;
+            assert_eq!(
+                norm.value(c, v).to_bits(),
+                ((x - mean[c]) / std[c]).to_bits()
+            );
+        }
+    }
+}

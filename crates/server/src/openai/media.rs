@@ -10,6 +10,7 @@ use base64::Engine as _;
 use rserve_core::multimodal::{ImageInput, MmPrompt, Processor};
 use rserve_core::EngineInfo;
 use serde_json::Value;
+use std::borrow::Cow;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -74,7 +75,7 @@ fn bad(msg: impl Into<String>) -> ApiError {
 }
 
 /// The URLs of every `image_url` part, in order.
-pub fn image_urls(messages: &[ChatMessage]) -> Result<Vec<String>, ApiError> {
+pub fn image_urls(messages: &[ChatMessage]) -> Result<Vec<&str>, ApiError> {
     let mut out = Vec::new();
     for (i, m) in messages.iter().enumerate() {
         let Some(Value::Array(parts)) = &m.content else {
@@ -89,7 +90,7 @@ pub fn image_urls(messages: &[ChatMessage]) -> Result<Vec<String>, ApiError> {
                 _ => u.get("url").and_then(Value::as_str),
             });
             match url {
-                Some(u) => out.push(u.to_string()),
+                Some(u) => out.push(u),
                 None => {
                     return Err(bad(format!(
                         "messages[{i}]: an image_url part needs `image_url.url`"
@@ -137,12 +138,21 @@ fn data_uri(rest: &str, cfg: &MediaConfig) -> Result<Vec<u8>, ApiError> {
     if payload.len() / 4 * 3 > cfg.max_bytes {
         return Err(too_large(cfg));
     }
-    let compact: String = payload
-        .chars()
-        .filter(|c| !c.is_ascii_whitespace())
-        .collect();
+    // line breaks inside the payload are allowed (MIME-style base64); most payloads have none
+    let payload = payload.as_bytes();
+    let compact: Cow<[u8]> = if payload.iter().any(u8::is_ascii_whitespace) {
+        Cow::Owned(
+            payload
+                .iter()
+                .copied()
+                .filter(|c| !c.is_ascii_whitespace())
+                .collect(),
+        )
+    } else {
+        Cow::Borrowed(payload)
+    };
     base64::engine::general_purpose::STANDARD
-        .decode(compact.as_bytes())
+        .decode(compact)
         .map_err(|e| bad(format!("invalid base64 in an image data: URI: {e}")))
 }
 
@@ -288,6 +298,11 @@ mod tests {
         let cfg = MediaConfig::default();
         assert_eq!(
             fetch("data:image/png;base64,AAEC", &cfg).ok(),
+            Some(vec![0, 1, 2])
+        );
+        // line breaks inside the payload are skipped
+        assert_eq!(
+            fetch("data:image/png;base64,AA\r\nEC\n", &cfg).ok(),
             Some(vec![0, 1, 2])
         );
         for url in [

@@ -10,7 +10,18 @@ use serde_json::Value;
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("Invalid JSON: {e}")))?;
-    parse_value(value)
+    if !value.is_object() {
+        return parse_value(value);
+    }
+    // by value, so strings move into `T` instead of being copied (an image's base64 runs to
+    // megabytes); an error is worded from a second parse, which keeps the value for its search
+    match serde_path_to_error::deserialize::<_, T>(value) {
+        Ok(v) => Ok(v),
+        Err(_) => parse_value(
+            serde_json::from_slice(bytes)
+                .map_err(|e| ApiError::bad_request(format!("Invalid JSON: {e}")))?,
+        ),
+    }
 }
 
 /// [`parse_json`] from an already parsed value.
