@@ -1,8 +1,24 @@
 //! A linear layer's bias added to its product: `y + bias` over rows. On CUDA one pass of 16-byte
 //! vectors (`add_bias_<dtype>` in `csrc/fused.cu`); elsewhere candle's broadcast add, which is also
 //! the reference. Both round the sum once, so the values are the same.
+//!
+//! [`linear_bias`] is the product and the bias together: on CUDA, for 16-bit rows past the
+//! streaming kernel's batch sizes, one cuBLASLt product whose epilogue adds the bias to the f32
+//! sums before their one rounding (as PyTorch's `addmm` does), so no pass of its own.
 
 use candle_core::{Result, Tensor};
+
+/// `x w^T + bias` for `x` `[m, k]`, a weight `w` `[n, k]` and `bias` `[n]`. The reference is
+/// [`crate::linear_rows`] then [`add_bias`], which rounds the product before adding.
+pub fn linear_bias(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if cuda::product_applies(x, w, bias)? {
+        return x
+            .contiguous()?
+            .apply_op3_no_bwd(w, &bias.contiguous()?, &cuda::LinearBias);
+    }
+    add_bias(&crate::linear_rows(x, w)?, bias)
+}
 
 /// `y + bias` for `y` `[rows, cols]` and `bias` `[cols]` (other shapes, and dtypes that differ,
 /// take the broadcast add and its errors).
@@ -23,12 +39,104 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use crate::cublaslt::{self, Form, Operands};
     use crate::cuda::{dtype_suffix, function, strided_launch, vector_items, view};
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{
+        DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
+    };
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor, WithDType};
     use half::{bf16, f16};
+
+    /// Whether [`super::linear_bias`] takes the cuBLASLt product: CUDA, bf16 or f16 throughout,
+    /// more rows than the streaming kernel takes, widths in whole 16-byte vectors.
+    pub fn product_applies(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<bool> {
+        let (Ok((m, k)), Ok((n, wk))) = (x.dims2(), w.dims2()) else {
+            return Ok(false);
+        };
+        Ok(x.device().is_cuda()
+            && m > 0
+            && !crate::gemv::kernel_applies(x, w)
+            && k == wk
+            && k.is_multiple_of(8)
+            && n.is_multiple_of(8)
+            && bias.dims() == [n]
+            && matches!(x.dtype(), DType::BF16 | DType::F16)
+            && w.dtype() == x.dtype()
+            && bias.dtype() == x.dtype()
+            && w.is_contiguous())
+    }
+
+    pub struct LinearBias;
+
+    fn product<T: CudaDType + WithDType + DeviceRepr>(
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        b: (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, Shape)> {
+        let (m, k) = x.1.shape().dims2()?;
+        let (n, _) = w.1.shape().dims2()?;
+        let dev = x.0.device().clone();
+        let stream = dev.cuda_stream();
+        let xv = view::<T>(x.0, x.1, "x")?;
+        let wv = view::<T>(w.0, w.1, "weight")?;
+        let bv = view::<T>(b.0, b.1, "bias")?;
+        // SAFETY: every element is written by the product.
+        let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+        {
+            let (xp, _x) = xv.device_ptr(&stream);
+            let (wp, _w) = wv.device_ptr(&stream);
+            let (bp, _b) = bv.device_ptr(&stream);
+            let (yp, _y) = y.device_ptr_mut(&stream);
+            let ops = Operands {
+                w: wp,
+                x: xp,
+                y: yp,
+                bias: bp,
+            };
+            let form = Form::Bias16 { dtype: T::DTYPE };
+            // SAFETY: x [m, k], w [n, k], bias [n] and y [m, n] of T, contiguous on `dev`
+            // (product_applies and the views checked it), their guards held to the end of
+            // this block.
+            unsafe { cublaslt::matmul(&dev, (m, n, k), form, &ops) }?;
+        }
+        Ok((T::wrap_cuda_slice(y, dev), Shape::from((m, n))))
+    }
+
+    impl candle_core::CustomOp3 for LinearBias {
+        fn name(&self) -> &'static str {
+            "linear-bias"
+        }
+
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("linear_bias: the CPU path is the product then add_bias")
+        }
+
+        fn cuda_fwd(
+            &self,
+            x: &CudaStorage,
+            xl: &Layout,
+            w: &CudaStorage,
+            wl: &Layout,
+            b: &CudaStorage,
+            bl: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            match x.dtype() {
+                DType::BF16 => product::<bf16>((x, xl), (w, wl), (b, bl)),
+                DType::F16 => product::<f16>((x, xl), (w, wl), (b, bl)),
+                dt => candle_core::bail!("linear_bias: unsupported dtype {dt:?}"),
+            }
+        }
+    }
 
     pub struct AddBias;
 

@@ -6,149 +6,16 @@
 //! for sm_90 by cuBLAS 13.1), so the product runs with unit scales and `fp8_scale_outer_*`
 //! (csrc/fp8.cu) applies the per-token and per-channel scales to its output: in place for bf16
 //! (the unscaled sums, at most 448² k, are within bf16's range), from an f32 output for f16
-//! (they are not within f16's). Descriptors, layouts and the chosen algorithm are made once per
-//! shape and kept, so a step pays one `cublasLtMatmul` per product; the workspace is allocated
-//! once, so the product is captured in CUDA graphs like any kernel.
+//! (they are not within f16's). The product itself runs in the crate's shared cuBLASLt module.
 
+use crate::cublaslt::{self, Form, Operands};
 use crate::cuda::{
     cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
 };
-use candle_core::cuda_backend::cudarc::cublas::sys as cublas_sys;
-use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{DType, Result, Tensor, WithDType};
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Mutex, OnceLock};
-
-/// The workspace cuBLASLt may use per product (NVIDIA's advice for Hopper).
-const WORKSPACE_BYTES: usize = 32 << 20;
-
-/// One shape's product, ready to run.
-struct Plan {
-    desc: sys::cublasLtMatmulDesc_t,
-    a: sys::cublasLtMatrixLayout_t,
-    b: sys::cublasLtMatrixLayout_t,
-    d: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
-}
-
-struct State {
-    ordinal: usize,
-    handle: sys::cublasLtHandle_t,
-    workspace: CudaSlice<u8>,
-    plans: HashMap<(usize, usize, usize, DType), Plan>,
-}
-
-// SAFETY: the handle and descriptors are used only under the mutex, by one thread at a time, as
-// cuBLASLt allows for a handle.
-unsafe impl Send for State {}
-
-fn cuda_err(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
-    candle_core::Error::Msg(format!("cuBLASLt {what}: {e:?}"))
-}
-
-fn state() -> &'static Mutex<Vec<State>> {
-    static STATE: OnceLock<Mutex<Vec<State>>> = OnceLock::new();
-    STATE.get_or_init(|| Mutex::new(Vec::new()))
-}
-
-fn set_attr<V>(
-    desc: sys::cublasLtMatmulDesc_t,
-    attr: sys::cublasLtMatmulDescAttributes_t,
-    v: &V,
-) -> Result<()> {
-    // SAFETY: `desc` is live; the attribute's value is `V` as cuBLASLt documents it.
-    unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            (v as *const V).cast::<c_void>(),
-            std::mem::size_of::<V>(),
-        )
-    }
-    .map_err(|e| cuda_err("descriptor attribute", e))
-}
-
-/// The product's own output type for a `out` result: bf16 itself, else f32.
-fn product_type(out: DType) -> sys::cudaDataType {
-    match out {
-        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-        _ => sys::cudaDataType::CUDA_R_32F,
-    }
-}
-
-fn plan(
-    handle: sys::cublasLtHandle_t,
-    (m, n, k): (usize, usize, usize),
-    out: DType,
-) -> Result<Plan> {
-    use sys::cublasLtMatmulDescAttributes_t as A;
-    let dt = product_type(out);
-    let desc = lt::create_matmul_desc(
-        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        sys::cudaDataType::CUDA_R_32F,
-    )
-    .map_err(|e| cuda_err("descriptor", e))?;
-    set_attr(
-        desc,
-        A::CUBLASLT_MATMUL_DESC_TRANSA,
-        &cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-    )?;
-    set_attr(
-        desc,
-        A::CUBLASLT_MATMUL_DESC_TRANSB,
-        &cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-    )?;
-    set_attr(desc, A::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
-    // Column-major view: D^T [n, m] = op(A) [n, k] * B [k, m], A = the weight (k x n, ld k,
-    // transposed), B = the activations (k x m, ld k), D = y (n x m, ld n).
-    let layout = |t, rows: usize, cols: usize| {
-        lt::create_matrix_layout(t, rows as u64, cols as u64, rows as i64)
-            .map_err(|e| cuda_err("layout", e))
-    };
-    let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
-    let a = layout(e4m3, k, n)?;
-    let b = layout(e4m3, k, m)?;
-    let d = layout(dt, n, m)?;
-    let pref = lt::create_matmul_pref().map_err(|e| cuda_err("preference", e))?;
-    let ws = WORKSPACE_BYTES as u64;
-    // SAFETY: `pref` is live; the workspace limit is a u64.
-    let heuristic = unsafe {
-        lt::set_matmul_pref_attribute(
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            (&raw const ws).cast::<c_void>(),
-            std::mem::size_of::<u64>(),
-        )
-        .and_then(|()| lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref))
-    };
-    // SAFETY: created above and no longer used.
-    let _ = unsafe { lt::destroy_matmul_pref(pref) };
-    match heuristic {
-        Ok(h) => Ok(Plan {
-            desc,
-            a,
-            b,
-            d,
-            algo: h.algo,
-        }),
-        Err(e) => {
-            // SAFETY: created above, not shared.
-            unsafe {
-                let _ = lt::destroy_matmul_desc(desc);
-                let _ = lt::destroy_matrix_layout(a);
-                let _ = lt::destroy_matrix_layout(b);
-                let _ = lt::destroy_matrix_layout(d);
-            }
-            Err(cuda_err(
-                &format!("no FP8 algorithm for m={m} n={n} k={k}"),
-                e,
-            ))
-        }
-    }
-}
 
 /// `[m, n]` in `out` (bf16 or f16): the FP8 product of `xq` `[m, k]` (scales `sx` `[m]`) and
 /// `wq` `[n, k]` (scales `sw` `[n]`), all contiguous on `dev`; `k` and `n` multiples of 16.
@@ -191,34 +58,6 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
         // SAFETY: every element is written by the product.
         _ => Some(unsafe { dev.alloc::<f32>(m * n) }?),
     };
-    let ordinal = stream.context().ordinal();
-    let mut states = state()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("cuBLASLt state poisoned".into()))?;
-    let i = match states.iter().position(|s| s.ordinal == ordinal) {
-        Some(i) => i,
-        None => {
-            let handle = lt::create_handle().map_err(|e| cuda_err("handle", e))?;
-            // SAFETY: scratch memory for cuBLASLt, never read by rserve.
-            let workspace = unsafe { dev.alloc::<u8>(WORKSPACE_BYTES) }?;
-            states.push(State {
-                ordinal,
-                handle,
-                workspace,
-                plans: HashMap::new(),
-            });
-            states.len() - 1
-        }
-    };
-    let st = &mut states[i];
-    let key = (m, n, k, T::DTYPE);
-    if !st.plans.contains_key(&key) {
-        let p = plan(st.handle, (m, n, k), T::DTYPE)?;
-        st.plans.insert(key, p);
-    }
-    let Some(p) = st.plans.get(&key) else {
-        candle_core::bail!("fp8 product: plan missing");
-    };
     let (xg, xl) = xq.storage_and_layout();
     let (wg, wl) = wq.storage_and_layout();
     let (sxg, sxl) = sx.storage_and_layout();
@@ -235,6 +74,13 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
     let (wp, _w) = wv.device_ptr(&stream);
     let (sxp, _sx) = sxv.device_ptr(&stream);
     let (swp, _sw) = swv.device_ptr(&stream);
+    let form = Form::Fp8 {
+        sums: if sums.is_some() {
+            DType::F32
+        } else {
+            DType::BF16
+        },
+    };
     {
         let (dp, _d, _y) = match sums.as_mut() {
             Some(s) => {
@@ -246,33 +92,16 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
                 (p, None, Some(g))
             }
         };
-        let (wsp, _ws) = st.workspace.device_ptr_mut(&stream);
-        let (alpha, beta) = (1f32, 0f32);
-        // SAFETY: the plan's layouts describe these buffers (weight [n, k] and activations
-        // [m, k] E4M3, the sums [m, n] of the plan's output type, all contiguous, checked
-        // above), the workspace is the size the plan was chosen for, and everything is on
-        // `stream`.
-        unsafe {
-            lt::matmul(
-                st.handle,
-                p.desc,
-                (&raw const alpha).cast(),
-                (&raw const beta).cast(),
-                wp as *const c_void,
-                p.a,
-                xp as *const c_void,
-                p.b,
-                dp as *const c_void,
-                p.d,
-                dp as *mut c_void,
-                p.d,
-                &raw const p.algo,
-                wsp as *mut c_void,
-                WORKSPACE_BYTES,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| cuda_err("matmul", e))?;
+        let ops = Operands {
+            w: wp,
+            x: xp,
+            y: dp,
+            bias: 0,
+        };
+        // SAFETY: weight [n, k] and activations [m, k] E4M3, the sums [m, n] of the form's
+        // output type, all contiguous on `dev` (checked above), their guards held to the end of
+        // this block.
+        unsafe { cublaslt::matmul(dev, (m, n, k), form, &ops) }?;
     }
     scale_outer::<T>(dev, &mut y, sums.as_ref(), sxp, swp, (m, n))?;
     Ok(tensor_from_slice(y, dev, (m, n)))

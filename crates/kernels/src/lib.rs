@@ -23,6 +23,8 @@ pub mod cache;
 pub mod candle_sass;
 pub mod cpu_quant;
 #[cfg(feature = "cuda")]
+mod cublaslt;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod elem;
 pub mod fp8;
@@ -41,7 +43,7 @@ pub mod quantize;
 pub mod sampling;
 pub mod segment_attention;
 
-pub use bias::add_bias;
+pub use bias::{add_bias, linear_bias};
 pub use cache::{
     copy_blocks, is_fp8_cache, reshape_and_cache, reshape_and_cache_scaled, CacheScales,
     FP8_CACHE_DTYPE,

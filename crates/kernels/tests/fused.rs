@@ -304,6 +304,58 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_linear_bias_rounds_the_f32_product_plus_bias_once() -> Result<()> {
+        // prompt-sized rows take the cuBLASLt epilogue; a decode batch (4 rows) and f32 the
+        // product then add_bias
+        let dev = gpu();
+        for (m, k, n) in [
+            (37, 1280, 3840),
+            (300, 1280, 1288),
+            (4, 1280, 1280),
+            (64, 512, 8),
+        ] {
+            for dtype in [DType::BF16, DType::F16, DType::F32] {
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;
+                let w = (Tensor::randn(0f32, 1.0, (n, k), &dev)? / (k as f64).sqrt())?
+                    .to_dtype(dtype)?;
+                let b = Tensor::randn(0f32, 1.0, n, &dev)?.to_dtype(dtype)?;
+                let got = rserve_kernels::linear_bias(&x, &w, &b)?;
+                assert_eq!(got.dims(), [m, n]);
+                assert_eq!(got.dtype(), dtype);
+                let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let two_step = rserve_kernels::add_bias(&rserve_kernels::linear_rows(&x, &w)?, &b)?
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                if m <= 4 || dtype == DType::F32 {
+                    assert_eq!(got, two_step, "{m}x{k}x{n} {dtype:?}: the two-step path");
+                    continue;
+                }
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let exact = f(&x)?
+                    .matmul(&f(&w)?.t()?)?
+                    .broadcast_add(&f(&b)?)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                // one rounding of the f32 sum: half an ulp of the dtype, and a little for the
+                // order of the f32 sums
+                let rel = if dtype == DType::BF16 {
+                    1.0 / 256.0
+                } else {
+                    1.0 / 2048.0
+                };
+                for (i, (g, e)) in got.iter().zip(&exact).enumerate() {
+                    assert!(
+                        (g - e).abs() <= rel * e.abs() + 1e-3,
+                        "{m}x{k}x{n} {dtype:?} [{i}]: {g} against {e}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn cuda_to_f32_equals_the_cast() -> Result<()> {
         // whole vectors, a ragged tail, a strided input, and f32 passing through
         let dev = gpu();

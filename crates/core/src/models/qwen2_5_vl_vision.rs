@@ -298,8 +298,13 @@ impl Qwen25Vision {
         let x = pixels.to_dtype(dtype)?.index_select(&order, 0)?;
         let mut x = x.matmul(&self.patch_embed.t()?)?; // [N, hidden]
         profile.mark("patch embedding")?;
-        for b in &self.blocks {
-            let h = b.norm1.forward(&x)?;
+        // each residual add is fused with the norm after it (norm2, the next block's norm1,
+        // and the merger's ln_q after the last block)
+        let mut h = match self.blocks.first() {
+            Some(b) => b.norm1.forward(&x)?,
+            None => self.ln_q.forward(&x)?,
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
             let qkv = b
                 .qkv
                 .forward(&h, &ctx)?
@@ -308,7 +313,7 @@ impl Qwen25Vision {
             // one fused kernel; tables in the model's dtype (f32 tables in unfused ops cost
             // more than they bring: see benchmarks/gpu-notes.md)
             rserve_kernels::rotary_qk_(&qkv, &positions, &cos, &sin, 2 * heads)?;
-            profile.mark("norm + qkv + rotary")?;
+            profile.mark("qkv + rotary")?;
             let plan = if b.full { &images } else { &windows };
             let a = plan.attend(&qkv, heads)?; // [N, hidden]
             profile.mark(if b.full {
@@ -316,17 +321,17 @@ impl Qwen25Vision {
             } else {
                 "window attention"
             })?;
-            x = (x + b.proj.forward(&a, &ctx)?)?;
-            profile.mark("proj")?;
-            let h = b.norm2.forward(&x)?;
-            x = (&x + b.mlp.forward(&h, &ctx)?)?;
-            profile.mark("MLP")?;
+            let (x1, h2) = b.norm2.forward_add(&b.proj.forward(&a, &ctx)?, &x)?;
+            profile.mark("proj + add + norm")?;
+            let next = match self.blocks.get(i + 1) {
+                Some(nb) => &nb.norm1,
+                None => &self.ln_q,
+            };
+            (x, h) = next.forward_add(&b.mlp.forward(&h2, &ctx)?, &x1)?;
+            profile.mark("MLP + add + norm")?;
         }
         let wide = self.merger_in.shape().1;
-        let y = self
-            .ln_q
-            .forward(&x)?
-            .reshape((n * self.cfg.hidden_size / wide, wide))?;
+        let y = h.reshape((n * self.cfg.hidden_size / wide, wide))?;
         let y = self.merger_in.forward(&y, &ctx)?.gelu_erf()?;
         let y = self.merger_out.forward(&y, &ctx)?;
         let unorder = Tensor::from_vec(l.unorder.clone(), l.unorder.len(), &dev)?;

@@ -31,6 +31,12 @@ pub trait LinearMethod: Send + Sync + fmt::Debug {
         rserve_kernels::silu_and_mul(&self.matmul(x, ctx)?)
     }
 
+    /// `x W^T + bias` (`bias` `[out]`). A method whose product can add the bias itself
+    /// overrides it.
+    fn matmul_bias(&self, x: &Tensor, bias: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        rserve_kernels::add_bias(&self.matmul(x, ctx)?, bias)
+    }
+
     /// `(out, in)`.
     fn shape(&self) -> (usize, usize);
 
@@ -88,6 +94,11 @@ impl LinearMethod for Dense {
     /// One kernel for decode batches on CUDA.
     fn matmul_silu_glu(&self, x: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
         rserve_kernels::silu_glu_rows(x, &self.weight)
+    }
+
+    /// The bias in the product's epilogue for prompt-sized batches on CUDA.
+    fn matmul_bias(&self, x: &Tensor, bias: &Tensor, _ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        rserve_kernels::linear_bias(x, &self.weight, bias)
     }
 
     fn shape(&self) -> (usize, usize) {
@@ -389,13 +400,16 @@ impl Linear {
         rows: Option<&Fp8Rows>,
         ctx: &LayerCtx<'_>,
     ) -> Result<Tensor> {
-        let y = match rows {
-            Some(r) => self.method.matmul_fp8_rows(x, r, false, ctx)?,
-            None => self.method.matmul(x, ctx)?,
-        };
-        match &self.bias {
-            Some(b) => rserve_kernels::add_bias(&y, b),
-            None => Ok(y),
+        match (rows, &self.bias) {
+            (None, Some(b)) => self.method.matmul_bias(x, b, ctx),
+            (None, None) => self.method.matmul(x, ctx),
+            (Some(r), b) => {
+                let y = self.method.matmul_fp8_rows(x, r, false, ctx)?;
+                match b {
+                    Some(b) => rserve_kernels::add_bias(&y, b),
+                    None => Ok(y),
+                }
+            }
         }
     }
 
