@@ -48,7 +48,7 @@ cuda-check:
 
 gpu-bundle: cuda-binary
 	set -o pipefail && $(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
-	  --test paged_attention --test candle_sass --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --test tensor_parallel --test allreduce --message-format=json 2>/dev/null \
+	  --test paged_attention --test candle_sass --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --test structured --test vision --test tensor_parallel --test allreduce --message-format=json 2>/dev/null \
 	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 	  >target/cuda/test-binaries.txt
 	rm -rf $(BUNDLE) && mkdir -p $(BUNDLE)

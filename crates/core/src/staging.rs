@@ -77,13 +77,42 @@ impl Staging {
         bytes: &[u8],
         shape: &[usize],
     ) -> Result<Tensor> {
+        self.upload_bytes::<T>(dev, &[bytes], shape)
+    }
+
+    /// The values of `parts`, one after another, as one tensor of `shape` on `dev` (the pixels
+    /// of a batch of images). The copies run on the device's stream behind the work already
+    /// queued there; the call waits only for a buffer whose earlier copy has not finished.
+    pub fn upload_values<T: CudaDType + WithDType + DeviceRepr + Copy>(
+        &mut self,
+        dev: &CudaDevice,
+        parts: &[&[T]],
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let bytes: Vec<&[u8]> = parts
+            .iter()
+            .map(|p| {
+                // SAFETY: T is a plain numeric type (f32, bf16, f16): its values are their bytes,
+                // and the view lives no longer than `p`
+                unsafe {
+                    std::slice::from_raw_parts(p.as_ptr().cast::<u8>(), std::mem::size_of_val(*p))
+                }
+            })
+            .collect();
+        self.upload_bytes::<T>(dev, &bytes, shape)
+    }
+
+    fn upload_bytes<T: CudaDType + WithDType + DeviceRepr>(
+        &mut self,
+        dev: &CudaDevice,
+        parts: &[&[u8]],
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let elems: usize = shape.iter().product();
         let size = std::mem::size_of::<T>();
-        if bytes.len() != elems * size {
-            candle_core::bail!(
-                "staged upload: {} bytes for {shape:?} of {size}-byte values",
-                bytes.len()
-            );
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total != elems * size {
+            candle_core::bail!("staged upload: {total} bytes for {shape:?} of {size}-byte values");
         }
         // SAFETY: every byte is written by the copies below before the tensor is read
         let mut dst = unsafe { dev.alloc::<T>(elems) }?;
@@ -91,24 +120,43 @@ impl Staging {
         {
             let (base, _guard) = dst.device_ptr_mut(&stream);
             let mut offset = 0u64;
-            for chunk in bytes.chunks(BUF_BYTES) {
+            // the parts' bytes in buffer-sized runs: a run may take the ends of several parts
+            let mut pieces = parts.iter().flat_map(|p| p.chunks(BUF_BYTES)).peekable();
+            while pieces.peek().is_some() {
                 let slot = &mut self.bufs[self.next];
                 self.next = (self.next + 1) % BUFS;
                 if let Some(done) = slot.done.take() {
                     done.synchronize().map_err(err)?;
                 }
-                // SAFETY: the buffer holds BUF_BYTES >= chunk.len() bytes and no copy reads it
-                // any more (its event has completed)
-                let buf = unsafe { std::slice::from_raw_parts_mut(slot.ptr, chunk.len()) };
-                buf.par_chunks_mut(PIECE)
-                    .zip(chunk.par_chunks(PIECE))
-                    .for_each(|(d, s)| d.copy_from_slice(s));
+                // SAFETY: the buffer holds BUF_BYTES bytes and no copy reads it any more (its
+                // event has completed)
+                let buf = unsafe { std::slice::from_raw_parts_mut(slot.ptr, BUF_BYTES) };
+                let mut filled = 0;
+                while let Some(piece) = pieces.peek_mut() {
+                    let n = piece.len().min(BUF_BYTES - filled);
+                    if n == 0 {
+                        break;
+                    }
+                    let cur: &[u8] = piece;
+                    let (head, rest) = cur.split_at(n);
+                    buf[filled..filled + n]
+                        .par_chunks_mut(PIECE)
+                        .zip(head.par_chunks(PIECE))
+                        .for_each(|(d, s)| d.copy_from_slice(s));
+                    filled += n;
+                    *piece = rest;
+                    if piece.is_empty() {
+                        pieces.next();
+                    }
+                }
                 // SAFETY: the destination range lies inside `dst`; the buffer stays pinned and
                 // untouched until the event recorded after this copy completes
-                unsafe { result::memcpy_htod_async(base + offset, buf, stream.cu_stream()) }
-                    .map_err(err)?;
+                unsafe {
+                    result::memcpy_htod_async(base + offset, &buf[..filled], stream.cu_stream())
+                }
+                .map_err(err)?;
                 slot.done = Some(stream.record_event(None).map_err(err)?);
-                offset += chunk.len() as u64;
+                offset += filled as u64;
             }
         }
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone()));

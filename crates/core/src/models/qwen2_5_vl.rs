@@ -36,6 +36,50 @@ fn vision_config(c: &HfConfig) -> std::result::Result<VisionConfig, LoadError> {
 /// The vision encoder (the decoder is the shared one, see [`WithVision`]).
 pub struct Qwen25Vl {
     vision: Qwen25Vision,
+    /// Pinned buffers the pixels go to the GPU through, made with the first image.
+    #[cfg(feature = "cuda")]
+    staging: std::sync::Mutex<Option<crate::staging::Staging>>,
+}
+
+impl Qwen25Vl {
+    fn new(vision: Qwen25Vision) -> Self {
+        Self {
+            vision,
+            #[cfg(feature = "cuda")]
+            staging: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The pixel rows of `images` (`cols` values each), one image after another, on `dev`. On
+    /// a GPU through pinned buffers: a copy from pageable memory would wait for the step in
+    /// flight before it starts, and run slower.
+    fn upload(
+        &self,
+        images: &[&ImageInput],
+        cols: usize,
+        dev: &candle_core::Device,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(cuda) = dev {
+            let rows: usize = images.iter().map(|i| i.shape[0]).sum();
+            let mut g = self
+                .staging
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("pixel staging lock poisoned".into()))?;
+            if g.is_none() {
+                *g = Some(crate::staging::Staging::new(cuda)?);
+            }
+            if let Some(s) = g.as_mut() {
+                let parts: Vec<&[f32]> = images.iter().map(|i| i.pixels.as_slice()).collect();
+                return s.upload_values(cuda, &parts, &[rows, cols]);
+            }
+        }
+        let parts = images
+            .iter()
+            .map(|img| Tensor::from_slice(&img.pixels, (img.shape[0], cols), dev))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
 }
 
 pub fn build(
@@ -65,7 +109,7 @@ pub fn build(
     let decoder = Decoder::load_under(cfg, w, text, max_positions)?;
     Ok(Box::new(WithVision {
         decoder,
-        encoder: Qwen25Vl { vision },
+        encoder: Qwen25Vl::new(vision),
     }))
 }
 
@@ -95,16 +139,13 @@ pub fn processor(c: &HfConfig, dir: &Path) -> std::result::Result<Processor, Loa
 
 impl ImageEncoder for Qwen25Vl {
     fn encode(&self, images: &[&ImageInput], dev: &candle_core::Device) -> Result<Vec<Tensor>> {
-        let dev = dev.clone();
         let cols = images[0].shape[1];
-        let mut rows = Vec::with_capacity(images.len());
         for img in images {
             if img.shape[1] != cols || img.pixels.len() != img.shape[0] * img.shape[1] {
                 candle_core::bail!("image pixels of shape {:?} do not match", img.shape);
             }
-            rows.push(Tensor::from_slice(&img.pixels, (img.shape[0], cols), &dev)?);
         }
-        let pixels = Tensor::cat(&rows, 0)?;
+        let pixels = self.upload(images, cols, dev)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
         let feats = self.vision.forward(&pixels, &grids)?;
         let mut out = Vec::with_capacity(images.len());
