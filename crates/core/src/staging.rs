@@ -128,9 +128,6 @@ impl Staging {
                 if let Some(done) = slot.done.take() {
                     done.synchronize().map_err(err)?;
                 }
-                // SAFETY: the buffer holds BUF_BYTES bytes and no copy reads it any more (its
-                // event has completed)
-                let buf = unsafe { std::slice::from_raw_parts_mut(slot.ptr, BUF_BYTES) };
                 let mut filled = 0;
                 while let Some(piece) = pieces.peek_mut() {
                     let n = piece.len().min(BUF_BYTES - filled);
@@ -139,8 +136,11 @@ impl Staging {
                     }
                     let cur: &[u8] = piece;
                     let (head, rest) = cur.split_at(n);
-                    buf[filled..filled + n]
-                        .par_chunks_mut(PIECE)
+                    // SAFETY: bytes filled..filled + n lie inside the BUF_BYTES of the buffer,
+                    // which no copy reads any more (its event has completed); they are written
+                    // here before anything reads them
+                    let run = unsafe { std::slice::from_raw_parts_mut(slot.ptr.add(filled), n) };
+                    run.par_chunks_mut(PIECE)
                         .zip(head.par_chunks(PIECE))
                         .for_each(|(d, s)| d.copy_from_slice(s));
                     filled += n;
@@ -149,12 +149,12 @@ impl Staging {
                         pieces.next();
                     }
                 }
+                // SAFETY: the buffer's first `filled` bytes, all written above
+                let buf = unsafe { std::slice::from_raw_parts(slot.ptr, filled) };
                 // SAFETY: the destination range lies inside `dst`; the buffer stays pinned and
                 // untouched until the event recorded after this copy completes
-                unsafe {
-                    result::memcpy_htod_async(base + offset, &buf[..filled], stream.cu_stream())
-                }
-                .map_err(err)?;
+                unsafe { result::memcpy_htod_async(base + offset, buf, stream.cu_stream()) }
+                    .map_err(err)?;
                 slot.done = Some(stream.record_event(None).map_err(err)?);
                 offset += filled as u64;
             }

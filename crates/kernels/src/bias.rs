@@ -50,13 +50,23 @@ mod cuda {
     use half::{bf16, f16};
 
     /// Whether [`super::linear_bias`] takes the cuBLASLt product: CUDA, bf16 or f16 throughout,
-    /// more rows than the streaming kernel takes, widths in whole 16-byte vectors.
+    /// more rows than the streaming kernel takes, widths in whole 16-byte vectors, operands that
+    /// start on 256-byte boundaries (what the algorithms cuBLASLt picks by default assume), and
+    /// an algorithm for the shape.
     pub fn product_applies(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<bool> {
         let (Ok((m, k)), Ok((n, wk))) = (x.dims2(), w.dims2()) else {
             return Ok(false);
         };
-        Ok(x.device().is_cuda()
+        let aligned = |t: &Tensor| {
+            (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(256)
+        };
+        let fits = x.device().is_cuda()
             && m > 0
+            && n > 0
+            && k > 0
+            && aligned(x)
+            && aligned(w)
+            && aligned(bias)
             && !crate::gemv::kernel_applies(x, w)
             && k == wk
             && k.is_multiple_of(8)
@@ -65,7 +75,14 @@ mod cuda {
             && matches!(x.dtype(), DType::BF16 | DType::F16)
             && w.dtype() == x.dtype()
             && bias.dtype() == x.dtype()
-            && w.is_contiguous())
+            && w.is_contiguous();
+        match x.device() {
+            // a shape cuBLASLt has no algorithm for takes the product then add_bias
+            candle_core::Device::Cuda(dev) if fits => {
+                cublaslt::has_plan(dev, (m, n, k), Form::Bias16 { dtype: x.dtype() })
+            }
+            _ => Ok(false),
+        }
     }
 
     pub struct LinearBias;

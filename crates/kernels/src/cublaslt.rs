@@ -58,7 +58,8 @@ struct State {
     ordinal: usize,
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    plans: HashMap<(usize, usize, usize, Form), Plan>,
+    /// `None` where the heuristic found no algorithm (asked once).
+    plans: HashMap<(usize, usize, usize, Form), Option<Plan>>,
 }
 
 // SAFETY: the handle and descriptors are used only under the mutex, by one thread at a time, as
@@ -180,18 +181,12 @@ pub(crate) struct Operands {
     pub bias: u64,
 }
 
-/// Runs the product `form` of shape `(m, n, k)` on `dev`'s stream.
-///
-/// # Safety
-/// The pointers must be device buffers on `dev`, contiguous, of the sizes and types `form` and
-/// the shape give, alive until the stream has run the product (the caller holds their guards).
-pub(crate) unsafe fn matmul(
+/// This device's state (made on first use) and the plan of `key` in it, made once.
+fn with_plan<R>(
     dev: &CudaDevice,
-    (m, n, k): (usize, usize, usize),
-    form: Form,
-    p: &Operands,
-) -> Result<()> {
-    use sys::cublasLtMatmulDescAttributes_t as A;
+    key: (usize, usize, usize, Form),
+    f: impl FnOnce(sys::cublasLtHandle_t, &mut CudaSlice<u8>, Option<&Plan>) -> Result<R>,
+) -> Result<R> {
     let stream = dev.cuda_stream();
     let ordinal = stream.context().ordinal();
     let mut states = state()
@@ -213,25 +208,69 @@ pub(crate) unsafe fn matmul(
         }
     };
     let st = &mut states[i];
-    let key = (m, n, k, form);
     if !st.plans.contains_key(&key) {
-        let plan = plan(st.handle, (m, n, k), form)?;
-        st.plans.insert(key, plan);
+        let (m, n, k, form) = key;
+        let made = plan(st.handle, (m, n, k), form).ok();
+        st.plans.insert(key, made);
     }
-    let Some(plan) = st.plans.get(&key) else {
-        candle_core::bail!("cuBLASLt product: plan missing");
-    };
+    let plan = st.plans.get(&key).and_then(Option::as_ref);
+    f(st.handle, &mut st.workspace, plan)
+}
+
+/// Whether cuBLASLt has an algorithm for the product `form` of shape `(m, n, k)` on `dev` (the
+/// plan is made and kept for [`matmul`]).
+pub(crate) fn has_plan(
+    dev: &CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    form: Form,
+) -> Result<bool> {
+    with_plan(dev, (m, n, k, form), |_, _, plan| Ok(plan.is_some()))
+}
+
+/// Runs the product `form` of shape `(m, n, k)` on `dev`'s stream.
+///
+/// # Safety
+/// The pointers must be device buffers on `dev`, contiguous, of the sizes and types `form` and
+/// the shape give, aligned to 256 bytes (cuBLASLt's default for the algorithms it picks), alive
+/// until the stream has run the product (the caller holds their guards).
+pub(crate) unsafe fn matmul(
+    dev: &CudaDevice,
+    (m, n, k): (usize, usize, usize),
+    form: Form,
+    p: &Operands,
+) -> Result<()> {
+    let stream = dev.cuda_stream();
+    with_plan(dev, (m, n, k, form), |handle, workspace, plan| {
+        let Some(plan) = plan else {
+            candle_core::bail!("cuBLASLt: no {form:?} algorithm for m={m} n={n} k={k}");
+        };
+        // SAFETY: the caller's contract, passed on.
+        unsafe { run(handle, workspace, plan, form, p, &stream) }
+    })
+}
+
+/// # Safety
+/// As [`matmul`], with `plan` made for its shape and form.
+unsafe fn run(
+    handle: sys::cublasLtHandle_t,
+    workspace: &mut CudaSlice<u8>,
+    plan: &Plan,
+    form: Form,
+    p: &Operands,
+    stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+) -> Result<()> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
     if let Form::Bias16 { .. } = form {
         // the pointer is this call's: set under the lock, right before the product
         set_attr(plan.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias)?;
     }
-    let (wsp, _ws) = st.workspace.device_ptr_mut(&stream);
+    let (wsp, _ws) = workspace.device_ptr_mut(stream);
     let (alpha, beta) = (1f32, 0f32);
     // SAFETY: the plan's layouts describe the caller's buffers (its contract), the workspace is
     // the size the plan was chosen for, and everything is on `stream`.
     unsafe {
         lt::matmul(
-            st.handle,
+            handle,
             plan.desc,
             (&raw const alpha).cast(),
             (&raw const beta).cast(),
