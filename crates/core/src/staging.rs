@@ -31,6 +31,30 @@ pub struct Staging {
     next: usize,
 }
 
+/// A [`Staging`] made on first use and shared behind a lock (a checkpoint's loader, a vision
+/// encoder's pixel uploads).
+#[derive(Default)]
+pub struct Shared(std::sync::Mutex<Option<Staging>>);
+
+impl Shared {
+    /// Runs `f` with the buffers, allocating them on `dev` the first time.
+    pub fn with<R>(
+        &self,
+        dev: &CudaDevice,
+        f: impl FnOnce(&mut Staging) -> Result<R>,
+    ) -> Result<R> {
+        let mut g = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("staging lock poisoned".into()))?;
+        let staging = match g.as_mut() {
+            Some(s) => s,
+            None => g.insert(Staging::new(dev)?),
+        };
+        f(staging)
+    }
+}
+
 // SAFETY: the pinned buffers are owned by this value alone and only touched through `&mut self`.
 unsafe impl Send for Staging {}
 
@@ -64,20 +88,11 @@ impl Staging {
         shape: &[usize],
     ) -> Result<Tensor> {
         match dtype {
-            DType::BF16 => self.upload_as::<bf16>(dev, bytes, shape),
-            DType::F16 => self.upload_as::<f16>(dev, bytes, shape),
-            DType::F32 => self.upload_as::<f32>(dev, bytes, shape),
+            DType::BF16 => self.upload_bytes::<bf16>(dev, &[bytes], shape),
+            DType::F16 => self.upload_bytes::<f16>(dev, &[bytes], shape),
+            DType::F32 => self.upload_bytes::<f32>(dev, &[bytes], shape),
             other => candle_core::bail!("staged upload of {other:?}"),
         }
-    }
-
-    fn upload_as<T: CudaDType + WithDType + DeviceRepr>(
-        &mut self,
-        dev: &CudaDevice,
-        bytes: &[u8],
-        shape: &[usize],
-    ) -> Result<Tensor> {
-        self.upload_bytes::<T>(dev, &[bytes], shape)
     }
 
     /// The values of `parts`, one after another, as one tensor of `shape` on `dev` (the pixels

@@ -36,7 +36,7 @@ struct Inner {
     tp: Option<TpShard>,
     /// Pinned buffers that carry tensors to the GPU (made on first use).
     #[cfg(feature = "cuda")]
-    staging: std::sync::Mutex<Option<crate::staging::Staging>>,
+    staging: crate::staging::Shared,
 }
 
 /// A view of the checkpoint under a name prefix.
@@ -83,7 +83,7 @@ impl Weights {
                 lora: None,
                 tp: None,
                 #[cfg(feature = "cuda")]
-                staging: std::sync::Mutex::new(None),
+                staging: crate::staging::Shared::default(),
             }),
             prefix: String::new(),
             dense: false,
@@ -107,7 +107,7 @@ impl Weights {
                 lora: None,
                 tp: None,
                 #[cfg(feature = "cuda")]
-                staging: std::sync::Mutex::new(None),
+                staging: crate::staging::Shared::default(),
             }),
             prefix: String::new(),
             dense: false,
@@ -401,20 +401,11 @@ impl Weights {
             return Ok(None);
         };
         match stored {
-            dt if dt == self.inner.dtype && data.len() >= crate::staging::MIN_BYTES => {
-                let mut g = self
-                    .inner
-                    .staging
-                    .lock()
-                    .map_err(|_| candle_core::Error::Msg("staging lock poisoned".into()))?;
-                if g.is_none() {
-                    *g = Some(crate::staging::Staging::new(dev)?);
-                }
-                match g.as_mut() {
-                    Some(s) => s.upload(dev, data, dt, shape).map(Some),
-                    None => Ok(None),
-                }
-            }
+            dt if dt == self.inner.dtype && data.len() >= crate::staging::MIN_BYTES => self
+                .inner
+                .staging
+                .with(dev, |s| s.upload(dev, data, dt, shape))
+                .map(Some),
             _ => Ok(None),
         }
     }

@@ -12,10 +12,8 @@ use candle_core::{Result, Tensor};
 /// [`crate::linear_rows`] then [`add_bias`], which rounds the product before adding.
 pub fn linear_bias(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if cuda::product_applies(x, w, bias)? {
-        return x
-            .contiguous()?
-            .apply_op3_no_bwd(w, &bias.contiguous()?, &cuda::LinearBias);
+    if let Some(y) = cuda::linear_bias(x, w, bias)? {
+        return Ok(y);
     }
     add_bias(&crate::linear_rows(x, w)?, bias)
 }
@@ -40,33 +38,30 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cublaslt::{self, Form, Operands};
-    use crate::cuda::{dtype_suffix, function, strided_launch, vector_items, view};
+    use crate::cuda::{
+        cuda_storage, dtype_suffix, function, strided_launch, tensor_from_slice, vector_items, view,
+    };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
     };
-    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor, WithDType};
     use half::{bf16, f16};
 
-    /// Whether [`super::linear_bias`] takes the cuBLASLt product: CUDA, bf16 or f16 throughout,
-    /// more rows than the streaming kernel takes, widths in whole 16-byte vectors, operands that
-    /// start on 256-byte boundaries (what the algorithms cuBLASLt picks by default assume), and
-    /// an algorithm for the shape.
-    pub fn product_applies(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<bool> {
-        let (Ok((m, k)), Ok((n, wk))) = (x.dims2(), w.dims2()) else {
-            return Ok(false);
+    /// [`super::linear_bias`] as one cuBLASLt product, or `None` where it does not take one:
+    /// not CUDA, not bf16 or f16 throughout, no more rows than the streaming kernel takes,
+    /// widths not in whole 16-byte vectors, an operand off a 256-byte boundary (what the
+    /// algorithms cuBLASLt picks by default assume), or a shape it has no algorithm for.
+    pub fn linear_bias(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Option<Tensor>> {
+        let (candle_core::Device::Cuda(dev), Ok((m, k)), Ok((n, wk))) =
+            (x.device(), x.dims2(), w.dims2())
+        else {
+            return Ok(None);
         };
-        let aligned = |t: &Tensor| {
-            (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(256)
-        };
-        let fits = x.device().is_cuda()
-            && m > 0
+        let fits = m > 0
             && n > 0
             && k > 0
-            && aligned(x)
-            && aligned(w)
-            && aligned(bias)
             && !crate::gemv::kernel_applies(x, w)
             && k == wk
             && k.is_multiple_of(8)
@@ -76,32 +71,39 @@ mod cuda {
             && w.dtype() == x.dtype()
             && bias.dtype() == x.dtype()
             && w.is_contiguous();
-        match x.device() {
-            // a shape cuBLASLt has no algorithm for takes the product then add_bias
-            candle_core::Device::Cuda(dev) if fits => {
-                cublaslt::has_plan(dev, (m, n, k), Form::Bias16 { dtype: x.dtype() })
-            }
-            _ => Ok(false),
+        if !fits {
+            return Ok(None);
+        }
+        let (x, bias) = (x.contiguous()?, bias.contiguous()?);
+        let aligned = |t: &Tensor| {
+            (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(256)
+        };
+        if !(aligned(&x) && aligned(w) && aligned(&bias)) {
+            return Ok(None);
+        }
+        match x.dtype() {
+            DType::BF16 => product::<bf16>(dev, &x, w, &bias, (m, n, k)),
+            _ => product::<f16>(dev, &x, w, &bias, (m, n, k)),
         }
     }
 
-    pub struct LinearBias;
-
     fn product<T: CudaDType + WithDType + DeviceRepr>(
-        x: (&CudaStorage, &Layout),
-        w: (&CudaStorage, &Layout),
-        b: (&CudaStorage, &Layout),
-    ) -> Result<(CudaStorage, Shape)> {
-        let (m, k) = x.1.shape().dims2()?;
-        let (n, _) = w.1.shape().dims2()?;
-        let dev = x.0.device().clone();
+        dev: &CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        (m, n, k): (usize, usize, usize),
+    ) -> Result<Option<Tensor>> {
         let stream = dev.cuda_stream();
-        let xv = view::<T>(x.0, x.1, "x")?;
-        let wv = view::<T>(w.0, w.1, "weight")?;
-        let bv = view::<T>(b.0, b.1, "bias")?;
-        // SAFETY: every element is written by the product.
+        let (xg, xl) = x.storage_and_layout();
+        let (wg, wl) = w.storage_and_layout();
+        let (bg, bl) = bias.storage_and_layout();
+        let xv = view::<T>(cuda_storage(&xg, "x")?, xl, "x")?;
+        let wv = view::<T>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+        let bv = view::<T>(cuda_storage(&bg, "bias")?, bl, "bias")?;
+        // SAFETY: every element is written by the product (when it runs).
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
-        {
+        let ran = {
             let (xp, _x) = xv.device_ptr(&stream);
             let (wp, _w) = wv.device_ptr(&stream);
             let (bp, _b) = bv.device_ptr(&stream);
@@ -113,46 +115,12 @@ mod cuda {
                 bias: bp,
             };
             let form = Form::Bias16 { dtype: T::DTYPE };
-            // SAFETY: x [m, k], w [n, k], bias [n] and y [m, n] of T, contiguous on `dev`
-            // (product_applies and the views checked it), their guards held to the end of
-            // this block.
-            unsafe { cublaslt::matmul(&dev, (m, n, k), form, &ops) }?;
-        }
-        Ok((T::wrap_cuda_slice(y, dev), Shape::from((m, n))))
-    }
-
-    impl candle_core::CustomOp3 for LinearBias {
-        fn name(&self) -> &'static str {
-            "linear-bias"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
-        ) -> Result<(candle_core::CpuStorage, Shape)> {
-            candle_core::bail!("linear_bias: the CPU path is the product then add_bias")
-        }
-
-        fn cuda_fwd(
-            &self,
-            x: &CudaStorage,
-            xl: &Layout,
-            w: &CudaStorage,
-            wl: &Layout,
-            b: &CudaStorage,
-            bl: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            match x.dtype() {
-                DType::BF16 => product::<bf16>((x, xl), (w, wl), (b, bl)),
-                DType::F16 => product::<f16>((x, xl), (w, wl), (b, bl)),
-                dt => candle_core::bail!("linear_bias: unsupported dtype {dt:?}"),
-            }
-        }
+            // SAFETY: x [m, k], w [n, k], bias [n] and y [m, n] of T, contiguous on `dev` and
+            // on 256-byte boundaries (checked by the caller and the views), their guards held
+            // to the end of this block.
+            unsafe { cublaslt::matmul(dev, (m, n, k), form, &ops) }?
+        };
+        Ok(ran.then(|| tensor_from_slice(y, dev, (m, n))))
     }
 
     pub struct AddBias;

@@ -101,7 +101,9 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
         // SAFETY: weight [n, k] and activations [m, k] E4M3, the sums [m, n] of the form's
         // output type, all contiguous on `dev` (checked above), their guards held to the end of
         // this block.
-        unsafe { cublaslt::matmul(dev, (m, n, k), form, &ops) }?;
+        if !unsafe { cublaslt::matmul(dev, (m, n, k), form, &ops) }? {
+            candle_core::bail!("fp8 product: cuBLASLt has no algorithm for m={m} n={n} k={k}");
+        }
     }
     scale_outer::<T>(dev, &mut y, sums.as_ref(), sxp, swp, (m, n))?;
     Ok(tensor_from_slice(y, dev, (m, n)))

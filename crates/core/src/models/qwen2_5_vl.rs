@@ -38,7 +38,7 @@ pub struct Qwen25Vl {
     vision: Qwen25Vision,
     /// Pinned buffers the pixels go to the GPU through, made with the first image.
     #[cfg(feature = "cuda")]
-    staging: std::sync::Mutex<Option<crate::staging::Staging>>,
+    staging: crate::staging::Shared,
 }
 
 impl Qwen25Vl {
@@ -46,7 +46,7 @@ impl Qwen25Vl {
         Self {
             vision,
             #[cfg(feature = "cuda")]
-            staging: std::sync::Mutex::new(None),
+            staging: crate::staging::Shared::default(),
         }
     }
 
@@ -62,17 +62,10 @@ impl Qwen25Vl {
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(cuda) = dev {
             let rows: usize = images.iter().map(|i| i.shape[0]).sum();
-            let mut g = self
+            let parts: Vec<&[f32]> = images.iter().map(|i| i.pixels.as_slice()).collect();
+            return self
                 .staging
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("pixel staging lock poisoned".into()))?;
-            if g.is_none() {
-                *g = Some(crate::staging::Staging::new(cuda)?);
-            }
-            if let Some(s) = g.as_mut() {
-                let parts: Vec<&[f32]> = images.iter().map(|i| i.pixels.as_slice()).collect();
-                return s.upload_values(cuda, &parts, &[rows, cols]);
-            }
+                .with(cuda, |s| s.upload_values(cuda, &parts, &[rows, cols]));
         }
         let parts = images
             .iter()
