@@ -740,7 +740,10 @@ def part_lora(a, out: Path) -> None:
     ISQ base. RSERVE_LORA_COUNTS (default 1,8,64) picks the mixes. RSERVE_LORA_AB=1 adds a server
     whose prompt chunks stay in the gathered kernels (RSERVE_LORA_MIN_RUN=0): base and one
     adapter, for the run products' share. RSERVE_LORA_FUSED_AB (e.g. 0,2) adds a server for each
-    RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one."""
+    RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one.
+    RSERVE_LORA_ENV_AB adds a server per `;`-separated set of VAR=VALUE pairs (`,`-separated; an
+    empty set is the default server again), e.g. `RSERVE_LORA_GROUPED=0;;RSERVE_LORA_GROUPED=0`
+    for the default and the per-row kernels alternating."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -750,16 +753,19 @@ def part_lora(a, out: Path) -> None:
     emit(out, {"part": "lora-setup", "adapters": len(dirs), "made_s": time.time() - t0})
     served, extra_dir = dirs[:-1], dirs[-1]
     modules = [f"a{i}={d}" for i, d in enumerate(served)]
-    # (isq, prompt rows in the gathered kernels only, RSERVE_LORA_FUSED for decode rows)
-    variants = [("", False, "")]
-    variants += [("", False, v) for v in os.environ.get("RSERVE_LORA_FUSED_AB", "").split(",") if v]
+    # (isq, prompt rows in the gathered kernels only, RSERVE_LORA_FUSED for decode rows, more env)
+    variants = [("", False, "", {})]
+    variants += [("", False, v, {}) for v in os.environ.get("RSERVE_LORA_FUSED_AB", "").split(",") if v]
     if os.environ.get("RSERVE_LORA_AB") == "1":
-        variants.append(("", True, ""))
-    variants += [(f, False, "") for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
-    for isq, gathered_only, launches in variants:
-        rec: dict = {"part": "lora", "model": kind, "isq": isq or "none"}
+        variants.append(("", True, "", {}))
+    if "RSERVE_LORA_ENV_AB" in os.environ:
+        for group in os.environ["RSERVE_LORA_ENV_AB"].split(";"):
+            variants.append(("", False, "", dict(kv.split("=", 1) for kv in group.split(",") if kv)))
+    variants += [(f, False, "", {}) for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
+    for n_variant, (isq, gathered_only, launches, more) in enumerate(variants):
+        rec: dict = {"part": "lora", "model": kind, "isq": isq or "none", "env": more}
         env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
-               "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info"}
+               "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info", **more}
         if gathered_only:
             env["RSERVE_LORA_MIN_RUN"] = "0"
             rec["prompt_rows"] = "gathered kernels only"
@@ -773,7 +779,7 @@ def part_lora(a, out: Path) -> None:
             args += ["--isq", isq]
         try:
             srv = Server(a.binary, str(path), a.port, out, *args,
-                         tag=f"-lora{isq}{'-gathered' if gathered_only else ''}{'-fused' + launches if launches else ''}",
+                         tag=f"-lora{n_variant}{isq}{'-gathered' if gathered_only else ''}{'-fused' + launches if launches else ''}",
                          env=env)
         except Exception as e:
             rec["error"] = repr(e)[-2000:]
