@@ -10,23 +10,22 @@
 #include "common.cuh"
 
 constexpr uint32_t kNoAdapter = 0xffffffffu;
-// Values of k one warp of the shrink covers: a decode row's few outputs are spread over many
-// warps (split-K), each writing its partial sum; the expand adds the partials.
-constexpr int kShrinkChunk = 512;
+// The shrink spreads a row's few outputs over many warps (split-K), each covering `chunk` values
+// of k (a multiple of 256) and writing its partial sum; the expand adds the partials.
 // Most values of u one row has (3 parts of rank 512), kept in shared memory by the expand.
 constexpr int kMaxPr = 1536;
 
-// part[c, t, j] = A[slots[t], j, c * kShrinkChunk ..] . x[t, same] in f32, one warp per (token,
+// part[c, t, j] = A[slots[t], j, c * chunk ..] . x[t, same] in f32, one warp per (token,
 // output, chunk); part: [chunks, tokens, pr]; rows without an adapter write nothing (the expand
 // does not read them). x: [tokens, k] rows ldx apart. Warps are numbered token-major, then
 // output, then chunk, so neighbouring warps read neighbouring parts of one row of A.
 template <typename T>
 __device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__ x, long ldx,
                                  const T* __restrict__ a, const uint32_t* __restrict__ slots,
-                                 int tokens, int pr, int k) {
+                                 int tokens, int pr, int k, int chunk) {
   pdl_trigger();  // the next kernel may launch (it waits for this one)
   pdl_wait();
-  const int chunks = (k + kShrinkChunk - 1) / kShrinkChunk;
+  const int chunks = (k + chunk - 1) / chunk;
   const long w = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const long per_token = (long)pr * chunks;
@@ -36,7 +35,7 @@ __device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__
   const int j = rem / chunks, c = rem % chunks;
   const uint32_t s = slots[t];
   if (s == kNoAdapter) return;
-  const int k0 = c * kShrinkChunk, k1 = min(k, k0 + kShrinkChunk);
+  const int k0 = c * chunk, k1 = min(k, k0 + chunk);
   const T* xr = x + t * ldx;
   const T* ar = a + ((size_t)s * pr + j) * k;
   constexpr int VN = Vec16<T>::N;
@@ -127,8 +126,9 @@ __device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ p
 
 #define RSERVE_LORA(T, S)                                                                          \
   extern "C" __global__ void lora_shrink_##S(float* part, const T* x, long ldx, const T* a,      \
-                                             const uint32_t* slots, int tokens, int pr, int k) { \
-    lora_shrink_impl<T>(part, x, ldx, a, slots, tokens, pr, k);                                  \
+                                             const uint32_t* slots, int tokens, int pr, int k,   \
+                                             int chunk) {                                        \
+    lora_shrink_impl<T>(part, x, ldx, a, slots, tokens, pr, k, chunk);                           \
   }                                                                                                \
   extern "C" __global__ void lora_expand_##S(T* out, const T* y, const float* part, const T* b,  \
                                              const uint32_t* slots, int tokens, int n, int r,    \

@@ -258,10 +258,24 @@ pub(crate) mod cuda {
     use candle_core::{DType, Result, Tensor};
     use std::ffi::c_void;
 
-    /// Values of k per warp of the shrink (`kShrinkChunk` in csrc/lora.cu), warps per CTA.
-    const SHRINK_CHUNK: usize = 512;
+    /// Warps per CTA of the shrink.
     const SHRINK_WARPS: usize = 8;
     const EXPAND_THREADS: usize = 256;
+
+    /// Values of k each warp of the shrink covers: 2,048, or `RSERVE_LORA_SHRINK_CHUNK` (a
+    /// multiple of 256). At 64 decode rows of an 8B shape 2,048 against 512 took the shrink's
+    /// CTAs from up to ~3.4 waves to under one and the 64-concurrent adapter mix from 0.76x to
+    /// 0.82x the base (benchmarks/gpu-notes.md, 2026-12-02).
+    fn shrink_chunk() -> usize {
+        static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *CHUNK.get_or_init(|| {
+            std::env::var("RSERVE_LORA_SHRINK_CHUNK")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|c| *c > 0 && c % 256 == 0)
+                .unwrap_or(2048)
+        })
+    }
 
     pub fn apply(
         dev: &CudaDevice,
@@ -443,7 +457,8 @@ pub(crate) mod cuda {
         let slots = slots.contiguous()?;
         let t = x.dim(0)?;
         let pr = parts.len() * r;
-        let chunks = k.div_ceil(SHRINK_CHUNK);
+        let chunk = shrink_chunk();
+        let chunks = k.div_ceil(chunk);
         let stream = dev.cuda_stream();
         let sfx = dtype_suffix(T::DTYPE)?;
         // SAFETY: the expand reads the partials of adapter rows only, all written by the shrink.
@@ -460,6 +475,7 @@ pub(crate) mod cuda {
             let (mut ap, _a) = av.device_ptr(&stream);
             let (mut sp, _s) = sv.device_ptr(&stream);
             let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
+            let mut ci = chunk as i32;
             let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
             let mut params = [
                 (&raw mut pp).cast::<c_void>(),
@@ -470,13 +486,14 @@ pub(crate) mod cuda {
                 (&raw mut ti).cast::<c_void>(),
                 (&raw mut pri).cast::<c_void>(),
                 (&raw mut ki).cast::<c_void>(),
+                (&raw mut ci).cast::<c_void>(),
             ];
             let grid = (t * pr * chunks).div_ceil(SHRINK_WARPS);
-            // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k)` (csrc/lora.cu):
-            // part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a [S, pr, k] and slots [t]
-            // u32 (each < S or NO_ADAPTER, as the layer's slots are) contiguous; one warp per
-            // (token, output, chunk of k), warps past the last exit; the kernel waits before it
-            // reads.
+            // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k, chunk)`
+            // (csrc/lora.cu): part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a
+            // [S, pr, k] and slots [t] u32 (each < S or NO_ADAPTER, as the layer's slots are)
+            // contiguous; chunks = ceil(k / chunk); one warp per (token, output, chunk of k),
+            // warps past the last exit; the kernel waits before it reads.
             let threads = (SHRINK_WARPS * 32) as u32;
             unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         }
