@@ -742,8 +742,8 @@ def part_lora(a, out: Path) -> None:
     adapter, for the run products' share. RSERVE_LORA_FUSED_AB (e.g. 0,2) adds a server for each
     RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one.
     RSERVE_LORA_ENV_AB adds a server per `;`-separated set of VAR=VALUE pairs (`,`-separated; an
-    empty set is the default server again), e.g. `RSERVE_LORA_GROUPED=0;;RSERVE_LORA_GROUPED=0`
-    for the default and the per-row kernels alternating."""
+    empty set is the default server again), e.g. `RSERVE_LORA_SHRINK_CHUNK=512;;RSERVE_LORA_SHRINK_CHUNK=512`
+    for the default and the earlier shrink alternating."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
