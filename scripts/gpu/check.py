@@ -743,7 +743,8 @@ def part_lora(a, out: Path) -> None:
     RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one.
     RSERVE_LORA_ENV_AB adds a server per `;`-separated set of VAR=VALUE pairs (`,`-separated; an
     empty set is the default server again), e.g. `RSERVE_LORA_SHRINK_CHUNK=512;;RSERVE_LORA_SHRINK_CHUNK=512`
-    for the default and the earlier shrink alternating."""
+    for the default and the earlier shrink alternating; `BINARY=path` in a set serves that
+    variant with another build (the previous one, beside the change)."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -764,6 +765,8 @@ def part_lora(a, out: Path) -> None:
     variants += [(f, False, "", {}) for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
     for n_variant, (isq, gathered_only, launches, more) in enumerate(variants):
         rec: dict = {"part": "lora", "model": kind, "isq": isq or "none", "env": more}
+        more = dict(more)
+        binary = more.pop("BINARY", a.binary)
         env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info", **more}
         if gathered_only:
@@ -778,7 +781,7 @@ def part_lora(a, out: Path) -> None:
         if isq:
             args += ["--isq", isq]
         try:
-            srv = Server(a.binary, str(path), a.port, out, *args,
+            srv = Server(binary, str(path), a.port, out, *args,
                          tag=f"-lora{n_variant}{isq}{'-gathered' if gathered_only else ''}{'-fused' + launches if launches else ''}",
                          env=env)
         except Exception as e:
