@@ -743,8 +743,9 @@ def part_lora(a, out: Path) -> None:
     RSERVE_LORA_FUSED value named (decode rows in three or two launches) beside the default one.
     RSERVE_LORA_ENV_AB adds a server per `;`-separated set of VAR=VALUE pairs (`,`-separated; an
     empty set is the default server again), e.g. `RSERVE_LORA_SHRINK_CHUNK=512;;RSERVE_LORA_SHRINK_CHUNK=512`
-    for the default and the earlier shrink alternating; `BINARY=path` in a set serves that
-    variant with another build (the previous one, beside the change)."""
+    for the default and the earlier shrink alternating. `RSERVE_BASELINE_BINARY=path` in a set
+    serves that variant with another build; set in the environment, it adds one such server last
+    (as the vision check takes it)."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -762,11 +763,13 @@ def part_lora(a, out: Path) -> None:
     if "RSERVE_LORA_ENV_AB" in os.environ:
         for group in os.environ["RSERVE_LORA_ENV_AB"].split(";"):
             variants.append(("", False, "", dict(kv.split("=", 1) for kv in group.split(",") if kv)))
+    if os.environ.get("RSERVE_BASELINE_BINARY"):
+        variants.append(("", False, "", {"RSERVE_BASELINE_BINARY": os.environ["RSERVE_BASELINE_BINARY"]}))
     variants += [(f, False, "", {}) for f in os.environ.get("RSERVE_LORA_ISQ", "").split(",") if f]
     for n_variant, (isq, gathered_only, launches, more) in enumerate(variants):
         rec: dict = {"part": "lora", "model": kind, "isq": isq or "none", "env": more}
         more = dict(more)
-        binary = more.pop("BINARY", a.binary)
+        binary = more.pop("RSERVE_BASELINE_BINARY", a.binary)
         env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info", **more}
         if gathered_only:
