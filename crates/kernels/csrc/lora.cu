@@ -74,14 +74,16 @@ __device__ __forceinline__ float lora_dot(const float* ut, const T* br, int r, b
 }
 
 // One CTA per (token, tile of blockDim.x output columns). The CTA adds the shrink's partials of
-// its token into u (shared memory), then each thread writes one output:
+// its token into u (shared memory), or, with part null, reads u from y's row itself (the product
+// over a weight stored above its adapters' A rows: y [tokens, ldy], u of slot s at columns
+// n + s * pr ..), then each thread writes one output (y's rows ldy apart, ldy = n otherwise):
 //   kGlu = false: out[t, o] = y[t, o] + u_{p(o)} . B[s, o]  (out may be y: rows without an
-//                 adapter are then left alone), out and y [tokens, n];
+//                 adapter are then left alone), out [tokens, n];
 //   kGlu = true:  with g = y[t, o] + u_0 . B[s, o] and v = y[t, h + o] + u_1 . B[s, h + o], each
-//                 rounded to T as an unfused add would, out[t, o] = silu(g) * v; y [tokens, n],
-//                 out [tokens, h], h = n / 2 (a fused gate-up); every row is written.
+//                 rounded to T as an unfused add would, out[t, o] = silu(g) * v; out
+//                 [tokens, h], h = n / 2 (a fused gate-up); every row is written.
 template <typename T, bool kGlu>
-__device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ part,
+__device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __restrict__ part,
                                  const T* __restrict__ b, const uint32_t* __restrict__ slots,
                                  int tokens, int n, int r, int pr, int chunks, int e0, int e1) {
   pdl_trigger();  // the next kernel may launch (it waits for this one)
@@ -92,7 +94,7 @@ __device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ p
   const long t = blockIdx.x / tiles;
   const int o = (int)(blockIdx.x - t * tiles) * blockDim.x + threadIdx.x;
   const uint32_t s = slots[t];
-  const T* yr = y + t * n;
+  const T* yr = y + t * ldy;
   T* orow = out + t * width;
   if (s == kNoAdapter) {
     if (o >= width) return;
@@ -106,7 +108,11 @@ __device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ p
   }
   for (int i = threadIdx.x; i < pr; i += blockDim.x) {
     float acc = 0.f;
-    for (int c = 0; c < chunks; ++c) acc += part[((long)c * tokens + t) * pr + i];
+    if (part == nullptr) {
+      acc = to_f32(yr[n + (long)s * pr + i]);
+    } else {
+      for (int c = 0; c < chunks; ++c) acc += part[((long)c * tokens + t) * pr + i];
+    }
     u[i] = acc;
   }
   __syncthreads();
@@ -130,16 +136,16 @@ __device__ void lora_expand_impl(T* out, const T* y, const float* __restrict__ p
                                              int chunk) {                                        \
     lora_shrink_impl<T>(part, x, ldx, a, slots, tokens, pr, k, chunk);                           \
   }                                                                                                \
-  extern "C" __global__ void lora_expand_##S(T* out, const T* y, const float* part, const T* b,  \
-                                             const uint32_t* slots, int tokens, int n, int r,    \
-                                             int pr, int chunks, int e0, int e1) {               \
-    lora_expand_impl<T, false>(out, y, part, b, slots, tokens, n, r, pr, chunks, e0, e1);        \
+  extern "C" __global__ void lora_expand_##S(T* out, const T* y, long ldy, const float* part,   \
+                                             const T* b, const uint32_t* slots, int tokens,      \
+                                             int n, int r, int pr, int chunks, int e0, int e1) { \
+    lora_expand_impl<T, false>(out, y, ldy, part, b, slots, tokens, n, r, pr, chunks, e0, e1);   \
   }                                                                                                \
-  extern "C" __global__ void lora_expand_glu_##S(T* out, const T* y, const float* part,          \
-                                                 const T* b, const uint32_t* slots, int tokens,  \
-                                                 int n, int r, int pr, int chunks, int e0,       \
-                                                 int e1) {                                       \
-    lora_expand_impl<T, true>(out, y, part, b, slots, tokens, n, r, pr, chunks, e0, e1);         \
+  extern "C" __global__ void lora_expand_glu_##S(T* out, const T* y, long ldy,                   \
+                                                 const float* part, const T* b,                  \
+                                                 const uint32_t* slots, int tokens, int n,       \
+                                                 int r, int pr, int chunks, int e0, int e1) {    \
+    lora_expand_impl<T, true>(out, y, ldy, part, b, slots, tokens, n, r, pr, chunks, e0, e1);    \
   }
 RSERVE_FOR_DTYPES(RSERVE_LORA)
 #undef RSERVE_LORA

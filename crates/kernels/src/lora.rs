@@ -497,36 +497,66 @@ pub(crate) mod cuda {
             let threads = (SHRINK_WARPS * 32) as u32;
             unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         }
-        expand::<T>(dev, y, &part, chunks, b, parts, &slots, glu, r)
+        expand::<T>(
+            dev,
+            y,
+            Shrunk::Partials(&part, chunks),
+            b,
+            parts,
+            &slots,
+            glu,
+            r,
+        )
     }
 
-    /// The expand of the BGMV form: adds the `chunks` partial sums of `u` in `part`
-    /// (`[chunks, t, parts * r]` f32, rows with an adapter written) and each row's `B_s u` to
-    /// `y` `[t, n]` in place (or, `glu`, writes `silu(g) * v` into a new `[t, n / 2]`).
+    /// Where the expand finds each row's `u`.
+    #[derive(Clone, Copy)]
+    pub(crate) enum Shrunk<'a> {
+        /// `chunks` partial sums in `[chunks, t, parts * r]` f32 (rows with an adapter written).
+        Partials(&'a CudaSlice<f32>, usize),
+        /// In `y`'s own row past its `n` outputs: `y` is the product over a weight stored above
+        /// its adapters' `A` rows, `[t, n + slots * parts * r]`, slot `s`'s `u` at columns
+        /// `n + s * parts * r ..`.
+        InRow,
+    }
+
+    /// The expand of the BGMV form: adds each row's `B_s u` (`u` from `shrunk`) to `y`'s `n`
+    /// outputs, in place where `y` is `[t, n]` (or, `glu`, writes `silu(g) * v` into a new
+    /// `[t, n / 2]`; with `u` in the row, the plain form into a new `[t, n]` too).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn expand<T: KernelElem>(
         dev: &CudaDevice,
         y: &Tensor,
-        part: &CudaSlice<f32>,
-        chunks: usize,
+        shrunk: Shrunk<'_>,
         b: &Tensor,
         parts: &[usize],
         slots: &Tensor,
         glu: bool,
         r: usize,
     ) -> Result<Tensor> {
-        let (t, n) = y.dims2()?;
+        let (t, ldy) = y.dims2()?;
+        let (num_slots, n, _) = b.dims3()?;
         let pr = parts.len() * r;
-        if part.len() < chunks * t * pr || !y.is_contiguous() || !b.is_contiguous() {
+        let fits = match shrunk {
+            Shrunk::Partials(part, chunks) => ldy == n && part.len() >= chunks * t * pr,
+            Shrunk::InRow => ldy == n + num_slots * pr,
+        };
+        if !fits || !y.is_contiguous() || !b.is_contiguous() {
             candle_core::bail!(
-                "lora expand: {chunks} x {t} x {pr} partials for y {:?}",
-                y.shape()
+                "lora expand: y {:?} does not fit B {:?} and its u",
+                y.shape(),
+                b.shape()
             );
         }
+        let (part, chunks) = match shrunk {
+            Shrunk::Partials(part, chunks) => (Some(part), chunks),
+            Shrunk::InRow => (None, 0),
+        };
         let stream = dev.cuda_stream();
         let width = if glu { n / 2 } else { n };
-        // SAFETY: with glu every element of the new output is written by the expand.
-        let mut fresh = if glu {
+        // SAFETY: with glu or u in the row every element of the new output is written by the
+        // expand (rows without an adapter copied).
+        let mut fresh = if glu || part.is_none() {
             Some(unsafe { dev.alloc::<T>(t * width) }?)
         } else {
             None
@@ -537,7 +567,14 @@ pub(crate) mod cuda {
         let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
         let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
         let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
-        let (mut pp, _p) = part.device_ptr(&stream);
+        let (mut pp, _p) = match part {
+            Some(p) => {
+                let (ptr, g) = p.device_ptr(&stream);
+                (ptr, Some(g))
+            }
+            None => (0, None),
+        };
+        let mut ldyi = ldy as i64;
         let (mut sp, _s) = sv.device_ptr(&stream);
         let (mut yp, _y) = yv.device_ptr(&stream);
         let (mut op, _o) = match fresh.as_mut() {
@@ -566,6 +603,7 @@ pub(crate) mod cuda {
         let mut params = [
             (&raw mut op).cast::<c_void>(),
             (&raw mut yp).cast::<c_void>(),
+            (&raw mut ldyi).cast::<c_void>(),
             (&raw mut pp).cast::<c_void>(),
             (&raw mut bp).cast::<c_void>(),
             (&raw mut sp).cast::<c_void>(),
@@ -578,10 +616,11 @@ pub(crate) mod cuda {
             (&raw mut e1).cast::<c_void>(),
         ];
         let grid = t * width.div_ceil(EXPAND_THREADS);
-        // SAFETY: `lora_expand[_glu]_<dtype>(out, y, part, b, slots, tokens, n, r, pr, chunks,
-        // e0, e1)` (csrc/lora.cu): y [t, n] contiguous, out y itself (written in place, the
-        // caller's product) or, glu, a fresh [t, n / 2]; part holds the partials written before
-        // on this stream (length checked); b [S, n, r] contiguous; slots [t] u32 (each < S or
+        // SAFETY: `lora_expand[_glu]_<dtype>(out, y, ldy, part, b, slots, tokens, n, r, pr,
+        // chunks, e0, e1)` (csrc/lora.cu): y [t, ldy] contiguous, out y itself (written in place,
+        // the caller's product, ldy = n) or a fresh [t, width]; part holds the partials written
+        // before on this stream (length checked), or is null with ldy = n + S * pr (u in the
+        // row, checked); b [S, n, r] contiguous; slots [t] u32 (each < S or
         // NO_ADAPTER); e0 <= e1 <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked
         // by the stack); one CTA per (token, tile of EXPAND_THREADS columns).
         let threads = EXPAND_THREADS as u32;

@@ -5,8 +5,14 @@
 //! replaces three launches (the product, the split-K shrink, an expand that adds the shrink's
 //! partials): one launch fewer per projection, and the expand reads one complete `u`.
 //!
-//! Where the kernel does not apply, [`linear_rows_lora`] says so and the caller composes
-//! [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the reference.
+//! Larger decode batches over a weight stored above its adapters' `A` rows take
+//! [`linear_rows_lora_stacked`]: one product computes `x W^T` and every slot's `u = x A_s^T`
+//! (cuBLAS's tensor cores over the rows of all slots, the shrink's gathered launch gone), then
+//! the expand reads each row's `u` from its own slot's columns.
+//!
+//! Where neither applies, [`linear_rows_lora`] and [`linear_rows_lora_stacked`] say so and the
+//! caller composes [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the
+//! reference.
 
 use crate::gemv::GEMV_MAX_ROWS;
 use crate::lora::LoraStack;
@@ -42,6 +48,71 @@ pub fn linear_rows_lora(
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = x.device() {
         return cuda::run(dev, x, w, stack, slots, glu).map(Some);
+    }
+    Ok(None)
+}
+
+/// The most rows [`linear_rows_lora_stacked`] takes: past decode batch sizes the rows of every
+/// slot's `A` cost the product compute that prompt chunks need.
+pub const STACKED_MAX_ROWS: usize = 256;
+
+/// Whether the LoRA slots of a projection whose weight is `[n, k]` are stored below it
+/// (`slot_rows`: slots times `parts * rank`; see [`linear_rows_lora_stacked`]): on CUDA for a
+/// weight whose slots' rows are no more than its own, so that idle slots cost a decode product
+/// at most as many bytes again, unless `RSERVE_LORA_STACKED=0` (for comparisons).
+pub fn stacked_applies(w: &Tensor, slot_rows: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("RSERVE_LORA_STACKED")
+                .as_deref()
+                .map(str::trim),
+            Ok("0")
+        )
+    });
+    let Ok((n, _)) = w.dims2() else {
+        return false;
+    };
+    on && w.device().is_cuda()
+        && matches!(w.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        && slot_rows <= n
+}
+
+/// `x W^T` plus each row's LoRA term (with `glu`, `silu(g) * v` as [`linear_rows_lora`]) for a
+/// weight stored above its adapters' `A` rows: `w_ext` `[n + slots * parts * rank, k]`, its first
+/// `n` rows `W`, the rest `stack.a` (`[slots, parts * rank, k]`, the same memory). `None` where
+/// it does not apply: not CUDA, no rows or more than [`STACKED_MAX_ROWS`], `w_ext` not of
+/// that shape in `x`'s dtype, a gate-up stack without two equal parts.
+pub fn linear_rows_lora_stacked(
+    x: &Tensor,
+    w_ext: &Tensor,
+    stack: &LoraStack<'_>,
+    slots: &Tensor,
+    glu: bool,
+) -> Result<Option<Tensor>> {
+    let (m, k) = x.dims2()?;
+    let Ok((num_slots, r, ak, n)) = stack.dims() else {
+        return Ok(None);
+    };
+    let parts = stack.parts;
+    let applies = x.device().is_cuda()
+        && (1..=STACKED_MAX_ROWS).contains(&m)
+        && matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        && w_ext.dtype() == x.dtype()
+        && stack.b.dtype() == x.dtype()
+        && w_ext.dims2()? == (n + num_slots * parts.len() * r, k)
+        && ak == k
+        && r > 0
+        && slots.dtype() == DType::U32
+        && slots.dims1()? == m
+        && (!glu || (parts.len() == 2 && parts[0] == parts[1]));
+    if !applies {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = x.device() {
+        let y = crate::linear_rows(x, w_ext)?;
+        return cuda::expand_in_row(dev, &y, stack, slots, glu, r).map(Some);
     }
     Ok(None)
 }
@@ -89,6 +160,28 @@ mod cuda {
     /// Rows of x the shrink CTAs cover (`kLoraTokens` in csrc/gemv_lora.cu); each CTA streams
     /// GEMV_ROWS_PER_CTA rows of W or A.
     const LORA_TOKENS: usize = 4;
+
+    /// The expand of a stacked product `y` (u in each row).
+    pub fn expand_in_row(
+        dev: &CudaDevice,
+        y: &Tensor,
+        stack: &LoraStack<'_>,
+        slots: &Tensor,
+        glu: bool,
+        r: usize,
+    ) -> Result<Tensor> {
+        let (b, slots) = (stack.b.contiguous()?, slots.contiguous()?);
+        let u = crate::lora::cuda::Shrunk::InRow;
+        let p = stack.parts;
+        match y.dtype() {
+            DType::BF16 => {
+                crate::lora::cuda::expand::<half::bf16>(dev, y, u, &b, p, &slots, glu, r)
+            }
+            DType::F16 => crate::lora::cuda::expand::<half::f16>(dev, y, u, &b, p, &slots, glu, r),
+            DType::F32 => crate::lora::cuda::expand::<f32>(dev, y, u, &b, p, &slots, glu, r),
+            dt => candle_core::bail!("lora stacked product: unsupported dtype {dt:?}"),
+        }
+    }
 
     pub fn run(
         dev: &CudaDevice,
@@ -169,6 +262,7 @@ mod cuda {
             unsafe { launch_dependent(&func, &stream, grid as u32, threads, &mut params) }?;
         }
         let y = tensor_from_slice(y, dev, (m, n));
-        crate::lora::cuda::expand::<T>(dev, &y, &u, 1, &b, stack.parts, &slots, glu, r)
+        let u = crate::lora::cuda::Shrunk::Partials(&u, 1);
+        crate::lora::cuda::expand::<T>(dev, &y, u, &b, stack.parts, &slots, glu, r)
     }
 }

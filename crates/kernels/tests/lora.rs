@@ -2,7 +2,8 @@
 //! product, and (with CUDA) the BGMV kernels and the cuBLAS runs against it, for one-part, fused
 //! three-part and two-part projections, rows without an adapter, ranks that are and are not
 //! multiples of the kernels' vectors, and the fused gate-up's SiLU-and-multiply; the two-launch
-//! decode product (`lora_gemv`) against the product and the term composed.
+//! decode product and the product over a weight stored above its adapters' `A` rows
+//! (`lora_gemv`) against the product and the term composed.
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -360,6 +361,68 @@ mod cuda {
                 let stack = d.stack(&c.parts);
                 let slots = Tensor::new(c.slots.as_slice(), &dev)?;
                 assert!(linear_rows_lora(&d.x, &w, &stack, &slots, glu)?.is_none());
+            }
+        }
+        Ok(())
+    }
+
+    /// The product over a weight stored above its adapters' `A` rows (one product, the expand
+    /// reading `u` from the row) against the product and the term composed, for 1 to 70 rows
+    /// (with and without adapters), plain and gate-up; past its rows it does not apply.
+    #[test]
+    fn the_stacked_product_matches_the_composed_one() -> Result<()> {
+        use rserve_kernels::lora_gemv::{linear_rows_lora_stacked, STACKED_MAX_ROWS};
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (k, parts, r, s, glu) in [
+                (4096, &[4096, 1024, 1024][..], 16, 8, false),
+                (128, &[24, 24, 8][..], 5, 3, false),
+                (4096, &[1024, 1024][..], 16, 8, true),
+                (72, &[40, 40][..], 3, 2, true),
+            ] {
+                let n: usize = parts.iter().sum();
+                let pr = parts.len() * r;
+                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
+                    .to_dtype(dtype)?
+                    .to_device(&dev)?;
+                for m in [1, 5, 8, 64, 70] {
+                    let c = case(m, k, parts, r, s)?;
+                    let d = OnDevice::new(&c, dtype, &dev)?;
+                    let w_ext = Tensor::cat(&[&w, &d.a.reshape((s * pr, k))?], 0)?;
+                    let a = w_ext.narrow(0, n, s * pr)?.reshape((s, pr, k))?;
+                    let stacked = LoraStack {
+                        a: &a,
+                        b: &d.b,
+                        parts,
+                    };
+                    let slots = Tensor::new(c.slots.as_slice(), &dev)?;
+                    let got = linear_rows_lora_stacked(&d.x, &w_ext, &stacked, &slots, glu)?
+                        .expect("the stacked product applies");
+                    let rows = LoraRows {
+                        slots: Some(&slots),
+                        runs: &[],
+                    };
+                    let y = rserve_kernels::linear_rows(&d.x, &w)?;
+                    let stack = d.stack(parts);
+                    let want = if glu {
+                        host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
+                    } else {
+                        host(&lora_add(&y, &d.x, &stack, &rows)?)?
+                    };
+                    let got = host(&got)?;
+                    let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
+                    let diff = max_diff(&got, &want);
+                    assert!(
+                        diff <= tol,
+                        "{dtype:?} m{m} k{k} {parts:?} r{r} glu {glu}: {diff} > {tol}"
+                    );
+                }
+                let c = case(STACKED_MAX_ROWS + 1, k, parts, r, s)?;
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let w_ext = Tensor::cat(&[&w, &d.a.reshape((s * pr, k))?], 0)?;
+                let slots = Tensor::new(c.slots.as_slice(), &dev)?;
+                let stack = d.stack(parts);
+                assert!(linear_rows_lora_stacked(&d.x, &w_ext, &stack, &slots, glu)?.is_none());
             }
         }
         Ok(())

@@ -2,14 +2,14 @@
 //! LoRA term of each row's adapter, read from the projection's device slots. A batch without
 //! adapters (no rows in the [`LayerCtx`]'s `lora`) runs the base method alone, its fused
 //! kernels included, so serving without adapters costs nothing. Decode batches over a dense base
-//! take the two-launch product of [`rserve_kernels::lora_gemv`] where it applies.
+//! take the fused products of [`rserve_kernels::lora_gemv`] where they apply.
 
 use super::slots::ProjectionSlots;
 use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::{Result, Tensor};
 use rserve_kernels::lora::{lora_add, lora_add_silu_glu, LoraStack};
-use rserve_kernels::lora_gemv::linear_rows_lora;
+use rserve_kernels::lora_gemv::{linear_rows_lora, linear_rows_lora_stacked};
 use std::sync::Arc;
 
 /// A projection whose rows may carry an adapter.
@@ -32,8 +32,9 @@ impl LoraLinear {
         }
     }
 
-    /// The product with the shrink, then the expand (decode rows over a dense base on CUDA), or
-    /// `None`.
+    /// The product with the shrink, then the expand (decode rows over a dense base on CUDA: the
+    /// two-launch form for a few rows, the product over the weight stored above the slots for
+    /// more), or `None`.
     fn fused(&self, x: &Tensor, ctx: &LayerCtx<'_>, glu: bool) -> Result<Option<Tensor>> {
         let (Some(slots), true) = (ctx.lora.slots, ctx.lora.runs.is_empty()) else {
             return Ok(None);
@@ -41,7 +42,13 @@ impl LoraLinear {
         let Some(w) = self.base.dense_weight() else {
             return Ok(None);
         };
-        linear_rows_lora(x, w, &self.stack(), slots, glu)
+        if let Some(y) = linear_rows_lora(x, w, &self.stack(), slots, glu)? {
+            return Ok(Some(y));
+        }
+        match &self.slots.stacked {
+            Some(w_ext) => linear_rows_lora_stacked(x, w_ext, &self.stack(), slots, glu),
+            None => Ok(None),
+        }
     }
 }
 

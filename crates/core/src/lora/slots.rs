@@ -27,6 +27,18 @@ pub struct ProjectionSlots {
     pub rank: usize,
     pub a: Tensor, // [slots, parts * rank, in]
     pub b: Tensor, // [slots, out, rank]
+    /// The base weight with `a` stored below it, `[out + slots * parts * rank, in]` (`a` is a
+    /// view of its last rows), where the projection's decode rows take one product for both
+    /// ([`rserve_kernels::lora_gemv::linear_rows_lora_stacked`]).
+    pub stacked: Option<Tensor>,
+}
+
+impl ProjectionSlots {
+    /// The base weight as stored above the slots (its first `out` rows), when it is.
+    pub fn stacked_base(&self) -> Result<Option<Tensor>> {
+        let n: usize = self.widths.iter().sum();
+        self.stacked.as_ref().map(|w| w.narrow(0, 0, n)).transpose()
+    }
 }
 
 impl ProjectionSlots {
@@ -100,12 +112,15 @@ impl LoraSlots {
     }
 
     /// Allocates the (zeroed) stacks of the projection of `layer` made of `parts` over an input
-    /// of `in_dim`.
+    /// of `in_dim`. With `base` (the projection's dense weight `[out, in_dim]`), `A` is stored
+    /// below a copy of it where [`rserve_kernels::lora_gemv::stacked_applies`] says so
+    /// ([`ProjectionSlots::stacked`]).
     pub fn register(
         &self,
         layer: usize,
         parts: &[(Target, usize)],
         in_dim: usize,
+        base: Option<&Tensor>,
     ) -> Result<Arc<ProjectionSlots>> {
         let (s, r) = (self.num_slots, self.rank);
         let n: usize = parts.iter().map(|(_, w)| w).sum();
@@ -113,14 +128,32 @@ impl LoraSlots {
             .first()
             .ok_or_else(|| candle_core::Error::Msg("a projection without parts".into()))?
             .0;
+        let pr = parts.len() * r;
+        let stacked = match base {
+            Some(w)
+                if w.dims2()? == (n, in_dim)
+                    && w.dtype() == self.dtype
+                    && w.device().same_device(&self.device)
+                    && rserve_kernels::lora_gemv::stacked_applies(w, s * pr) =>
+            {
+                let zeros = Tensor::zeros((s * pr, in_dim), self.dtype, &self.device)?;
+                Some(Tensor::cat(&[w, &zeros], 0)?)
+            }
+            _ => None,
+        };
+        let a = match &stacked {
+            Some(w) => w.narrow(0, n, s * pr)?.reshape((s, pr, in_dim))?,
+            None => Tensor::zeros((s, pr, in_dim), self.dtype, &self.device)?,
+        };
         let proj = Arc::new(ProjectionSlots {
             layer,
             parts: parts.to_vec(),
             widths: parts.iter().map(|(_, w)| *w).collect(),
             in_dim,
             rank: r,
-            a: Tensor::zeros((s, parts.len() * r, in_dim), self.dtype, &self.device)?,
+            a,
             b: Tensor::zeros((s, n, r), self.dtype, &self.device)?,
+            stacked,
         });
         self.projections
             .lock()

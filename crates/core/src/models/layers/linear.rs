@@ -194,14 +194,20 @@ impl Linear {
         let Some(layer) = layer else {
             return Ok(self);
         };
+        let err = |e: candle_core::Error| LoadError::Tensor {
+            name: format!("LoRA slots of {}", parts[0].0.prefix()),
+            reason: e.to_string(),
+        };
         let proj = slots
-            .register(layer, &targets, in_dim)
-            .map_err(|e| LoadError::Tensor {
-                name: format!("LoRA slots of {}", parts[0].0.prefix()),
-                reason: e.to_string(),
-            })?;
+            .register(layer, &targets, in_dim, self.method.dense_weight())
+            .map_err(err)?;
+        // a weight copied above the slots is served from there
+        let base: Arc<dyn LinearMethod> = match proj.stacked_base().map_err(err)? {
+            Some(w) => Arc::new(Dense::new(w)),
+            None => self.method,
+        };
         Ok(Self::with_method(
-            Arc::new(LoraLinear::new(self.method, proj)),
+            Arc::new(LoraLinear::new(base, proj)),
             self.bias,
         ))
     }
