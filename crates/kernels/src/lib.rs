@@ -36,6 +36,8 @@ pub mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
 pub mod lora;
+#[cfg(feature = "cuda")]
+mod lora_blas;
 pub mod lora_gemv;
 pub mod metadata;
 pub mod paged_attention;

@@ -248,11 +248,10 @@ pub fn lora_add_reference(
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
-    use super::{LoraRows, LoraRun, LoraStack};
+    use super::{LoraRows, LoraStack};
     use crate::cuda::{
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
-    use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Result, Tensor};
@@ -310,135 +309,13 @@ pub(crate) mod cuda {
         let y = y.contiguous()?;
         let (a, b) = (stack.a.contiguous()?, stack.b.contiguous()?);
         if !rows.runs.is_empty() {
-            runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
+            crate::lora_blas::runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
         }
         match rows.slots {
             Some(slots) => gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, slots, glu, dims),
             None if glu => crate::silu_and_mul(&y),
             None => Ok(y),
         }
-    }
-
-    fn blas_err(e: blas::CublasError) -> candle_core::Error {
-        candle_core::Error::Msg(format!("lora: cuBLAS: {e:?}"))
-    }
-
-    fn cuda_type(dtype: DType) -> Result<blas_sys::cudaDataType> {
-        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F};
-        Ok(match dtype {
-            DType::BF16 => CUDA_R_16BF,
-            DType::F16 => CUDA_R_16F,
-            DType::F32 => CUDA_R_32F,
-            dt => candle_core::bail!("lora: unsupported dtype {dt:?}"),
-        })
-    }
-
-    /// Each run's term through cuBLAS, added into `y` in place: `u = x_run A_s^T` into a scratch
-    /// `[len, pr]`, then for each part `y_run[:, part] += u_p B_{s,part}^T` (beta = 1).
-    fn runs<T: KernelElem>(
-        dev: &CudaDevice,
-        y: &Tensor,
-        x: &Tensor,
-        (a, b): (&Tensor, &Tensor),
-        parts: &[usize],
-        runs: &[LoraRun],
-        (r, k, n): (usize, usize, usize),
-    ) -> Result<()> {
-        let pr = parts.len() * r;
-        let longest = runs.iter().map(|run| run.len).max().unwrap_or(0);
-        let stream = dev.cuda_stream();
-        // SAFETY: each run's rows of the scratch are written by its shrink before its expands
-        // read them.
-        let mut scratch = unsafe { dev.alloc::<T>(longest * pr) }?;
-        let (xg, xl) = x.storage_and_layout();
-        let (yg, yl) = y.storage_and_layout();
-        let (ag, al) = a.storage_and_layout();
-        let (bg, bl) = b.storage_and_layout();
-        let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
-        let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
-        let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
-        let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
-        let (up, _u) = scratch.device_ptr_mut(&stream);
-        let (xp, _x) = xv.device_ptr(&stream);
-        let (yp, _y) = yv.device_ptr(&stream);
-        let (ap, _a) = av.device_ptr(&stream);
-        let (bp, _b) = bv.device_ptr(&stream);
-        let ty = cuda_type(T::DTYPE)?;
-        let size = std::mem::size_of::<T>() as u64;
-        let at = |ptr: u64, elems: usize| (ptr + elems as u64 * size) as *mut c_void;
-        let blas = dev.cublas_handle();
-        let handle = *blas.handle();
-        let (one, zero) = (1f32, 0f32);
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let int = |v: usize| {
-            i32::try_from(v)
-                .map_err(|_| candle_core::Error::Msg(format!("lora: {v} overflows a cuBLAS size")))
-        };
-        for run in runs {
-            let (s, len) = (run.slot as usize, int(run.len)?);
-            // column-major: u^T [pr, len] = A_s [pr, k] (row-major, so op T) x^T [k, len]
-            // SAFETY: the pointers lie inside x, A and the scratch (run and slot checked against
-            // the shapes by the caller); every buffer is on the handle's stream.
-            unsafe {
-                blas::gemm_ex(
-                    handle,
-                    CUBLAS_OP_T,
-                    CUBLAS_OP_N,
-                    int(pr)?,
-                    len,
-                    int(k)?,
-                    (&raw const one).cast(),
-                    at(ap, s * pr * k),
-                    ty,
-                    int(k)?,
-                    at(xp, run.start * k),
-                    ty,
-                    int(k)?,
-                    (&raw const zero).cast(),
-                    at(up, 0),
-                    ty,
-                    int(pr)?,
-                    compute,
-                    algo,
-                )
-            }
-            .map_err(blas_err)?;
-            let mut col = 0;
-            for (p, &w) in parts.iter().enumerate() {
-                // y^T[col .. col + w, run] += B_{s, col..} [w, r] (op T) u_p^T [r, len]
-                // SAFETY: as above; the C block is the run's rows and the part's columns of y,
-                // which the caller handed over.
-                unsafe {
-                    blas::gemm_ex(
-                        handle,
-                        CUBLAS_OP_T,
-                        CUBLAS_OP_N,
-                        int(w)?,
-                        len,
-                        int(r)?,
-                        (&raw const one).cast(),
-                        at(bp, (s * n + col) * r),
-                        ty,
-                        int(r)?,
-                        at(up, p * r),
-                        ty,
-                        int(pr)?,
-                        (&raw const one).cast(),
-                        at(yp, run.start * n + col),
-                        ty,
-                        int(n)?,
-                        compute,
-                        algo,
-                    )
-                }
-                .map_err(blas_err)?;
-                col += w;
-            }
-        }
-        drop((_u, _x, _y, _a, _b));
-        Ok(())
     }
 
     /// The BGMV kernels over the rows of `slots`: the shrink writes split-K partials, the expand
