@@ -321,7 +321,7 @@ pub(crate) mod cuda {
     /// The BGMV kernels over the rows of `slots`: the shrink writes split-K partials, the expand
     /// adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor).
     #[allow(clippy::too_many_arguments)]
-    fn gathered<T: KernelElem>(
+    pub(crate) fn gathered<T: KernelElem>(
         dev: &CudaDevice,
         y: &Tensor,
         x: &Tensor,

@@ -189,3 +189,102 @@ pub(crate) fn runs<T: KernelElem>(
     drop((_u, _x, _y, _a, _b));
     Ok(())
 }
+
+/// `x W^T` plus each run's term for a prompt-sized batch, the terms first: each run's parts'
+/// terms written into its rows of a new `y` `[t, n]` (beta = 0; rows outside the runs zeroed),
+/// then the product added onto them in its epilogue (beta = 1). The product, bound by its
+/// arithmetic, reads `y` as it writes it, where adding the terms after it would read and write
+/// all of `y` once more. Rows outside the runs get `x W^T` alone.
+pub(crate) fn product_over_terms<T: KernelElem>(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    (a, b): (&Tensor, &Tensor),
+    parts: &[usize],
+    runs: &[LoraRun],
+    (r, k, n): (usize, usize, usize),
+) -> Result<Tensor> {
+    let t = x.dim(0)?;
+    let pr = parts.len() * r;
+    let longest = runs.iter().map(|run| run.len).max().unwrap_or(0);
+    let stream = dev.cuda_stream();
+    // SAFETY: every row of y is either zeroed below or inside a run, whose parts' GEMMs write
+    // all of its n columns (beta = 0); the scratch rows are written by each run's shrink first.
+    let mut y = unsafe { dev.alloc::<T>(t * n) }?;
+    let mut scratch = unsafe { dev.alloc::<T>(longest * pr) }?;
+    {
+        let (xg, xl) = x.storage_and_layout();
+        let (wg, wl) = w.storage_and_layout();
+        let (ag, al) = a.storage_and_layout();
+        let (bg, bl) = b.storage_and_layout();
+        let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
+        let wv = view::<T>(cuda_storage(&wg, "lora W")?, wl, "lora W")?;
+        let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
+        let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
+        let (yp, _y) = y.device_ptr_mut(&stream);
+        let (up, _u) = scratch.device_ptr_mut(&stream);
+        let (xp, _x) = xv.device_ptr(&stream);
+        let (wp, _w) = wv.device_ptr(&stream);
+        let (ap, _a) = av.device_ptr(&stream);
+        let (bp, _b) = bv.device_ptr(&stream);
+        let g = Gemm::new::<T>(dev)?;
+        let mut row = 0;
+        let gaps = runs
+            .iter()
+            .map(|run| (run.start, run.start + run.len))
+            .chain([(t, t)]);
+        for (start, end) in gaps {
+            if start > row {
+                let bytes = (start - row) * n * g.size as usize;
+                // SAFETY: rows row..start of y, inside it (runs checked against t by the caller).
+                unsafe {
+                    candle_core::cuda_backend::cudarc::driver::result::memset_d8_async(
+                        yp + (row * n) as u64 * g.size,
+                        0,
+                        bytes,
+                        stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| candle_core::Error::Msg(format!("lora: memset: {e:?}")))?;
+            }
+            row = end;
+        }
+        for run in runs {
+            let s = run.slot as usize;
+            let y0 = yp + (run.start * n) as u64 * g.size;
+            // SAFETY: as in `runs`; C blocks are the run's rows of the new y.
+            unsafe {
+                g.tn(
+                    (pr, run.len, k),
+                    (g.at(ap, s * pr * k), k),
+                    (g.at(xp, run.start * k), k),
+                    (g.at(up, 0), pr),
+                    0.,
+                )?;
+                let mut col = 0;
+                for (p, &wd) in parts.iter().enumerate() {
+                    g.tn(
+                        (wd, run.len, r),
+                        (g.at(bp, (s * n + col) * r), r),
+                        (g.at(up, p * r), pr),
+                        (g.at(y0, col), n),
+                        0.,
+                    )?;
+                    col += wd;
+                }
+            }
+        }
+        // SAFETY: y^T [n, t] += W [n, k] (op T) x^T [k, t]: W and x contiguous (views), y the
+        // new [t, n]; one stream.
+        unsafe {
+            g.tn(
+                (n, t, k),
+                (g.at(wp, 0), k),
+                (g.at(xp, 0), k),
+                (g.at(yp, 0), n),
+                1.,
+            )
+        }?;
+    }
+    Ok(crate::cuda::tensor_from_slice(y, dev, (t, n)))
+}

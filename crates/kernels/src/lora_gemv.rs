@@ -8,14 +8,16 @@
 //! Larger decode batches over a weight stored above its adapters' `A` rows take
 //! [`linear_rows_lora_stacked`]: one product computes `x W^T` and every slot's `u = x A_s^T`
 //! (cuBLAS's tensor cores over the rows of all slots, the shrink's gathered launch gone), then
-//! the expand reads each row's `u` from its own slot's columns.
+//! the expand reads each row's `u` from its own slot's columns. Steps with prompt runs take
+//! [`linear_rows_lora_runs`]: the runs' terms are written first and the product adds onto them
+//! in its epilogue, instead of a pass that reads and writes the whole output again after it.
 //!
-//! Where neither applies, [`linear_rows_lora`] and [`linear_rows_lora_stacked`] say so and the
-//! caller composes [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the
+//! Where none applies, [`linear_rows_lora`], [`linear_rows_lora_stacked`] and
+//! [`linear_rows_lora_runs`] say so and the caller composes [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the
 //! reference.
 
 use crate::gemv::GEMV_MAX_ROWS;
-use crate::lora::LoraStack;
+use crate::lora::{LoraRows, LoraStack};
 use candle_core::{DType, Result, Tensor};
 
 /// Whether decode rows of an adapted dense projection take the two launches: yes, unless
@@ -117,6 +119,71 @@ pub fn linear_rows_lora_stacked(
     Ok(None)
 }
 
+/// Whether prompt runs take [`linear_rows_lora_runs`]: yes, unless `RSERVE_LORA_TERMS_FIRST=0`
+/// (the product, then the terms added onto it; for comparisons).
+fn terms_first() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("RSERVE_LORA_TERMS_FIRST")
+                .as_deref()
+                .map(str::trim),
+            Ok("0")
+        )
+    })
+}
+
+/// `x W^T` plus each row's LoRA term (with `glu`, `silu(g) * v`) for a batch with prompt runs:
+/// the runs' terms go into the output first and the product adds onto them in its epilogue
+/// (`lora_blas`), then the gathered rows' terms as [`crate::lora::lora_add`] adds them. `None`
+/// where it does not apply: not CUDA, no runs, `W` not a contiguous `[n, k]` weight in `x`'s
+/// dtype (16-bit or f32), the stack not fitting it, a gate-up stack without two equal parts.
+pub fn linear_rows_lora_runs(
+    x: &Tensor,
+    w: &Tensor,
+    stack: &LoraStack<'_>,
+    rows: &LoraRows<'_>,
+    glu: bool,
+) -> Result<Option<Tensor>> {
+    let (t, k) = x.dims2()?;
+    let Ok((num_slots, r, ak, n)) = stack.dims() else {
+        return Ok(None);
+    };
+    let parts = stack.parts;
+    let slots_fit = match rows.slots {
+        Some(s) => s.dtype() == DType::U32 && s.dims1()? == t,
+        None => true,
+    };
+    let mut end = 0;
+    let runs_fit = rows.runs.iter().all(|run| {
+        let fits = run.start >= end && run.start + run.len <= t && (run.slot as usize) < num_slots;
+        end = run.start + run.len;
+        fits
+    });
+    let applies = terms_first()
+        && x.device().is_cuda()
+        && !rows.runs.is_empty()
+        && runs_fit
+        && slots_fit
+        && matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32)
+        && w.dtype() == x.dtype()
+        && stack.a.dtype() == x.dtype()
+        && stack.b.dtype() == x.dtype()
+        && w.dims2()? == (n, k)
+        && w.is_contiguous()
+        && ak == k
+        && r > 0
+        && (!glu || (parts.len() == 2 && parts[0] == parts[1]));
+    if !applies {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = x.device() {
+        return cuda::runs_first(dev, x, w, stack, rows, glu, (r, k, n)).map(Some);
+    }
+    Ok(None)
+}
+
 fn applies(
     x: &Tensor,
     w: &Tensor,
@@ -151,7 +218,7 @@ mod cuda {
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
     use crate::gemv::{gemv_launch_shape, GEMV_ROWS_PER_CTA};
-    use crate::lora::LoraStack;
+    use crate::lora::{LoraRows, LoraStack};
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Result, Tensor};
@@ -180,6 +247,46 @@ mod cuda {
             DType::F16 => crate::lora::cuda::expand::<half::f16>(dev, y, u, &b, p, &slots, glu, r),
             DType::F32 => crate::lora::cuda::expand::<f32>(dev, y, u, &b, p, &slots, glu, r),
             dt => candle_core::bail!("lora stacked product: unsupported dtype {dt:?}"),
+        }
+    }
+
+    pub fn runs_first(
+        dev: &CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        stack: &LoraStack<'_>,
+        rows: &LoraRows<'_>,
+        glu: bool,
+        dims: (usize, usize, usize),
+    ) -> Result<Tensor> {
+        match x.dtype() {
+            DType::BF16 => runs_first_t::<half::bf16>(dev, x, w, stack, rows, glu, dims),
+            DType::F16 => runs_first_t::<half::f16>(dev, x, w, stack, rows, glu, dims),
+            DType::F32 => runs_first_t::<f32>(dev, x, w, stack, rows, glu, dims),
+            dt => candle_core::bail!("lora runs: unsupported dtype {dt:?}"),
+        }
+    }
+
+    fn runs_first_t<T: KernelElem>(
+        dev: &CudaDevice,
+        x: &Tensor,
+        w: &Tensor,
+        stack: &LoraStack<'_>,
+        rows: &LoraRows<'_>,
+        glu: bool,
+        dims: (usize, usize, usize),
+    ) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let (a, b) = (stack.a.contiguous()?, stack.b.contiguous()?);
+        let p = stack.parts;
+        let y =
+            crate::lora_blas::product_over_terms::<T>(dev, &x, w, (&a, &b), p, rows.runs, dims)?;
+        match rows.slots {
+            Some(slots) => {
+                crate::lora::cuda::gathered::<T>(dev, &y, &x, (&a, &b), p, slots, glu, dims)
+            }
+            None if glu => crate::silu_and_mul(&y),
+            None => Ok(y),
         }
     }
 

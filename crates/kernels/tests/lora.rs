@@ -428,6 +428,71 @@ mod cuda {
         Ok(())
     }
 
+    /// Prompt runs with their terms written first and the product added onto them, beside
+    /// gathered decode rows and alone (rows past the runs get the product alone), plain and
+    /// gate-up, against the product and the terms composed.
+    #[test]
+    fn the_terms_first_product_matches_the_composed_one() -> Result<()> {
+        use rserve_kernels::lora_gemv::linear_rows_lora_runs;
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for (k, parts, r, glu) in [
+                (4096, &[4096, 1024, 1024][..], 16, false),
+                (64, &[48, 48][..], 8, true),
+                (4096, &[1024, 1024][..], 16, true),
+                (72, &[40, 16, 8][..], 3, false),
+            ] {
+                let n: usize = parts.iter().sum();
+                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
+                    .to_dtype(dtype)?
+                    .to_device(&dev)?;
+                let c = case_with(chunked_slots(4), k, parts, r, 4)?;
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let stack = d.stack(&c.parts);
+                let mut gathered = c.slots.clone();
+                let runs = split_runs(&mut gathered, MIN_RUN);
+                let slots = Tensor::new(gathered.as_slice(), &dev)?;
+                for rows in [
+                    LoraRows {
+                        slots: Some(&slots),
+                        runs: &runs,
+                    },
+                    LoraRows {
+                        slots: None,
+                        runs: &runs[..1],
+                    },
+                    LoraRows {
+                        slots: None,
+                        runs: &runs[1..],
+                    },
+                ] {
+                    let got = linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?
+                        .expect("the terms-first product applies");
+                    let y = rserve_kernels::linear_rows(&d.x, &w)?;
+                    let want = if glu {
+                        host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
+                    } else {
+                        host(&lora_add(&y, &d.x, &stack, &rows)?)?
+                    };
+                    let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
+                    let diff = max_diff(&host(&got)?, &want);
+                    assert!(
+                        diff <= tol,
+                        "{dtype:?} k{k} {parts:?} r{r} glu {glu} runs {}: {diff} > {tol}",
+                        rows.runs.len()
+                    );
+                }
+                // without runs it is the other forms' to take
+                let rows = LoraRows {
+                    slots: Some(&slots),
+                    runs: &[],
+                };
+                assert!(linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?.is_none());
+            }
+        }
+        Ok(())
+    }
+
     /// Prompt chunks through cuBLAS runs beside gathered decode rows, plain and fused gate-up
     /// (whose kernel also writes the rows without an adapter).
     #[test]

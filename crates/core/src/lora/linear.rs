@@ -9,7 +9,9 @@ use crate::batch::LayerCtx;
 use crate::models::layers::linear::LinearMethod;
 use candle_core::{Result, Tensor};
 use rserve_kernels::lora::{lora_add, lora_add_silu_glu, LoraStack};
-use rserve_kernels::lora_gemv::{linear_rows_lora, linear_rows_lora_stacked};
+use rserve_kernels::lora_gemv::{
+    linear_rows_lora, linear_rows_lora_runs, linear_rows_lora_stacked,
+};
 use std::sync::Arc;
 
 /// A projection whose rows may carry an adapter.
@@ -32,21 +34,23 @@ impl LoraLinear {
         }
     }
 
-    /// The product with the shrink, then the expand (decode rows over a dense base on CUDA: the
-    /// two-launch form for a few rows, the product over the weight stored above the slots for
-    /// more), or `None`.
+    /// The product with the LoRA term in one of the fused forms of a dense base on CUDA, or
+    /// `None`: for decode rows, the two-launch product for a few rows and the product over the
+    /// weight stored above the slots for more; for steps with prompt runs, the runs' terms
+    /// first and the product added onto them.
     fn fused(&self, x: &Tensor, ctx: &LayerCtx<'_>, glu: bool) -> Result<Option<Tensor>> {
-        let (Some(slots), true) = (ctx.lora.slots, ctx.lora.runs.is_empty()) else {
-            return Ok(None);
-        };
         let Some(w) = self.base.dense_weight() else {
             return Ok(None);
         };
-        if let Some(y) = linear_rows_lora(x, w, &self.stack(), slots, glu)? {
+        let stack = self.stack();
+        let (Some(slots), true) = (ctx.lora.slots, ctx.lora.runs.is_empty()) else {
+            return linear_rows_lora_runs(x, w, &stack, &ctx.lora, glu);
+        };
+        if let Some(y) = linear_rows_lora(x, w, &stack, slots, glu)? {
             return Ok(Some(y));
         }
         match &self.slots.stacked {
-            Some(w_ext) => linear_rows_lora_stacked(x, w_ext, &self.stack(), slots, glu),
+            Some(w_ext) => linear_rows_lora_stacked(x, w_ext, &stack, slots, glu),
             None => Ok(None),
         }
     }
