@@ -13,8 +13,8 @@
 //! in its epilogue, instead of a pass that reads and writes the whole output again after it.
 //!
 //! Where none applies, [`linear_rows_lora`], [`linear_rows_lora_stacked`] and
-//! [`linear_rows_lora_runs`] say so and the caller composes [`crate::linear_rows`] and [`crate::lora::lora_add`], which is also the
-//! reference.
+//! [`linear_rows_lora_runs`] say so and the caller composes [`crate::linear_rows`] and
+//! [`crate::lora::lora_add`], which is also the reference.
 
 use crate::gemv::GEMV_MAX_ROWS;
 use crate::lora::{LoraRows, LoraStack};
