@@ -454,8 +454,9 @@ def fresh_checkpoint(kind: str, root: Path, keep_model: bool = False):
 
 
 def part_profile(a, out: Path) -> None:
-    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt.
-    RSERVE_PROFILE_LORA=1: requests use a rank-16 adapter on all seven projections."""
+    """ncu over a few engine steps of the 8B shape: batch-1 decode, batch-64 decode, an 8k prompt,
+    two mixed steps of 64 concurrent 1024-token prompts. RSERVE_PROFILE_LORA=N: requests are
+    spread over N rank-16 adapters on all seven projections (1: one adapter)."""
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     kind = a.big.split(",")[0]
     _, path = fresh_checkpoint(kind, Path(a.scratch))
@@ -463,7 +464,9 @@ def part_profile(a, out: Path) -> None:
                  ("p8k", 1, 1, 8192, 2, 0, 4),
                  # 256 concurrent requests: two mixed steps of the prefill phase (8,192-token budget), two
                  # decode steps
-                 ("c256-mixed", 256, 256, 512, 256, 5, 2), ("c256-decode", 256, 256, 512, 256, 150, 2)]
+                 ("c256-mixed", 256, 256, 512, 256, 5, 2), ("c256-decode", 256, 256, 512, 256, 150, 2),
+                 # 64 concurrent 1024-token prompts (the LoRA mix's load): two steps of its prefill phase
+                 ("c64-mixed", 64, 64, 1024, 256, 6, 2)]
     only = os.environ.get("RSERVE_PROFILE_SCENARIOS")
     if only:
         scenarios = [s for s in scenarios if s[0] in only.split(",")]
@@ -473,16 +476,22 @@ def part_profile(a, out: Path) -> None:
                   "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum",
                   "--csv", "--log-file", str(csv_path)]
         extra = shlex.split(os.environ.get("RSERVE_PROFILE_ARGS", ""))  # e.g. --isq q4k
-        model = None
-        if os.environ.get("RSERVE_PROFILE_LORA") == "1":
-            (adapter,) = make_adapters(path, Path(a.scratch) / "adapters", 1)
-            extra += ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"a0={adapter}"]
-            model = "a0"
+        model, names = None, []
+        n_lora = int(os.environ.get("RSERVE_PROFILE_LORA", "0") or 0)
+        if n_lora > 0:
+            adapters = make_adapters(path, Path(a.scratch) / "adapters", n_lora)
+            names = [f"a{i}" for i in range(n_lora)]
+            extra += ["--enable-lora", "--max-lora-rank", "16", "--max-loras", str(n_lora),
+                      "--lora-modules", *[f"{n}={d}" for n, d in zip(names, adapters)]]
+            model = names[0]
         srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "9000", *extra, prefix=prefix,
                      tag=f"-ncu-{tag}",
                      env={"RSERVE_CUDA_PROFILE_STEPS": f"{start}:{count}"})
         try:
-            r = bench(a, srv, out, conc, prompts, inp, outp, model)
+            if len(names) > 1:
+                r = bench_mix(a, srv, names, conc, prompts, inp, outp)
+            else:
+                r = bench(a, srv, out, conc, prompts, inp, outp, model)
         finally:
             srv.stop()
         emit(out, {"part": "profile", "model": kind, "scenario": tag, "args": extra, "request_model": model, **ncu_summary(csv_path, count),
