@@ -311,15 +311,12 @@ pub(crate) mod cuda {
         if !rows.runs.is_empty() {
             crate::lora_blas::runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
         }
-        match rows.slots {
-            Some(slots) => gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, slots, glu, dims),
-            None if glu => crate::silu_and_mul(&y),
-            None => Ok(y),
-        }
+        gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.slots, glu, dims)
     }
 
     /// The BGMV kernels over the rows of `slots`: the shrink writes split-K partials, the expand
-    /// adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor).
+    /// adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor). Without
+    /// `slots` no row is left to them: `y` as it is (or, `glu`, `silu(g) * v`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gathered<T: KernelElem>(
         dev: &CudaDevice,
@@ -327,10 +324,17 @@ pub(crate) mod cuda {
         x: &Tensor,
         (a, b): (&Tensor, &Tensor),
         parts: &[usize],
-        slots: &Tensor,
+        slots: Option<&Tensor>,
         glu: bool,
         (r, k, _): (usize, usize, usize),
     ) -> Result<Tensor> {
+        let Some(slots) = slots else {
+            return if glu {
+                crate::silu_and_mul(y)
+            } else {
+                Ok(y.clone())
+            };
+        };
         let slots = slots.contiguous()?;
         let t = x.dim(0)?;
         let pr = parts.len() * r;

@@ -1,7 +1,8 @@
 //! The LoRA term of runs of rows that share an adapter (prompt chunks) through cuBLAS, the SGMV
 //! form: tensor cores, `A` and `B` read once per run instead of once per row. Each run's
 //! `u = x_run A_s^T` goes into a scratch, then for each part `y_run[:, part] += u_p B_{s,part}^T`
-//! (beta = 1), in place. Shapes as in [`crate::lora`].
+//! in place ([`runs`]), or the terms are written first and the product added onto them
+//! ([`product_over_terms`]). Shapes as in [`crate::lora`].
 
 use crate::cuda::{cuda_storage, view, KernelElem};
 use crate::lora::LoraRun;
@@ -94,41 +95,55 @@ impl Gemm {
         .map_err(blas_err)
     }
 
-    /// `y[run, part] += u_p B_{s, part}^T` for each part of `run`: `u` of the run's first row at
-    /// `u0` (rows `ldu` apart, part `p` at `p * r`), `y`'s first row at `y0` (rows `ldy` apart,
-    /// `n` columns read), `B` at `bp` (`[S, n, r]`).
+    /// `run`'s term into its rows of `y` (`[t, n]` at `y`): `u = x_run A_s^T` into the scratch,
+    /// then for each part `y[run, part] = u_p B_{s, part}^T + beta y[run, part]`.
     ///
     /// # Safety
-    /// As [`Gemm::tn`]: the run's rows of `u` and `y` and slot `run.slot` of `B` lie inside
-    /// their buffers.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn add_terms(
+    /// As [`Gemm::tn`]: the run's rows of `x` and `y`, slot `run.slot` of `A` and `B` and
+    /// `run.len` rows of the scratch lie inside their buffers, all on the handle's stream.
+    unsafe fn run_terms(
         &self,
         run: &LoraRun,
         parts: &[usize],
-        (r, n): (usize, usize),
-        bp: u64,
-        (u0, ldu): (u64, usize),
-        (y0, ldy): (u64, usize),
+        (r, k, n): (usize, usize, usize),
+        ops: &Operands,
+        y: u64,
+        beta: f32,
     ) -> Result<()> {
-        let s = run.slot as usize;
-        let mut col = 0;
-        for (p, &w) in parts.iter().enumerate() {
-            // y^T[col .. col + w, run] += B_{s, col..} [w, r] (op T) u_p^T [r, len]
-            // SAFETY: as the caller promises.
-            unsafe {
+        let (s, pr) = (run.slot as usize, parts.len() * r);
+        // SAFETY: as the caller promises.
+        unsafe {
+            // u^T [pr, len] = A_s [pr, k] (row-major, so op T) x^T [k, len]
+            self.tn(
+                (pr, run.len, k),
+                (self.at(ops.a, s * pr * k), k),
+                (self.at(ops.x, run.start * k), k),
+                (self.at(ops.u, 0), pr),
+                0.,
+            )?;
+            let mut col = 0;
+            for (p, &w) in parts.iter().enumerate() {
+                // y^T[col .. col + w, run] = B_{s, col..} [w, r] (op T) u_p^T [r, len] + beta y^T
                 self.tn(
                     (w, run.len, r),
-                    (self.at(bp, (s * n + col) * r), r),
-                    (self.at(u0, p * r), ldu),
-                    (self.at(y0, col), ldy),
-                    1.,
-                )
-            }?;
-            col += w;
+                    (self.at(ops.b, (s * n + col) * r), r),
+                    (self.at(ops.u, p * r), pr),
+                    (self.at(y, run.start * n + col), n),
+                    beta,
+                )?;
+                col += w;
+            }
         }
         Ok(())
     }
+}
+
+/// The device addresses of `x`, `A`, `B` and the `u` scratch of a projection's runs.
+struct Operands {
+    x: u64,
+    a: u64,
+    b: u64,
+    u: u64,
 }
 
 /// Each run's term through cuBLAS, added into `y` `[t, n]` in place: `u = x_run A_s^T` into a
@@ -162,29 +177,17 @@ pub(crate) fn runs<T: KernelElem>(
     let (ap, _a) = av.device_ptr(&stream);
     let (bp, _b) = bv.device_ptr(&stream);
     let g = Gemm::new::<T>(dev)?;
+    let ops = Operands {
+        x: xp,
+        a: ap,
+        b: bp,
+        u: up,
+    };
     for run in runs {
-        let s = run.slot as usize;
         // SAFETY: the pointers lie inside x, A, B, y and the scratch (runs and slots checked
         // against the shapes by the caller); every buffer is on the handle's stream; the C
         // blocks are the run's rows of y, which the caller handed over.
-        unsafe {
-            // u^T [pr, len] = A_s [pr, k] (row-major, so op T) x^T [k, len]
-            g.tn(
-                (pr, run.len, k),
-                (g.at(ap, s * pr * k), k),
-                (g.at(xp, run.start * k), k),
-                (g.at(up, 0), pr),
-                0.,
-            )?;
-            g.add_terms(
-                run,
-                parts,
-                (r, n),
-                bp,
-                (up, pr),
-                (yp + (run.start * n) as u64 * g.size, n),
-            )
-        }?;
+        unsafe { g.run_terms(run, parts, (r, k, n), &ops, yp, 1.) }?;
     }
     drop((_u, _x, _y, _a, _b));
     Ok(())
@@ -249,30 +252,15 @@ pub(crate) fn product_over_terms<T: KernelElem>(
             }
             row = end;
         }
+        let ops = Operands {
+            x: xp,
+            a: ap,
+            b: bp,
+            u: up,
+        };
         for run in runs {
-            let s = run.slot as usize;
-            let y0 = yp + (run.start * n) as u64 * g.size;
-            // SAFETY: as in `runs`; C blocks are the run's rows of the new y.
-            unsafe {
-                g.tn(
-                    (pr, run.len, k),
-                    (g.at(ap, s * pr * k), k),
-                    (g.at(xp, run.start * k), k),
-                    (g.at(up, 0), pr),
-                    0.,
-                )?;
-                let mut col = 0;
-                for (p, &wd) in parts.iter().enumerate() {
-                    g.tn(
-                        (wd, run.len, r),
-                        (g.at(bp, (s * n + col) * r), r),
-                        (g.at(up, p * r), pr),
-                        (g.at(y0, col), n),
-                        0.,
-                    )?;
-                    col += wd;
-                }
-            }
+            // SAFETY: as in `runs`; the C blocks are the run's rows of the new y (beta = 0).
+            unsafe { g.run_terms(run, parts, (r, k, n), &ops, yp, 0.) }?;
         }
         // SAFETY: y^T [n, t] += W [n, k] (op T) x^T [k, t]: W and x contiguous (views), y the
         // new [t, n]; one stream.

@@ -281,13 +281,7 @@ mod cuda {
         let p = stack.parts;
         let y =
             crate::lora_blas::product_over_terms::<T>(dev, &x, w, (&a, &b), p, rows.runs, dims)?;
-        match rows.slots {
-            Some(slots) => {
-                crate::lora::cuda::gathered::<T>(dev, &y, &x, (&a, &b), p, slots, glu, dims)
-            }
-            None if glu => crate::silu_and_mul(&y),
-            None => Ok(y),
-        }
+        crate::lora::cuda::gathered::<T>(dev, &y, &x, (&a, &b), p, rows.slots, glu, dims)
     }
 
     pub fn run(

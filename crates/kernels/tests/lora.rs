@@ -294,6 +294,33 @@ mod cuda {
             .to_vec2::<f32>()
     }
 
+    /// A random weight `[n, k]` in `dtype` on `dev`.
+    fn weight(n: usize, k: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+        (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
+            .to_dtype(dtype)?
+            .to_device(dev)
+    }
+
+    /// The fused products' reference: `x W^T`, then the rows' terms (with `glu`, then
+    /// SiLU-and-multiply); with its tolerance (twice as wide for `glu`).
+    fn composed(
+        x: &Tensor,
+        w: &Tensor,
+        stack: &LoraStack<'_>,
+        rows: &LoraRows<'_>,
+        glu: bool,
+        dtype: DType,
+    ) -> Result<(Vec<Vec<f32>>, f32)> {
+        let y = rserve_kernels::linear_rows(x, w)?;
+        let want = if glu {
+            host(&lora_add_silu_glu(&y, x, stack, rows)?)?
+        } else {
+            host(&lora_add(&y, x, stack, rows)?)?
+        };
+        let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
+        Ok((want, tol))
+    }
+
     fn tolerance(dtype: DType, want: &[Vec<f32>]) -> f32 {
         let scale = want.iter().flatten().fold(1f32, |m, v| m.max(v.abs()));
         scale
@@ -319,9 +346,7 @@ mod cuda {
                 (72, &[40, 40][..], 3, true),
             ] {
                 let n: usize = parts.iter().sum();
-                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
-                    .to_dtype(dtype)?
-                    .to_device(&dev)?;
+                let w = weight(n, k, dtype, &dev)?;
                 for round in 0..2u32 {
                     for m in 1..=4usize {
                         let slots: Vec<u32> = (0..m as u32)
@@ -340,14 +365,8 @@ mod cuda {
                             slots: Some(&slots),
                             runs: &[],
                         };
-                        let y = rserve_kernels::linear_rows(&d.x, &w)?;
-                        let want = if glu {
-                            host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
-                        } else {
-                            host(&lora_add(&y, &d.x, &stack, &rows)?)?
-                        };
+                        let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                         let got = host(&got)?;
-                        let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
                         let diff = max_diff(&got, &want);
                         assert!(
                             diff <= tol,
@@ -382,9 +401,7 @@ mod cuda {
             ] {
                 let n: usize = parts.iter().sum();
                 let pr = parts.len() * r;
-                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
-                    .to_dtype(dtype)?
-                    .to_device(&dev)?;
+                let w = weight(n, k, dtype, &dev)?;
                 for m in [1, 5, 8, 64, 70] {
                     let c = case(m, k, parts, r, s)?;
                     let d = OnDevice::new(&c, dtype, &dev)?;
@@ -402,15 +419,9 @@ mod cuda {
                         slots: Some(&slots),
                         runs: &[],
                     };
-                    let y = rserve_kernels::linear_rows(&d.x, &w)?;
                     let stack = d.stack(parts);
-                    let want = if glu {
-                        host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
-                    } else {
-                        host(&lora_add(&y, &d.x, &stack, &rows)?)?
-                    };
+                    let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                     let got = host(&got)?;
-                    let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
                     let diff = max_diff(&got, &want);
                     assert!(
                         diff <= tol,
@@ -443,9 +454,7 @@ mod cuda {
                 (72, &[40, 16, 8][..], 3, false),
             ] {
                 let n: usize = parts.iter().sum();
-                let w = (Tensor::randn(0f32, 1., (n, k), &Device::Cpu)? * 0.05)?
-                    .to_dtype(dtype)?
-                    .to_device(&dev)?;
+                let w = weight(n, k, dtype, &dev)?;
                 let c = case_with(chunked_slots(4), k, parts, r, 4)?;
                 let d = OnDevice::new(&c, dtype, &dev)?;
                 let stack = d.stack(&c.parts);
@@ -468,13 +477,7 @@ mod cuda {
                 ] {
                     let got = linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?
                         .expect("the terms-first product applies");
-                    let y = rserve_kernels::linear_rows(&d.x, &w)?;
-                    let want = if glu {
-                        host(&lora_add_silu_glu(&y, &d.x, &stack, &rows)?)?
-                    } else {
-                        host(&lora_add(&y, &d.x, &stack, &rows)?)?
-                    };
-                    let tol = tolerance(dtype, &want) * if glu { 2. } else { 1. };
+                    let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                     let diff = max_diff(&host(&got)?, &want);
                     assert!(
                         diff <= tol,

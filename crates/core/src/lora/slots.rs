@@ -39,9 +39,7 @@ impl ProjectionSlots {
         let n: usize = self.widths.iter().sum();
         self.stacked.as_ref().map(|w| w.narrow(0, 0, n)).transpose()
     }
-}
 
-impl ProjectionSlots {
     /// Writes `adapter`'s matrices for this projection into `slot` (zeros where it has none).
     /// The slot's block is assembled on the device: each part's matrices are copied up as
     /// stored, `B` scaled in f32 and both rounded once to the slots' dtype, ranks below the
