@@ -164,13 +164,11 @@ fn too_large(cfg: &MediaConfig) -> ApiError {
 }
 
 fn http(url: &str, cfg: &MediaConfig) -> Result<Vec<u8>, ApiError> {
-    let host = url
-        .split("://")
-        .nth(1)
-        .and_then(|r| r.split(['/', '?', '#']).next())
-        .map(|h| h.rsplit('@').next().unwrap_or(h))
-        .map(|h| h.split(':').next().unwrap_or(h).to_ascii_lowercase())
-        .unwrap_or_default();
+    // the host checked is the one the client connects to: the URL is parsed once, by the parser
+    // the client uses (WHATWG rules: a backslash ends the authority, `user@` is dropped, ...)
+    let parsed = url::Url::parse(url)
+        .map_err(|e| bad(format!("invalid image URL `{}`: {e}", truncate(url))))?;
+    let host = parsed.host_str().unwrap_or_default().to_ascii_lowercase();
     if let Some(allowed) = &cfg.allowed_domains {
         if !allowed.iter().any(|d| d.eq_ignore_ascii_case(&host)) {
             return Err(bad(format!(
@@ -182,10 +180,13 @@ fn http(url: &str, cfg: &MediaConfig) -> Result<Vec<u8>, ApiError> {
         .timeout(cfg.fetch_timeout)
         .redirects(if cfg.allowed_domains.is_some() { 0 } else { 5 })
         .build();
-    let resp = agent.get(url).call().map_err(|e| match e {
-        ureq::Error::Status(code, _) => bad(format!("fetching the image failed: HTTP {code}")),
-        ureq::Error::Transport(t) => bad(format!("fetching the image failed: {t}")),
-    })?;
+    let resp = agent
+        .request_url("GET", &parsed)
+        .call()
+        .map_err(|e| match e {
+            ureq::Error::Status(code, _) => bad(format!("fetching the image failed: HTTP {code}")),
+            ureq::Error::Transport(t) => bad(format!("fetching the image failed: {t}")),
+        })?;
     let mut body = Vec::new();
     resp.into_reader()
         .take(cfg.max_bytes as u64 + 1)
@@ -351,5 +352,23 @@ mod tests {
         };
         let e = fetch("https://user@evil.example.org:443/a.png", &cfg).expect_err("refused");
         assert!(e.message.contains("evil.example.org"), "{}", e.message);
+        // a backslash ends the authority for the client's URL parser: the host is evil.com,
+        // whatever a split on `@` and `/` would say
+        for url in [
+            "https://evil.com\\@images.example.com/a.png",
+            "https://evil.com\\.images.example.com/a.png",
+            "https://images.example.com.evil.com/a.png",
+            "https://evil.com#@images.example.com/a.png",
+            "https://evil.com?@images.example.com/a.png",
+        ] {
+            let e = fetch(url, &cfg).expect_err(url);
+            assert!(
+                e.message.contains("--allowed-media-domains"),
+                "{url}: {}",
+                e.message
+            );
+        }
+        let e = fetch("https://[not a host/a.png", &cfg).expect_err("unparsable");
+        assert!(e.message.contains("invalid image URL"), "{}", e.message);
     }
 }
