@@ -3,7 +3,7 @@
 //! `crop_size` square is cut out, and the pixels are rescaled and normalized channel-first.
 
 use super::qwen2_vl::{CLIP_MEAN, CLIP_STD};
-use super::resample::Filter;
+use super::resample::{resize_crop_rgb, Filter, Window};
 use super::{normalize_chw, ImageError, RgbImage};
 
 /// The processor's settings.
@@ -37,10 +37,11 @@ impl ClipConfig {
         }
     }
 
-    /// `[3, crop_size, crop_size]` pixel values.
+    /// `[3, crop_size, crop_size]` pixel values. Only the crop is resampled (the same bytes as
+    /// resizing the whole image and cutting it out), so a thin image whose resize would be
+    /// millions of pixels long costs no more than a square one.
     pub fn preprocess(&self, img: &RgbImage) -> Result<Vec<f32>, ImageError> {
         let (rh, rw) = self.resized_size(img.height, img.width);
-        let resized = img.resized(rw, rh, Filter::Bicubic);
         let c = self.crop_size;
         if rh < c || rw < c {
             return Err(ImageError::Unsupported(format!(
@@ -48,11 +49,19 @@ impl ClipConfig {
                 img.width, img.height
             )));
         }
-        let (top, left) = ((rh - c) / 2, (rw - c) / 2);
-        let mut data = Vec::with_capacity(c * c * 3);
-        for y in top..top + c {
-            data.extend_from_slice(&resized.data[(y * rw + left) * 3..][..c * 3]);
-        }
+        let window = Window {
+            x: (rw - c) / 2,
+            y: (rh - c) / 2,
+            width: c,
+            height: c,
+        };
+        let data = resize_crop_rgb(
+            &img.data,
+            (img.width, img.height),
+            (rw, rh),
+            window,
+            Filter::Bicubic,
+        );
         let cropped = RgbImage::new(c, c, data)?;
         Ok(normalize_chw(&cropped, self.mean, self.std))
     }

@@ -48,23 +48,36 @@ impl Filter {
 
 const PRECISION_BITS: u32 = 32 - 8 - 2;
 
-/// For each output position: the first source index, the number of taps and their fixed-point
-/// weights (`ksize` slots each).
+use std::ops::Range;
+
+/// For each output position of a window: the first source index, the number of taps and their
+/// fixed-point weights (`ksize` slots each).
 struct Coeffs {
     bounds: Vec<(usize, usize)>,
     weights: Vec<i32>,
     ksize: usize,
 }
 
-fn coeffs(in_size: usize, out_size: usize, filter: Filter) -> Coeffs {
+impl Coeffs {
+    /// The source positions the window's taps read: `(first, count)`.
+    fn span(&self) -> (usize, usize) {
+        let first = self.bounds.iter().map(|b| b.0).min().unwrap_or(0);
+        let end = self.bounds.iter().map(|b| b.0 + b.1).max().unwrap_or(first);
+        (first, end - first)
+    }
+}
+
+/// The taps of output positions `window` of a resize from `in_size` to `out_size` (each position's
+/// taps depend on it alone, so a window's are those of the whole resize).
+fn coeffs(in_size: usize, out_size: usize, window: Range<usize>, filter: Filter) -> Coeffs {
     let scale = in_size as f64 / out_size as f64;
     let filterscale = scale.max(1.0);
     let support = filter.support() * filterscale;
     let ksize = support.ceil() as usize * 2 + 1;
-    let mut bounds = Vec::with_capacity(out_size);
-    let mut weights = vec![0i32; out_size * ksize];
+    let mut bounds = Vec::with_capacity(window.len());
+    let mut weights = vec![0i32; window.len() * ksize];
     let mut k = vec![0f64; ksize];
-    for xx in 0..out_size {
+    for (i, xx) in window.enumerate() {
         let center = (xx as f64 + 0.5) * scale;
         let ss = 1.0 / filterscale;
         // Pillow truncates toward zero after adding one half
@@ -77,7 +90,7 @@ fn coeffs(in_size: usize, out_size: usize, filter: Filter) -> Coeffs {
             *kx = w;
             ww += w;
         }
-        let row = &mut weights[xx * ksize..][..ksize];
+        let row = &mut weights[i * ksize..][..ksize];
         for (dst, &w) in row.iter_mut().zip(&k).take(n) {
             let w = if ww != 0.0 { w / ww } else { w };
             let fixed = w * f64::from(1u32 << PRECISION_BITS);
@@ -133,17 +146,17 @@ pub(crate) fn rows_of<T: Send>(
     }
 }
 
-/// One horizontal pass: `rows` rows of `src` (width `w`) from row `first`, each resampled to
-/// `ow` pixels.
+/// One horizontal pass: `rows` rows of `src` (width `w`, its column 0 source column `col0`) from
+/// row `first`, each resampled to the window of `c`.
 fn horizontal(
     src: &[u8],
-    w: usize,
+    (w, col0): (usize, usize),
     (first, rows): (usize, usize),
-    ow: usize,
     c: &Coeffs,
     parallel: bool,
 ) -> Vec<u8> {
     let round = 1i64 << (PRECISION_BITS - 1);
+    let ow = c.bounds.len();
     let mut out = vec![0u8; ow * rows * 3];
     rows_of(&mut out, ow * 3, parallel, |y, row| {
         let line = &src[(y + first) * w * 3..][..w * 3];
@@ -151,7 +164,7 @@ fn horizontal(
             let k = &c.weights[xx * c.ksize..][..n];
             let mut ss = [round; 3];
             for (x, &kx) in k.iter().enumerate() {
-                let p = &line[(x + xmin) * 3..][..3];
+                let p = &line[(x + xmin - col0) * 3..][..3];
                 for ch in 0..3 {
                     ss[ch] += i64::from(p[ch]) * i64::from(kx);
                 }
@@ -164,15 +177,24 @@ fn horizontal(
     out
 }
 
-/// One vertical pass over `src` (width `w`) whose row 0 is source row `row0`.
-fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs, parallel: bool) -> Vec<u8> {
+/// One vertical pass over columns `cols` of `src` (width `w`) whose row 0 is source row `row0`,
+/// to the window of `c`.
+fn vertical(
+    src: &[u8],
+    w: usize,
+    row0: usize,
+    cols: Range<usize>,
+    c: &Coeffs,
+    parallel: bool,
+) -> Vec<u8> {
     let round = 1i64 << (PRECISION_BITS - 1);
     let oh = c.bounds.len();
-    let mut out = vec![0u8; w * oh * 3];
-    rows_of(&mut out, w * 3, parallel, |yy, row| {
+    let ow = cols.len();
+    let mut out = vec![0u8; ow * oh * 3];
+    rows_of(&mut out, ow * 3, parallel, |yy, row| {
         let (ymin, n) = c.bounds[yy];
         let k = &c.weights[yy * c.ksize..][..n];
-        for xx in 0..w {
+        for (i, xx) in cols.clone().enumerate() {
             let mut ss = [round; 3];
             for (y, &ky) in k.iter().enumerate() {
                 let p = &src[((y + ymin - row0) * w + xx) * 3..][..3];
@@ -181,59 +203,106 @@ fn vertical(src: &[u8], w: usize, row0: usize, c: &Coeffs, parallel: bool) -> Ve
                 }
             }
             for ch in 0..3 {
-                row[xx * 3 + ch] = clip8(ss[ch]);
+                row[i * 3 + ch] = clip8(ss[ch]);
             }
         }
     });
     out
 }
 
+/// Rows `rows` and columns `cols` of `src` (width `w`), copied.
+fn cut(src: &[u8], w: usize, rows: Range<usize>, cols: Range<usize>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows.len() * cols.len() * 3);
+    for y in rows {
+        out.extend_from_slice(&src[(y * w + cols.start) * 3..(y * w + cols.end) * 3]);
+    }
+    out
+}
+
+/// The part of a resized image that is kept: `width` x `height` pixels from (`x`, `y`) of the
+/// resized image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub x: usize,
+    pub y: usize,
+    pub width: usize,
+    pub height: usize,
+}
+
 /// `src` (`w` x `h` RGB, row-major, 3 bytes a pixel) resized to `ow` x `oh` with `filter`. The
 /// passes run in Pillow's (13) order: horizontal first, unless the height shrinks by more than
 /// twice what the width does.
 pub fn resize_rgb(src: &[u8], w: usize, h: usize, ow: usize, oh: usize, filter: Filter) -> Vec<u8> {
-    let parallel = ow.saturating_mul(oh).max(w.saturating_mul(h)) >= PARALLEL_PIXELS;
-    resize_rgb_on(src, (w, h), (ow, oh), filter, parallel)
+    let all = Window {
+        x: 0,
+        y: 0,
+        width: ow,
+        height: oh,
+    };
+    resize_crop_rgb(src, (w, h), (ow, oh), all, filter)
 }
 
-/// [`resize_rgb`], its passes over threads or not.
+/// The `window` of [`resize_rgb`]'s result, the same bytes, computing only the pixels in it (and
+/// the intermediate ones they read), so a crop of a huge resize costs what the crop does. The
+/// window must lie inside `ow` x `oh`.
+pub fn resize_crop_rgb(
+    src: &[u8],
+    (w, h): (usize, usize),
+    (ow, oh): (usize, usize),
+    window: Window,
+    filter: Filter,
+) -> Vec<u8> {
+    let pixels = (window.width.saturating_mul(window.height)).max(w.saturating_mul(h));
+    resize_rgb_on(
+        src,
+        (w, h),
+        (ow, oh),
+        window,
+        filter,
+        pixels >= PARALLEL_PIXELS,
+    )
+}
+
+/// [`resize_crop_rgb`], its passes over threads or not.
 fn resize_rgb_on(
     src: &[u8],
     (w, h): (usize, usize),
     (ow, oh): (usize, usize),
+    win: Window,
     filter: Filter,
     parallel: bool,
 ) -> Vec<u8> {
-    if (w, h) == (ow, oh) {
-        return src.to_vec();
-    }
-    if w == 0 || h == 0 || ow == 0 || oh == 0 {
-        return vec![0; ow * oh * 3];
+    let (xs, ys) = (win.x..win.x + win.width, win.y..win.y + win.height);
+    if w == 0 || h == 0 || xs.is_empty() || ys.is_empty() {
+        return vec![0; win.width * win.height * 3];
     }
     let shrink_h = h as i64 - oh as i64;
     let horizontal_first = !(shrink_h > 0 && shrink_h > (w as i64 - ow as i64) * 2);
-    let need_h = ow != w;
-    let need_v = oh != h;
-    let vert = coeffs(h, oh, filter);
-    let horiz = coeffs(w, ow, filter);
+    // a dimension kept at its size is not resampled (as Pillow skips that pass), only cut
+    let vert = (oh != h).then(|| coeffs(h, oh, ys.clone(), filter));
+    let horiz = (ow != w).then(|| coeffs(w, ow, xs.clone(), filter));
     if horizontal_first {
-        if !need_h {
-            return vertical(src, w, 0, &vert, parallel);
-        }
         // only the rows the vertical pass reads
-        let first = vert.bounds.first().map_or(0, |b| b.0);
-        let last = vert.bounds.last().map_or(h, |b| b.0 + b.1);
-        let tmp = horizontal(src, w, (first, last - first), ow, &horiz, parallel);
-        if !need_v {
-            return tmp;
+        let (first, rows) = vert.as_ref().map_or((ys.start, ys.len()), Coeffs::span);
+        let tmp = match &horiz {
+            Some(c) => horizontal(src, (w, 0), (first, rows), c, parallel),
+            None => cut(src, w, first..first + rows, xs.clone()),
+        };
+        match &vert {
+            Some(c) => vertical(&tmp, xs.len(), first, 0..xs.len(), c, parallel),
+            None => tmp,
         }
-        vertical(&tmp, ow, first, &vert, parallel)
     } else {
-        let tmp = vertical(src, w, 0, &vert, parallel);
-        if !need_h {
-            return tmp;
+        // only the columns the horizontal pass reads
+        let (col0, cols) = horiz.as_ref().map_or((xs.start, xs.len()), Coeffs::span);
+        let tmp = match &vert {
+            Some(c) => vertical(src, w, 0, col0..col0 + cols, c, parallel),
+            None => cut(src, w, ys.clone(), col0..col0 + cols),
+        };
+        match &horiz {
+            Some(c) => horizontal(&tmp, (cols, col0), (0, ys.len()), c, parallel),
+            None => tmp,
         }
-        horizontal(&tmp, w, (0, oh), ow, &horiz, parallel)
     }
 }
 
@@ -244,7 +313,7 @@ mod tests {
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
         for (i, o) in [(70, 28), (28, 70), (337, 336), (1000, 14)] {
-            let c = coeffs(i, o, Filter::Bicubic);
+            let c = coeffs(i, o, 0..o, Filter::Bicubic);
             for (xx, &(_, n)) in c.bounds.iter().enumerate() {
                 let s: i64 = c.weights[xx * c.ksize..][..n]
                     .iter()
@@ -267,15 +336,66 @@ mod tests {
         assert_eq!(resize_rgb(&src, 13, 9, 13, 9, Filter::Bicubic), src);
     }
 
+    /// Every pixel of a window is the resized image's.
+    fn window_of(src: &[u8], (w, h): (usize, usize), (ow, oh): (usize, usize), win: Window) {
+        let whole = resize_rgb(src, w, h, ow, oh, Filter::Bicubic);
+        let part = resize_crop_rgb(src, (w, h), (ow, oh), win, Filter::Bicubic);
+        let rows = win.y..win.y + win.height;
+        assert_eq!(
+            part,
+            cut(&whole, ow, rows, win.x..win.x + win.width),
+            "{w}x{h} -> {ow}x{oh}, {win:?}"
+        );
+    }
+
+    #[test]
+    fn a_window_of_a_resize_is_that_part_of_the_whole_resize() {
+        let (w, h) = (53, 41);
+        let src: Vec<u8> = (0..w * h * 3).map(|i| (i * 97 % 253) as u8).collect();
+        // both pass orders, up and down, one dimension kept, the whole image as the window
+        for (ow, oh) in [
+            (80, 60),
+            (20, 90),
+            (53, 10),
+            (90, 41),
+            (53, 41),
+            (30, 30),
+            (7, 3),
+        ] {
+            for (x, y) in [(0, 0), (ow / 3, oh / 4), (ow - ow / 2, oh - oh / 2)] {
+                let win = Window {
+                    x,
+                    y,
+                    width: (ow - x).min(ow / 2 + 1),
+                    height: (oh - y).min(oh / 2 + 1),
+                };
+                window_of(&src, (w, h), (ow, oh), win);
+            }
+            let all = Window {
+                x: 0,
+                y: 0,
+                width: ow,
+                height: oh,
+            };
+            window_of(&src, (w, h), (ow, oh), all);
+        }
+    }
+
     #[test]
     fn threads_give_the_same_bytes() {
         let (w, h) = (97, 61);
         let src: Vec<u8> = (0..w * h * 3).map(|i| (i * 37 % 251) as u8).collect();
         for (ow, oh) in [(150, 40), (40, 150), (97, 30), (60, 61)] {
+            let win = Window {
+                x: 1,
+                y: 2,
+                width: ow - 3,
+                height: oh - 2,
+            };
             for filter in [Filter::Bicubic, Filter::Bilinear] {
                 assert_eq!(
-                    resize_rgb_on(&src, (w, h), (ow, oh), filter, true),
-                    resize_rgb_on(&src, (w, h), (ow, oh), filter, false),
+                    resize_rgb_on(&src, (w, h), (ow, oh), win, filter, true),
+                    resize_rgb_on(&src, (w, h), (ow, oh), win, filter, false),
                     "{ow}x{oh} {filter:?}"
                 );
             }

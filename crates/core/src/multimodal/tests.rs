@@ -96,6 +96,22 @@ fn clip_pixels_match_the_processor() {
     }
 }
 
+/// A 1-pixel-wide image resizes (before its crop) to 336 x ~22M pixels: only the crop is
+/// computed, so it takes the memory of a square image, and its columns are the flat colour.
+#[test]
+fn a_thin_image_is_cropped_without_resizing_it_whole() {
+    let cfg = ClipConfig::default();
+    for (w, h) in [(1, 65_536), (65_536, 1), (3, 40_000)] {
+        let img = RgbImage::new(w, h, vec![200u8; w * h * 3]).expect("image");
+        let (rh, rw) = cfg.resized_size(h, w);
+        assert!(rh.max(rw) > 1_000_000 || w == 3, "{rw}x{rh}");
+        let got = cfg.preprocess(&img).expect("preprocess");
+        assert_eq!(got.len(), 3 * 336 * 336);
+        let first = got[0];
+        assert!(got[..336 * 336].iter().all(|&v| v == first), "{w}x{h}");
+    }
+}
+
 #[test]
 fn smart_resize_keeps_the_bounds() {
     let cfg = Qwen2VlConfig::default();
