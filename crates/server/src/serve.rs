@@ -60,12 +60,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
     });
     let api_key = args.api_key.clone().filter(|k| !k.is_empty());
     let seconds = |flag: &str, v: f64| {
-        if v.is_finite() && v > 0.0 {
-            Ok(Duration::from_secs_f64(v))
-        } else {
-            Err(anyhow::anyhow!(
+        // a value too large for a `Duration` (over ~5.8e11 years) is refused, not a panic
+        match Duration::try_from_secs_f64(v) {
+            Ok(d) if v > 0.0 => Ok(d),
+            _ => Err(anyhow::anyhow!(
                 "{flag} must be a positive number of seconds, got {v}"
-            ))
+            )),
         }
     };
     let limits = ConnLimits {
@@ -103,10 +103,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     edge.media.allowed_domains = args.allowed_media_domains.clone();
     edge.media.allowed_local_path = args.allowed_local_media_path.clone();
-    if !(args.media_fetch_timeout > 0.0 && args.media_fetch_timeout.is_finite()) {
-        anyhow::bail!("--media-fetch-timeout must be a positive number of seconds");
-    }
-    edge.media.fetch_timeout = std::time::Duration::from_secs_f64(args.media_fetch_timeout);
+    edge.media.fetch_timeout = seconds("--media-fetch-timeout", args.media_fetch_timeout)?;
     let state = Arc::new(AppState::new(name.clone(), api_key, edge));
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
