@@ -258,6 +258,16 @@ fn fixture_bytes() -> Vec<u8> {
     std::fs::read(gguf_path("qwen2-q8_0")).unwrap()
 }
 
+/// A seeded xorshift generator of the fuzz tests.
+fn xorshift(mut s: u64) -> impl FnMut() -> u64 {
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
 /// Where the header ends (the first tensor's data), found by parsing.
 fn header_len(bytes: &[u8]) -> usize {
     parse(bytes)
@@ -281,13 +291,7 @@ fn truncated_and_mangled_files_are_errors_not_panics() {
         assert!(parse(&bytes[..cut]).is_err(), "cut at {cut} parsed");
     }
     // a seeded fuzz of the header: flipped bytes, overwritten lengths
-    let mut s = 0x9e3779b97f4a7c15u64;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
+    let mut next = xorshift(0x9e3779b97f4a7c15);
     for _ in 0..3000 {
         let mut b = bytes[..hl.min(bytes.len())].to_vec();
         for _ in 0..1 + next() % 4 {
@@ -310,8 +314,14 @@ fn truncated_and_mangled_files_are_errors_not_panics() {
     ));
 }
 
-/// A minimal GGUF: the given metadata strings and one f32 tensor of 32 values (type `ty`).
+/// A minimal GGUF: the given metadata strings and one tensor of 256 values (type `ty`).
 fn tiny_gguf(meta: &[(&str, &str)], tensor: &str, ty: u32) -> Vec<u8> {
+    gguf_with(meta, tensor, &[256], ty, 0)
+}
+
+/// A GGUF of the given metadata strings and one tensor directory entry (`dims`, type `ty`,
+/// `offset`), followed by 1 KiB of data.
+fn gguf_with(meta: &[(&str, &str)], tensor: &str, dims: &[u64], ty: u32, offset: u64) -> Vec<u8> {
     let mut b = Vec::new();
     b.extend_from_slice(b"GGUF");
     b.extend_from_slice(&3u32.to_le_bytes());
@@ -327,10 +337,12 @@ fn tiny_gguf(meta: &[(&str, &str)], tensor: &str, ty: u32) -> Vec<u8> {
         s(&mut b, v);
     }
     s(&mut b, tensor);
-    b.extend_from_slice(&1u32.to_le_bytes());
-    b.extend_from_slice(&256u64.to_le_bytes());
+    b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+    for d in dims {
+        b.extend_from_slice(&d.to_le_bytes());
+    }
     b.extend_from_slice(&ty.to_le_bytes());
-    b.extend_from_slice(&0u64.to_le_bytes());
+    b.extend_from_slice(&offset.to_le_bytes());
     while !b.len().is_multiple_of(32) {
         b.push(0);
     }
@@ -373,4 +385,61 @@ fn unsupported_architectures_types_and_truncated_tensors_are_named() {
     assert!(e.contains("truncated") || e.contains("ends inside"), "{e}");
     let e = load_error(&[0u8; 64], "zeros");
     assert!(e.contains("GGUF"), "{e}");
+}
+
+/// Tensor directory entries whose sizes overflow a `usize` (a shape of 2^62 f32 values, q8_0
+/// blocks whose bytes pass 2^64) or whose offsets are huge are malformed files, not panics or
+/// wrapped sizes; a seeded fuzz of the entry's fields (dimension count, dimensions, type,
+/// offset) parses or fails cleanly.
+#[test]
+fn tensor_directories_with_huge_sizes_are_errors_not_panics() {
+    let meta = [("general.architecture", "llama")];
+    for (dims, ty) in [
+        (vec![1u64 << 62], 0u32),
+        (vec![32 << 59], 8),
+        (vec![1 << 32, 1 << 32], 0),
+        (vec![256, 1 << 60], 12),
+        (vec![u64::MAX], 0),
+    ] {
+        let b = gguf_with(&meta, "t", &dims, ty, 0);
+        assert!(
+            matches!(
+                parse(&b),
+                Err(GgufError::Malformed(_) | GgufError::Truncated(_))
+            ),
+            "{dims:?} type {ty}: {:?}",
+            parse(&b).map(|f| f.tensors.len())
+        );
+    }
+    for offset in [1u64 << 63, u64::MAX - 31, 31] {
+        assert!(parse(&gguf_with(&meta, "t", &[256], 0, offset)).is_err());
+    }
+    let edges = [
+        0u64,
+        1,
+        31,
+        32,
+        256,
+        1 << 31,
+        1 << 32,
+        1 << 59,
+        1 << 62,
+        u64::MAX,
+    ];
+    let mut next = xorshift(0x2545f4914f6cdd1d);
+    for _ in 0..4000 {
+        let n = (next() % 5) as usize;
+        let dims: Vec<u64> = (0..n)
+            .map(|_| edges[(next() % edges.len() as u64) as usize])
+            .collect();
+        let ty = (next() % 40) as u32;
+        let offset = edges[(next() % edges.len() as u64) as usize];
+        let b = gguf_with(&meta, "t", &dims, ty, offset);
+        if let Ok(f) = parse(&b) {
+            // whatever parsed lies inside the file
+            for t in f.tensors.values() {
+                assert!(t.start + t.len <= b.len(), "{dims:?} {ty} {offset}");
+            }
+        }
+    }
 }

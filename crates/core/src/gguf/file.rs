@@ -369,7 +369,9 @@ pub fn parse(buf: &[u8]) -> Result<Header, GgufError> {
                 dims[0]
             )));
         }
-        let len = elems / bs * dtype.type_size();
+        let len = (elems / bs).checked_mul(dtype.type_size()).ok_or_else(|| {
+            GgufError::Malformed(format!("tensor `{name}`: shape {dims:?} is too large"))
+        })?;
         let start = usize::try_from(offset)
             .ok()
             .filter(|o| o.is_multiple_of(alignment))
