@@ -11,8 +11,10 @@
 //!
 //! Prefix caching (`enable_prefix_caching`): a sequence admitted with nothing computed starts from
 //! the longest run of cached full blocks matching its known tokens (at least its last token is
-//! computed again, for the logits), and the blocks it computes are registered as they fill
-//! ([`Scheduler::complete_step`]). Sequences that ask for prompt logprobs compute every position
+//! computed again, for the logits). The full blocks a step will compute are registered when it
+//! is planned, so sequences admitted later in the same step share them (blocks whose tokens were
+//! still placeholders then are registered once known, at the latest when a step completes,
+//! [`Scheduler::complete_step`]). Sequences that ask for prompt logprobs compute every position
 //! (their rows need the logits), but still register their blocks for others.
 //!
 //! LoRA: the running sequences use at most `max_loras` distinct adapters (the device slots). A
@@ -214,6 +216,7 @@ impl Scheduler {
                 break;
             }
             out.add(id, num_computed, num_new, remaining, copies);
+            self.cache_planned(id, num_computed + num_new);
             budget -= num_new;
             i += 1;
         }
@@ -271,12 +274,16 @@ impl Scheduler {
                     break;
                 };
                 rows = left;
+                let looked_up = self.looks_up(id);
                 if let Some(s) = self.seqs.get_mut(&id) {
                     s.num_computed_tokens = num_computed;
                     if s.num_cached_tokens.is_none() {
                         s.num_cached_tokens = Some(hit.len() * self.cfg.block_size);
-                        self.prefix_counts.hits += (hit.len() * self.cfg.block_size) as u64;
-                        self.prefix_counts.queries += s.known_tokens().len() as u64;
+                        // vLLM's counters: only sequences that looked their prompt up
+                        if looked_up {
+                            self.prefix_counts.hits += (hit.len() * self.cfg.block_size) as u64;
+                            self.prefix_counts.queries += s.known_tokens().len() as u64;
+                        }
                     }
                 }
                 self.waiting.remove(pos);
@@ -291,6 +298,7 @@ impl Scheduler {
                     s.status = SeqStatus::Running;
                 }
                 out.add(id, num_computed, num_new, remaining, copies);
+                self.cache_planned(id, num_computed + num_new);
                 budget -= num_new;
             }
         }
@@ -349,21 +357,27 @@ impl Scheduler {
         steps <= LORA_PASS_STEPS
     }
 
+    /// Whether a waiting sequence looks its tokens up in the prefix cache: with caching on, from
+    /// nothing computed, and without prompt logprobs (whose rows need every position computed).
+    fn looks_up(&self, id: SeqId) -> bool {
+        self.cfg.enable_prefix_caching
+            && self
+                .seqs
+                .get(&id)
+                .is_some_and(|s| s.num_computed_tokens == 0 && s.meta.prompt_logprobs.is_none())
+    }
+
     /// The cached blocks a waiting sequence may start from: the longest run matching its full
     /// blocks of known tokens, short of its last token (computed again for its logits). Empty
-    /// with prefix caching off, for a sequence with computed tokens or one that asks for prompt
-    /// logprobs.
+    /// unless it [looks them up](Self::looks_up).
     fn cached_prefix(&mut self, id: SeqId) -> Vec<BlockId> {
         let bs = self.cfg.block_size;
+        if !self.looks_up(id) {
+            return Vec::new();
+        }
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Vec::new();
         };
-        if !self.cfg.enable_prefix_caching
-            || seq.num_computed_tokens > 0
-            || seq.meta.prompt_logprobs.is_some()
-        {
-            return Vec::new();
-        }
         seq.update_block_hashes(bs);
         let usable = seq.known_tokens().len().saturating_sub(1) / bs.max(1);
         let n = usable.min(seq.block_hashes.len());
@@ -382,6 +396,24 @@ impl Scheduler {
         let cut = *rows;
         *rows = 0;
         cut
+    }
+
+    /// With prefix caching, registers the full blocks of known tokens that `id` will hold once
+    /// its first `upto` tokens are computed, when the step is planned (as vLLM does at
+    /// allocation): a sequence admitted later in the same step starts from them instead of
+    /// computing them again, since every layer writes the step's keys and values before any row
+    /// attends. A step that is planned but not run must not leave them: the engine forgets the
+    /// cache when it fails a step.
+    fn cache_planned(&mut self, id: SeqId, upto: usize) {
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.update_block_hashes(bs);
+            self.kv
+                .cache_full_blocks(id, &seq.block_hashes, upto / bs.max(1));
+        }
     }
 
     fn preempt(&mut self, id: SeqId) {

@@ -427,6 +427,66 @@ fn a_shared_prefix_is_computed_once() {
 }
 
 #[test]
+fn sequences_admitted_in_one_step_share_the_blocks_it_computes() {
+    use crate::sequence::RequestMeta;
+    let mut s = caching(100, 32, 4);
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut other = prompt[..6].to_vec();
+    other.extend([50, 51, 52]);
+    add_tokens(&mut s, 1, &prompt, RequestMeta::default());
+    add_tokens(&mut s, 2, &prompt, RequestMeta::default());
+    add_tokens(&mut s, 3, &other, RequestMeta::default());
+    let o = s.schedule();
+    // 1 computes the blocks; 2 and 3, admitted after it in the same step, start from them
+    assert_eq!(
+        plan(&o),
+        vec![(1, 0, 10, true), (2, 8, 2, true), (3, 4, 5, true)]
+    );
+    let t1 = s.kv().block_table(SeqId(1)).to_vec();
+    assert_eq!(s.kv().block_table(SeqId(2))[..2], t1[..2]);
+    assert_eq!(s.kv().block_table(SeqId(3))[0], t1[0]);
+    assert_ne!(s.kv().block_table(SeqId(3))[1], t1[1]);
+    let counts = s.prefix_cache_counts();
+    assert_eq!((counts.queries, counts.hits), (10 + 10 + 9, 8 + 4));
+    finish_step(&mut s, &o);
+    // a prompt split over steps: the next step starts from the blocks its first chunk filled
+    let mut s = caching(6, 32, 4);
+    add_tokens(&mut s, 1, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 6, false)]);
+    finish_step(&mut s, &o);
+    add_tokens(&mut s, 2, &prompt, RequestMeta::default());
+    let o = s.schedule();
+    // 1's second chunk fills its second block in this step: 2 starts from both
+    assert_eq!(plan(&o), vec![(1, 6, 4, true), (2, 8, 2, true)]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn counters_count_only_sequences_that_look_their_prompt_up() {
+    use crate::sequence::RequestMeta;
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut off = Scheduler::new(cfg(100, 8, 32, 4));
+    add_tokens(&mut off, 1, &prompt, RequestMeta::default());
+    let o = off.schedule();
+    finish_step(&mut off, &o);
+    assert_eq!(off.prefix_cache_counts(), PrefixCacheCounts::default());
+    let mut s = caching(100, 32, 4);
+    add_tokens(
+        &mut s,
+        1,
+        &prompt,
+        RequestMeta {
+            prompt_logprobs: Some(1),
+            ..RequestMeta::default()
+        },
+    );
+    let o = s.schedule();
+    finish_step(&mut s, &o);
+    assert_eq!(s.prefix_cache_counts(), PrefixCacheCounts::default());
+}
+
+#[test]
 fn a_fully_cached_prompt_computes_its_last_token_again() {
     use crate::sequence::RequestMeta;
     let mut s = caching(100, 32, 4);

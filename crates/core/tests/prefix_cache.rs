@@ -45,7 +45,13 @@ fn submit(
 /// Runs prompt 0 alone, then prompts 1..count at once; every output.
 fn run(h: &EngineHandle, count: u32, p: &SamplingParams) -> Vec<RequestOutput> {
     let mut outs = vec![submit(h, prompt(0), p.clone(), None)];
-    let streams: Vec<_> = (1..count)
+    outs.extend(together(h, 1..count, p));
+    outs
+}
+
+/// The prompts `ids` submitted at once; every output.
+fn together(h: &EngineHandle, ids: std::ops::Range<u32>, p: &SamplingParams) -> Vec<RequestOutput> {
+    let streams: Vec<_> = ids
         .map(|i| {
             h.submit(EngineRequest {
                 prompt_token_ids: prompt(i),
@@ -57,8 +63,10 @@ fn run(h: &EngineHandle, count: u32, p: &SamplingParams) -> Vec<RequestOutput> {
             .expect("submitted")
         })
         .collect();
-    outs.extend(streams.into_iter().map(|s| s.wait().expect("finished")));
-    outs
+    streams
+        .into_iter()
+        .map(|s| s.wait().expect("finished"))
+        .collect()
 }
 
 fn assert_same(on: &[RequestOutput], off: &[RequestOutput]) {
@@ -80,6 +88,23 @@ fn assert_same(on: &[RequestOutput], off: &[RequestOutput]) {
             }
         }
     }
+}
+
+/// Requests sharing a prefix that arrive together with nothing cached: the first admitted
+/// computes the shared blocks and every other starts from them, whether admitted in the same
+/// step (the blocks are registered when the step is planned) or later; outputs are the cache
+/// off's.
+#[test]
+fn requests_arriving_together_start_from_the_prefix_the_first_computes() {
+    let off = start("llama3", |c| c.enable_prefix_caching = false);
+    let want = together(&off, 0..6, &params(8));
+    let on = start("llama3", |_| {});
+    let got = together(&on, 0..6, &params(8));
+    assert_same(&got, &want);
+    let cached: Vec<_> = got.iter().map(|o| o.num_cached_tokens).collect();
+    assert_eq!(cached[0], Some(0), "{cached:?}");
+    assert!(cached[1..].iter().all(|&c| c == Some(32)), "{cached:?}");
+    assert_sound(&on);
 }
 
 #[test]

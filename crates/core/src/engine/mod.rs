@@ -514,6 +514,12 @@ impl Engine {
         // tokens of the step before the failure are good: they go out first
         self.in_flight = None;
         self.settle();
+        // blocks registered for the failed step (or a step in flight) may never have been
+        // written: no later request may start from them
+        let forgotten = self.scheduler.reset_prefix_cache();
+        if forgotten > 0 {
+            tracing::warn!("the failed step's prefix cache ({forgotten} blocks) was dropped");
+        }
         for id in self.requests.ids() {
             for s in self.scheduler.abort_request(id) {
                 self.requests.release(s);
