@@ -313,12 +313,21 @@ impl EngineHandle {
     /// The adapter a request names, ready for the engine (read again from disk if it left host
     /// memory). An unknown name is [`EngineError::NotFound`].
     pub fn resolve_lora(&self, name: &str) -> Result<ResolvedLora, EngineError> {
-        match &self.info.lora {
-            Some(reg) => reg.resolve(name),
-            None => Err(EngineError::NotFound(format!(
-                "The model `{name}` does not exist."
-            ))),
-        }
+        self.registry_for(name)?.resolve(name)
+    }
+
+    /// [`Self::resolve_lora`] when that reads nothing from disk: `None` for an adapter that left
+    /// host memory (an async caller then resolves it on a blocking thread).
+    pub fn resolve_lora_in_memory(&self, name: &str) -> Result<Option<ResolvedLora>, EngineError> {
+        self.registry_for(name)?.resolve_in_memory(name)
+    }
+
+    /// The registry that may hold adapter `name`: without adapters every name is unknown.
+    fn registry_for(&self, name: &str) -> Result<&Arc<LoraRegistry>, EngineError> {
+        self.info
+            .lora
+            .as_ref()
+            .ok_or_else(|| EngineError::NotFound(format!("The model `{name}` does not exist.")))
     }
 
     /// The adapter registry, or an error saying adapters are off.
@@ -338,12 +347,25 @@ impl EngineHandle {
         self.lora_registry()?.unload(name)
     }
 
-    /// Validates and queues a request; its outputs arrive on the returned stream.
+    /// Validates and queues a request; its outputs arrive on the returned stream. The adapter it
+    /// names is resolved here, which may read it from disk ([`Self::submit_resolved`] takes it
+    /// resolved).
     pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+        self.submit_resolved(req, None)
+    }
+
+    /// [`Self::submit`] with the adapter the request names already resolved (by
+    /// [`Self::resolve_lora`]); `None` resolves it here.
+    pub fn submit_resolved(
+        &self,
+        req: EngineRequest,
+        resolved: Option<ResolvedLora>,
+    ) -> Result<OutputStream, EngineError> {
         self.validate(&req)?;
-        let lora = match &req.lora {
-            Some(name) => Some(self.resolve_lora(name)?),
-            None => None,
+        let lora = match (&req.lora, resolved) {
+            (None, _) => None,
+            (Some(_), Some(r)) => Some(r),
+            (Some(name), None) => Some(self.resolve_lora(name)?),
         };
         let grammar = self.compile_grammar(&req.params)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));

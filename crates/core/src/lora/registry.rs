@@ -145,20 +145,9 @@ impl LoraRegistry {
 
     /// The adapter `name` for a request, read again from its directory if it left host memory.
     pub fn resolve(&self, name: &str) -> Result<ResolvedLora, EngineError> {
-        let missing = || EngineError::NotFound(format!("The model `{name}` does not exist."));
-        let (id, path) = {
-            let mut g = self.lock()?;
-            g.tick += 1;
-            let tick = g.tick;
-            let e = g.by_name.get_mut(name).ok_or_else(missing)?;
-            e.last_used = tick;
-            if let Some(a) = &e.data {
-                return Ok(ResolvedLora {
-                    id: e.id,
-                    adapter: a.clone(),
-                });
-            }
-            (e.id, e.path.clone())
+        let (id, path) = match self.lookup(name)? {
+            Ok(held) => return Ok(held),
+            Err(gone) => gone,
         };
         let adapter = Arc::new(self.read(name, &path)?);
         let mut g = self.lock()?;
@@ -167,6 +156,35 @@ impl LoraRegistry {
         }
         Self::trim(&mut g, self.opts.max_cpu_loras);
         Ok(ResolvedLora { id, adapter })
+    }
+
+    /// The adapter `name` if its matrices are in host memory (`None` when resolving it would
+    /// read its directory), marked as used.
+    pub fn resolve_in_memory(&self, name: &str) -> Result<Option<ResolvedLora>, EngineError> {
+        Ok(self.lookup(name)?.ok())
+    }
+
+    /// Marks `name` used and gives its matrices if in host memory, else its id and directory.
+    /// An unknown name is [`EngineError::NotFound`].
+    fn lookup(
+        &self,
+        name: &str,
+    ) -> Result<Result<ResolvedLora, (AdapterId, PathBuf)>, EngineError> {
+        let mut g = self.lock()?;
+        g.tick += 1;
+        let tick = g.tick;
+        let e = g
+            .by_name
+            .get_mut(name)
+            .ok_or_else(|| EngineError::NotFound(format!("The model `{name}` does not exist.")))?;
+        e.last_used = tick;
+        Ok(match &e.data {
+            Some(a) => Ok(ResolvedLora {
+                id: e.id,
+                adapter: a.clone(),
+            }),
+            None => Err((e.id, e.path.clone())),
+        })
     }
 
     /// Drops the host copies of the least recently used adapters beyond `keep`.
@@ -240,5 +258,61 @@ impl LoraRegistry {
             .iter()
             .find(|(_, e)| e.id == id)
             .map(|(n, _)| n.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../adapters/fixtures")
+            .join(name)
+    }
+
+    /// The tiny llama3 fixture's shape, which the llama3 adapters fit.
+    fn registry(max_cpu_loras: usize) -> LoraRegistry {
+        let base = BaseShape {
+            layers: 2,
+            hidden: 64,
+            intermediate: 128,
+            q_out: 64,
+            kv_out: 32,
+        };
+        let opts = LoraOptions {
+            max_loras: 1,
+            max_rank: 16,
+            max_cpu_loras,
+        };
+        LoraRegistry::new(opts, base)
+    }
+
+    #[test]
+    fn host_copies_beyond_the_limit_go_least_recently_used_first_and_come_back_on_use() {
+        let r = registry(2);
+        let names = ["a", "b", "c"];
+        let dirs = ["llama3-r8-qv", "llama3-r4-all", "llama3-r16-rslora-mlp"];
+        for (n, d) in names.iter().zip(dirs) {
+            r.load(n, &fixture(d)).expect("loads");
+        }
+        // loading c dropped a, the least recently used
+        assert_eq!(r.in_host_memory(), ["b", "c"]);
+        assert!(r.resolve_in_memory("a").expect("known").is_none());
+        // using b makes c the least recently used: reading a again drops c
+        assert!(r.resolve_in_memory("b").expect("known").is_some());
+        let a = r.resolve("a").expect("read again");
+        assert_eq!(a.adapter.max_rank(), 8);
+        assert_eq!(r.in_host_memory(), ["a", "b"]);
+        // the same id as when it was loaded: slots and cache keys stay valid
+        assert_eq!(
+            Some(a.id),
+            r.list().iter().find(|i| i.name == "a").map(|i| i.id)
+        );
+        assert!(matches!(
+            r.resolve_in_memory("nope"),
+            Err(EngineError::NotFound(_))
+        ));
+        assert!(matches!(r.resolve("nope"), Err(EngineError::NotFound(_))));
     }
 }

@@ -321,13 +321,15 @@ pub async fn chat_completions(
         })
         .await?;
     let samples = params.n;
-    let tracked = st.submit(EngineRequest {
-        prompt_token_ids: prompt_ids,
-        params,
-        lora: adapter.clone(),
-        cache_salt,
-        mm,
-    })?;
+    let tracked = st
+        .submit(EngineRequest {
+            prompt_token_ids: prompt_ids,
+            params,
+            lora: adapter.clone(),
+            cache_salt,
+            mm,
+        })
+        .await?;
     if stream {
         return Ok(sse_response(
             fmt,

@@ -181,7 +181,8 @@ pub async fn completions(
         });
     }
     let tracked: Vec<(Tracked, usize, usize)> = st
-        .submit_all(reqs)?
+        .submit_all(reqs)
+        .await?
         .into_iter()
         .enumerate()
         .map(|(i, t)| (t, i * samples, samples))

@@ -21,6 +21,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use rserve_core::lora::ResolvedLora;
 use rserve_core::{EngineHandle, EngineRequest};
 use serde::de::DeserializeOwned;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -234,10 +235,17 @@ impl AppState {
 
     /// Submits validated requests, all or none: refused with 503 when they would take the
     /// pending count past `max_pending`.
-    pub fn submit_all(
+    pub async fn submit_all(
         self: &Arc<Self>,
         reqs: Vec<EngineRequest>,
     ) -> Result<Vec<stream::Tracked>, ApiError> {
+        let mut adapters: Vec<(String, ResolvedLora)> = Vec::new();
+        for name in reqs.iter().filter_map(|r| r.lora.as_ref()) {
+            if !adapters.iter().any(|(n, _)| n == name) {
+                let resolved = self.resolve_adapter(name.clone()).await?;
+                adapters.push((name.clone(), resolved));
+            }
+        }
         let engine = self.engine()?;
         let k = reqs.len();
         let before = self.pending.fetch_add(k, Ordering::AcqRel);
@@ -251,15 +259,30 @@ impl AppState {
         let mut out = Vec::with_capacity(k);
         for req in reqs {
             let prompt_len = req.prompt_token_ids.len();
-            let s = engine.submit(req)?;
+            let resolved = adapters
+                .iter()
+                .find(|(n, _)| Some(n) == req.lora.as_ref())
+                .map(|(_, r)| r.clone());
+            let s = engine.submit_resolved(req, resolved)?;
             out.push(slots.take(s, prompt_len));
         }
         Ok(out)
     }
 
+    /// The adapter `name`: at once when its matrices are in host memory, else read from its
+    /// directory on the blocking pool (`--max-cpu-loras` dropped it), never on this thread.
+    async fn resolve_adapter(self: &Arc<Self>, name: String) -> Result<ResolvedLora, ApiError> {
+        let engine = self.engine()?.clone();
+        if let Some(held) = engine.resolve_lora_in_memory(&name)? {
+            return Ok(held);
+        }
+        self.blocking(move || engine.resolve_lora(&name).map_err(ApiError::from))
+            .await
+    }
+
     /// [`AppState::submit_all`] for one request.
-    pub fn submit(self: &Arc<Self>, req: EngineRequest) -> Result<stream::Tracked, ApiError> {
-        let mut v = self.submit_all(vec![req])?;
+    pub async fn submit(self: &Arc<Self>, req: EngineRequest) -> Result<stream::Tracked, ApiError> {
+        let mut v = self.submit_all(vec![req]).await?;
         v.pop()
             .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "nothing submitted"))
     }

@@ -319,13 +319,15 @@ pub async fn responses(
     let (_, prompt_ids) = st
         .blocking(move || chat_prompt(&work, &msgs, true, None, None))
         .await?;
-    let tracked = st.submit(EngineRequest {
-        prompt_token_ids: prompt_ids,
-        params,
-        lora: adapter.clone(),
-        cache_salt: None,
-        mm: None,
-    })?;
+    let tracked = st
+        .submit(EngineRequest {
+            prompt_token_ids: prompt_ids,
+            params,
+            lora: adapter.clone(),
+            cache_salt: None,
+            mm: None,
+        })
+        .await?;
     let head = Head {
         id: format!("resp_{}", super::misc::random_id()),
         msg_id: format!("msg_{}", super::misc::random_id()),
