@@ -1,9 +1,9 @@
-//! Qwen2.5-VL and LLaVA parity with transformers (`tests/fixtures/make_vl_models.py`): the prompt rserve
-//! builds from a conversation with images (chat template, tokenizer, placeholder expansion)
-//! equals the processor's `input_ids`, the M-RoPE positions equal `get_rope_index`'s, the
-//! encoder's features match, and greedy decoding gives the same tokens with logprobs within
-//! 1e-4, for prompts with 0, 1 and 2 images alone, together, and prefilled in chunks that end
-//! inside images.
+//! Qwen2.5-VL, Qwen2-VL and LLaVA parity with transformers (`tests/fixtures/make_vl_models.py`):
+//! the prompt rserve builds from a conversation with images (chat template, tokenizer,
+//! placeholder expansion) equals the processor's `input_ids`, the M-RoPE positions equal
+//! `get_rope_index`'s, the encoder's features match, and greedy decoding gives the same tokens
+//! with logprobs within 1e-4, for prompts with 0, 1 and 2 images alone, together, and prefilled in
+//! chunks that end inside images.
 
 mod common;
 
@@ -13,7 +13,7 @@ use rserve_core::{EngineHandle, EngineRequest, SamplingParams};
 use serde::Deserialize;
 use std::sync::Arc;
 
-const MODELS: [&str; 2] = ["qwen2_5_vl", "llava"];
+const MODELS: [&str; 3] = ["qwen2_5_vl", "qwen2_vl", "llava"];
 
 #[derive(Deserialize)]
 struct VlGolden {

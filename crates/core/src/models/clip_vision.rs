@@ -5,7 +5,7 @@
 //! the end when negative), so later blocks are not loaded.
 
 use super::layers::linear::Linear;
-use super::layers::vision::{LayerNorm, SegmentPlan};
+use super::layers::vision::{LayerNorm, SegmentPlan, VitAct, VitMlp};
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
@@ -50,19 +50,12 @@ impl ClipVisionConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Act {
-    QuickGelu,
-    Gelu,
-}
-
 struct Block {
     layer_norm1: LayerNorm,
     qkv: Linear, // [3 * hidden, hidden]: q, k, v rows
     out_proj: Linear,
     layer_norm2: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    mlp: VitMlp,
 }
 
 /// The tower up to the block LLaVA reads.
@@ -73,7 +66,6 @@ pub struct ClipVision {
     position_embedding: Tensor, // [patches + 1, hidden]
     pre_layrnorm: LayerNorm,
     blocks: Vec<Block>,
-    act: Act,
 }
 
 impl ClipVision {
@@ -87,15 +79,7 @@ impl ClipVision {
             field: "vision_config".into(),
             reason,
         };
-        let act = match cfg.hidden_act.as_str() {
-            "quick_gelu" => Act::QuickGelu,
-            "gelu" => Act::Gelu,
-            a => {
-                return Err(bad(format!(
-                    "hidden_act `{a}` is not supported (quick_gelu, gelu)"
-                )))
-            }
-        };
+        let act = VitAct::parse(&cfg.hidden_act)?;
         let (d, p, c) = (cfg.hidden_size, cfg.patch_size, cfg.num_channels);
         if cfg.num_attention_heads == 0 || !d.is_multiple_of(cfg.num_attention_heads) {
             return Err(bad(
@@ -135,8 +119,7 @@ impl ClipVision {
                 )?,
                 out_proj: Linear::load(&a.pp("out_proj"), d, d, true)?,
                 layer_norm2: LayerNorm::load(&b.pp("layer_norm2"), d, eps)?,
-                fc1: Linear::load(&b.pp("mlp").pp("fc1"), d, cfg.intermediate_size, true)?,
-                fc2: Linear::load(&b.pp("mlp").pp("fc2"), cfg.intermediate_size, d, true)?,
+                mlp: VitMlp::load(&b.pp("mlp"), d, cfg.intermediate_size, act)?,
             });
         }
         Ok(Self {
@@ -146,7 +129,6 @@ impl ClipVision {
             class_embedding,
             position_embedding,
             blocks,
-            act,
         })
     }
 
@@ -184,12 +166,7 @@ impl ClipVision {
                 .reshape((images * per, 3 * heads, d / heads))?;
             let a = plan.attend(&qkv, heads)?;
             x = (x + b.out_proj.forward(&a, &ctx)?)?;
-            let h = b.fc1.forward(&b.layer_norm2.forward(&x)?, &ctx)?;
-            let h = match self.act {
-                Act::QuickGelu => (&h * candle_nn::ops::sigmoid(&(&h * 1.702)?)?)?,
-                Act::Gelu => h.gelu_erf()?,
-            };
-            x = (&x + b.fc2.forward(&h, &ctx)?)?;
+            x = (&x + b.mlp.forward(&b.layer_norm2.forward(&x)?, &ctx)?)?;
         }
         x.reshape((images, per, d))
     }

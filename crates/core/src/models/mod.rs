@@ -209,6 +209,12 @@ pub const REGISTRY: &[Architecture] = &[
         build: qwen2_5_vl::build,
         processor: Some(qwen2_5_vl::processor),
     },
+    Architecture {
+        name: "Qwen2VLForConditionalGeneration",
+        config: qwen2_5_vl::config,
+        build: qwen2_5_vl::build,
+        processor: Some(qwen2_5_vl::processor),
+    },
 ];
 
 /// Names of the supported architectures, for error messages.

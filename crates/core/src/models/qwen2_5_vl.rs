@@ -1,11 +1,12 @@
-//! `Qwen2_5_VLForConditionalGeneration`: the Qwen2 decoder (q/k/v biases, M-RoPE) behind the
-//! vision encoder of [`super::qwen2_5_vl_vision`]. The decoder is the shared one; this file maps
+//! `Qwen2_5_VLForConditionalGeneration` and `Qwen2VLForConditionalGeneration`: the Qwen2 decoder
+//! (q/k/v biases, M-RoPE) behind the vision encoder of [`super::qwen2_5_vl_vision`] (the two
+//! differ only in the encoder's blocks and config). The decoder is the shared one; this file maps
 //! the config (flat as published, or with a nested `text_config`), loads the encoder from
 //! `visual.*` and reads the processor settings from `preprocessor_config.json`.
 
 use super::layers::decoder::Decoder;
 use super::qwen2::qwen_windows;
-use super::qwen2_5_vl_vision::{Qwen25Vision, VisionConfig};
+use super::qwen2_5_vl_vision::{Qwen25Vision, Qwen2VisionConfig, VisionConfig};
 use super::{DecoderConfig, HfConfig, ImageEncoder, Model, WithVision};
 use crate::load_error::LoadError;
 use crate::multimodal::qwen2_vl::Qwen2VlConfig;
@@ -15,10 +16,20 @@ use candle_core::{Result, Tensor};
 use std::path::Path;
 
 const ARCH: &str = "Qwen2_5_VLForConditionalGeneration";
+const ARCH_QWEN2: &str = "Qwen2VLForConditionalGeneration";
+
+/// The architecture of `c`: Qwen2-VL when it names that one (and not Qwen2.5-VL) first.
+fn arch(c: &HfConfig) -> &'static str {
+    let names = c.architectures.as_deref().unwrap_or_default();
+    match names.iter().find(|n| *n == ARCH || *n == ARCH_QWEN2) {
+        Some(n) if n == ARCH_QWEN2 => ARCH_QWEN2,
+        _ => ARCH,
+    }
+}
 
 pub fn config(c: &HfConfig) -> std::result::Result<DecoderConfig, LoadError> {
     let text = c.text()?;
-    let mut d = text.base_decoder(ARCH)?;
+    let mut d = text.base_decoder(arch(c))?;
     d.qkv_bias = true;
     d.sliding_window = qwen_windows(&text, d.num_layers);
     d.mrope_section = text.mrope_section()?;
@@ -27,10 +38,15 @@ pub fn config(c: &HfConfig) -> std::result::Result<DecoderConfig, LoadError> {
 
 fn vision_config(c: &HfConfig) -> std::result::Result<VisionConfig, LoadError> {
     let v = c.vision_config.clone().unwrap_or_default();
-    serde_json::from_value(v).map_err(|e| LoadError::Config {
+    let bad = |e: serde_json::Error| LoadError::Config {
         field: "vision_config".into(),
         reason: e.to_string(),
-    })
+    };
+    if arch(c) == ARCH_QWEN2 {
+        let q: Qwen2VisionConfig = serde_json::from_value(v).map_err(bad)?;
+        return Ok(q.into());
+    }
+    serde_json::from_value(v).map_err(bad)
 }
 
 /// The vision encoder (the decoder is the shared one, see [`WithVision`]).

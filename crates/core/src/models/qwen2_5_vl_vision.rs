@@ -1,20 +1,21 @@
-//! Qwen2.5-VL's vision encoder: patch embedding (a 3-D convolution whose stride equals its
-//! kernel, so one matrix product over flattened patches), blocks of RMSNorm, attention with a
-//! 2-D rotary embedding and a gated MLP, then the merger that folds each 2x2 group of patches
-//! into one token of the language model's width.
+//! The vision encoder of Qwen2.5-VL and of Qwen2-VL: patch embedding (a 3-D convolution whose
+//! stride equals its kernel, so one matrix product over flattened patches), blocks of a norm,
+//! attention with a 2-D rotary embedding and an MLP, then the merger that folds each 2x2 group of
+//! patches into one token of the language model's width. Qwen2.5-VL's blocks use RMSNorm and a
+//! gated SiLU MLP; Qwen2-VL's use LayerNorm and a two-layer QuickGELU MLP, and attend over whole
+//! images in every block.
 //!
-//! Most blocks attend within windows of `window_size` pixels (8x8 patches for the released
-//! models); `fullatt_block_indexes` attend over whole images. The patches are reordered once so
-//! that each window is contiguous, the attention runs per segment (segments of one length are
-//! batched into one product, which runs on tensor cores on a GPU), and the merger's output is put
-//! back in the processor's order. Long segments are processed in query chunks to bound the score
-//! matrix.
+//! Most Qwen2.5-VL blocks attend within windows of `window_size` pixels (8x8 patches for the
+//! released models); `fullatt_block_indexes` attend over whole images. The patches are reordered
+//! once so that each window is contiguous, the attention runs per segment (segments of one length
+//! are batched into one product, which runs on tensor cores on a GPU), and the merger's output is
+//! put back in the processor's order. Long segments are processed in query chunks to bound the
+//! score matrix.
 
 use super::layers::linear::Linear;
 use super::layers::mlp::Mlp;
 use super::layers::norm::RmsNorm;
-use super::layers::vision::Profile;
-use super::layers::vision::SegmentPlan;
+use super::layers::vision::{LayerNorm, Profile, SegmentPlan, VitAct, VitMlp};
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
@@ -38,6 +39,76 @@ pub struct VisionConfig {
     #[serde(alias = "in_channels")]
     pub in_chans: usize,
     pub hidden_act: String,
+    /// Which tower the blocks are (not in the file: set from the architecture).
+    #[serde(skip)]
+    pub family: Family,
+}
+
+/// The two towers' blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Family {
+    /// RMSNorm, gated SiLU MLP, windowed attention.
+    #[default]
+    Qwen25,
+    /// LayerNorm, `fc1`/`fc2` MLP, full attention.
+    Qwen2,
+}
+
+/// `vision_config` of a Qwen2-VL checkpoint (defaults: the released 7B tower). Its `hidden_size`
+/// is the language model's width (the merger's output); the tower is `embed_dim` wide.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Qwen2VisionConfig {
+    pub depth: usize,
+    pub embed_dim: usize,
+    pub hidden_size: usize,
+    pub mlp_ratio: f64,
+    pub num_heads: usize,
+    #[serde(alias = "in_channels")]
+    pub in_chans: usize,
+    pub patch_size: usize,
+    pub spatial_merge_size: usize,
+    pub temporal_patch_size: usize,
+    pub hidden_act: String,
+}
+
+impl Default for Qwen2VisionConfig {
+    fn default() -> Self {
+        Self {
+            depth: 32,
+            embed_dim: 1280,
+            hidden_size: 3584,
+            mlp_ratio: 4.0,
+            num_heads: 16,
+            in_chans: 3,
+            patch_size: 14,
+            spatial_merge_size: 2,
+            temporal_patch_size: 2,
+            hidden_act: "quick_gelu".into(),
+        }
+    }
+}
+
+impl From<Qwen2VisionConfig> for VisionConfig {
+    /// Every block attends over whole images (the windows are single merged groups, never used).
+    fn from(c: Qwen2VisionConfig) -> Self {
+        Self {
+            depth: c.depth,
+            hidden_size: c.embed_dim,
+            // as transformers sizes it: int(embed_dim * mlp_ratio)
+            intermediate_size: (c.embed_dim as f64 * c.mlp_ratio) as usize,
+            num_heads: c.num_heads,
+            out_hidden_size: c.hidden_size,
+            patch_size: c.patch_size,
+            spatial_merge_size: c.spatial_merge_size,
+            temporal_patch_size: c.temporal_patch_size,
+            window_size: c.spatial_merge_size * c.patch_size,
+            fullatt_block_indexes: (0..c.depth).collect(),
+            in_chans: c.in_chans,
+            hidden_act: c.hidden_act,
+            family: Family::Qwen2,
+        }
+    }
 }
 
 impl Default for VisionConfig {
@@ -55,6 +126,7 @@ impl Default for VisionConfig {
             fullatt_block_indexes: vec![7, 15, 23, 31],
             in_chans: 3,
             hidden_act: "silu".into(),
+            family: Family::Qwen25,
         }
     }
 }
@@ -73,8 +145,14 @@ impl VisionConfig {
             field: "vision_config".into(),
             reason: reason.into(),
         };
-        if self.hidden_act != "silu" {
-            return Err(bad("only a silu MLP is supported"));
+        match self.family {
+            Family::Qwen25 if self.hidden_act != "silu" => {
+                return Err(bad("only a silu MLP is supported"));
+            }
+            Family::Qwen2 => {
+                VitAct::parse(&self.hidden_act)?;
+            }
+            Family::Qwen25 => {}
         }
         if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(bad("hidden_size must be a multiple of num_heads"));
@@ -92,12 +170,57 @@ impl VisionConfig {
     }
 }
 
+/// A block's (or the merger's) norm: RMSNorm (Qwen2.5-VL) or LayerNorm (Qwen2-VL), eps 1e-6.
+enum Norm {
+    Rms(RmsNorm),
+    Layer(LayerNorm),
+}
+
+impl Norm {
+    fn load(w: &Weights, dim: usize, family: Family) -> std::result::Result<Self, LoadError> {
+        Ok(match family {
+            Family::Qwen25 => Self::Rms(RmsNorm::load(w, dim, 1e-6)?),
+            Family::Qwen2 => Self::Layer(LayerNorm::load(w, dim, 1e-6)?),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Rms(n) => n.forward(x),
+            Self::Layer(n) => n.forward(x),
+        }
+    }
+
+    /// `(x + residual, norm(x + residual))` (one kernel for RMSNorm on GPUs).
+    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self {
+            Self::Rms(n) => n.forward_add(x, residual),
+            Self::Layer(n) => n.forward_add(x, residual),
+        }
+    }
+}
+
+/// A block's MLP: gated SiLU (Qwen2.5-VL) or `fc2(act(fc1(x)))` (Qwen2-VL).
+enum BlockMlp {
+    Gated(Mlp),
+    Plain(VitMlp),
+}
+
+impl BlockMlp {
+    fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        match self {
+            Self::Gated(m) => m.forward(x, ctx),
+            Self::Plain(m) => m.forward(x, ctx),
+        }
+    }
+}
+
 struct Block {
-    norm1: RmsNorm,
+    norm1: Norm,
     qkv: Linear, // [3 * hidden, hidden]
     proj: Linear,
-    norm2: RmsNorm,
-    mlp: Mlp,
+    norm2: Norm,
+    mlp: BlockMlp,
     full: bool,
 }
 
@@ -106,7 +229,7 @@ pub struct Qwen25Vision {
     cfg: VisionConfig,
     patch_embed: Tensor, // [hidden, patch_dim]
     blocks: Vec<Block>,
-    ln_q: RmsNorm,
+    ln_q: Norm,
     merger_in: Linear,  // [4 * hidden, 4 * hidden]
     merger_out: Linear, // [out_hidden, 4 * hidden]
     inv_freq: Vec<f32>, // [head_dim / 4]
@@ -145,16 +268,27 @@ impl Qwen25Vision {
                 name: w.name_of("patch_embed.proj.weight"),
                 reason: e.to_string(),
             })?;
+        let family = cfg.family;
         let mut blocks = Vec::with_capacity(cfg.depth);
         for i in 0..cfg.depth {
             let b = w.pp("blocks").pp(i);
+            let inter = cfg.intermediate_size;
+            let mlp = match family {
+                // 3420 wide in the released towers: padded to whole 16-byte vectors
+                Family::Qwen25 => {
+                    BlockMlp::Gated(Mlp::load_padded(&b.pp("mlp"), hid, inter, true, 8)?)
+                }
+                Family::Qwen2 => {
+                    let act = VitAct::parse(&cfg.hidden_act)?;
+                    BlockMlp::Plain(VitMlp::load(&b.pp("mlp"), hid, inter, act)?)
+                }
+            };
             blocks.push(Block {
-                norm1: RmsNorm::load(&b.pp("norm1"), hid, 1e-6)?,
+                norm1: Norm::load(&b.pp("norm1"), hid, family)?,
                 qkv: Linear::load(&b.pp("attn").pp("qkv"), hid, 3 * hid, true)?,
                 proj: Linear::load(&b.pp("attn").pp("proj"), hid, hid, true)?,
-                norm2: RmsNorm::load(&b.pp("norm2"), hid, 1e-6)?,
-                // 3420 wide in the released towers: padded to whole 16-byte vectors
-                mlp: Mlp::load_padded(&b.pp("mlp"), hid, cfg.intermediate_size, true, 8)?,
+                norm2: Norm::load(&b.pp("norm2"), hid, family)?,
+                mlp,
                 full: cfg.fullatt_block_indexes.contains(&i),
             });
         }
@@ -165,7 +299,7 @@ impl Qwen25Vision {
             .map(|i| 1.0 / 10000f32.powf((2 * i) as f32 / quarter as f32))
             .collect();
         Ok(Self {
-            ln_q: RmsNorm::load(&m.pp("ln_q"), hid, 1e-6)?,
+            ln_q: Norm::load(&m.pp("ln_q"), hid, family)?,
             merger_in: Linear::load(&m.pp("mlp").pp(0), wide, wide, true)?,
             merger_out: Linear::load(&m.pp("mlp").pp(2), wide, cfg.out_hidden_size, true)?,
             cfg,

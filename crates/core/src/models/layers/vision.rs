@@ -1,6 +1,9 @@
 //! Pieces the vision encoders share: bidirectional attention within segments of a flattened
-//! batch (each image, or each window of one) and LayerNorm with a bias.
+//! batch (each image, or each window of one), LayerNorm with a bias and the two-layer MLP of
+//! ViTs (CLIP's, Qwen2-VL's).
 
+use super::linear::Linear;
+use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
 use candle_core::{Device, Result, Tensor};
@@ -73,5 +76,70 @@ impl LayerNorm {
     /// Normalises over the last dimension.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         candle_nn::ops::layer_norm(&x.contiguous()?, &self.weight, &self.bias, self.eps)
+    }
+
+    /// `(x + residual, norm(x + residual))`.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        let sum = (x + residual)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
+}
+
+/// The activation between a ViT MLP's two layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VitAct {
+    /// `x * sigmoid(1.702 x)` (CLIP's and Qwen2-VL's `quick_gelu`).
+    QuickGelu,
+    /// The exact (erf) GELU.
+    Gelu,
+}
+
+impl VitAct {
+    /// A config's `hidden_act`; anything else is a config error naming it.
+    pub fn parse(name: &str) -> std::result::Result<Self, LoadError> {
+        match name {
+            "quick_gelu" => Ok(Self::QuickGelu),
+            "gelu" => Ok(Self::Gelu),
+            a => Err(LoadError::Config {
+                field: "vision_config".into(),
+                reason: format!("hidden_act `{a}` is not supported (quick_gelu, gelu)"),
+            }),
+        }
+    }
+
+    pub fn forward(self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::QuickGelu => h * candle_nn::ops::sigmoid(&(h * 1.702)?)?,
+            Self::Gelu => h.gelu_erf(),
+        }
+    }
+}
+
+/// A ViT's MLP: `fc2(act(fc1(x)))`, both with biases.
+pub struct VitMlp {
+    fc1: Linear, // [intermediate, hidden]
+    fc2: Linear, // [hidden, intermediate]
+    act: VitAct,
+}
+
+impl VitMlp {
+    /// `fc1` and `fc2` under `w`.
+    pub fn load(
+        w: &Weights,
+        hidden: usize,
+        intermediate: usize,
+        act: VitAct,
+    ) -> std::result::Result<Self, LoadError> {
+        Ok(Self {
+            fc1: Linear::load(&w.pp("fc1"), hidden, intermediate, true)?,
+            fc2: Linear::load(&w.pp("fc2"), intermediate, hidden, true)?,
+            act,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, ctx: &LayerCtx<'_>) -> Result<Tensor> {
+        let h = self.act.forward(&self.fc1.forward(x, ctx)?)?;
+        self.fc2.forward(&h, ctx)
     }
 }
