@@ -334,8 +334,17 @@ fn read_tensors(path: &Path) -> candle_core::Result<HashMap<String, Tensor>> {
                 ),
             };
             let [lo, hi] = e.data_offsets;
-            let count: usize = e.shape.iter().product();
-            if hi < lo || hi - lo != (count * dtype.size_in_bytes()) as u64 || start + hi > size {
+            // a header's shape and offsets are the file's word: sizes that overflow are lies
+            let bytes_wanted = e
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|c| c.checked_mul(dtype.size_in_bytes()))
+                .and_then(|b| u64::try_from(b).ok());
+            if hi < lo
+                || Some(hi - lo) != bytes_wanted
+                || start.checked_add(hi).is_none_or(|end| end > size)
+            {
                 return Err(bad(format!(
                     "`{name}`: bytes {lo}..{hi} for shape {:?}",
                     e.shape
@@ -658,5 +667,34 @@ mod tests {
             parse_name("base_model.model.model.layers.0.mlp.up_proj.lora_A.a.b.weight"),
             None
         );
+    }
+
+    /// A safetensors file whose header claims sizes past `usize` (a shape of 2^62 x 8, offsets
+    /// near 2^64) is refused as malformed, never an overflow.
+    #[test]
+    fn headers_with_huge_sizes_are_refused() {
+        let dir = std::env::temp_dir().join(format!("rserve-peft-huge-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.join("adapter_model.safetensors");
+        for (shape, offsets) in [
+            ("[4611686018427387904, 8]", "[0, 0]"),
+            ("[2, 2]", "[18446744073709551600, 18446744073709551615]"),
+            ("[2, 2]", "[0, 18446744073709551615]"),
+            ("[18446744073709551615, 18446744073709551615]", "[0, 16]"),
+        ] {
+            let header = format!(
+                r#"{{"a": {{"dtype": "F32", "shape": {shape}, "data_offsets": {offsets}}}}}"#
+            );
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(header.as_bytes());
+            bytes.extend_from_slice(&[0u8; 16]);
+            std::fs::write(&path, &bytes).unwrap_or_else(|e| panic!("{e}"));
+            let e = read_tensors(&path).expect_err(shape);
+            assert!(
+                e.to_string().contains("not a safetensors file"),
+                "{shape}: {e}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
