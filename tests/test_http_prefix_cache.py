@@ -99,6 +99,22 @@ def test_salts_are_checked_and_keep_requests_apart(http: httpx.Client) -> None:
     assert_still_serving(http)
 
 
+def test_responses_take_a_salt(http: httpx.Client) -> None:
+    text = " ".join(f"respond{i}" for i in range(12))
+
+    def cached(**kw) -> int:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": text, "max_output_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="r-a")
+    assert cached(cache_salt="r-b") == 0
+    assert cached(cache_salt="r-a") > 0
+    r = http.post("/v1/responses", json={"model": MODEL, "input": text, "cache_salt": ""})
+    assert_error(r, 400, "cache_salt", param="cache_salt")
+    assert_still_serving(http)
+
+
 def test_a_reset_empties_the_cache(http: httpx.Client) -> None:
     prompt = _prompt(4)
     _complete(http, prompt)

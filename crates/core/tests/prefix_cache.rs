@@ -107,6 +107,75 @@ fn requests_arriving_together_start_from_the_prefix_the_first_computes() {
     assert_sound(&on);
 }
 
+/// Shared prefixes computed over small steps (prompts split into chunks beside decode rows), with
+/// the async bookkeeping on the host (the next step planned before this one's tokens are known):
+/// the same outputs as the cache off, and later prompts start from cached blocks.
+#[test]
+fn small_steps_and_lookahead_change_no_output() {
+    let config = |on: bool| {
+        move |c: &mut rserve_core::EngineConfig| {
+            c.enable_prefix_caching = on;
+            c.max_num_batched_tokens = Some(9);
+            c.lookahead_on_host = true;
+        }
+    };
+    let want = together(&start("llama3", config(false)), 0..6, &params(8));
+    let on = start("llama3", config(true));
+    let got = together(&on, 0..6, &params(8));
+    assert_same(&got, &want);
+    let cached: Vec<_> = got
+        .iter()
+        .map(|o| o.num_cached_tokens.unwrap_or(0))
+        .collect();
+    assert!(cached[1..].iter().any(|&c| c > 0), "{cached:?}");
+    assert_sound(&on);
+}
+
+/// The same tokens under two adapters (and the base) never share blocks: each computes its
+/// prompt, and the outputs are the cache off's.
+#[test]
+fn the_same_prompt_under_other_adapters_shares_nothing() {
+    use rserve_core::lora::LoraOptions;
+    let dir = repo().join("adapters/fixtures");
+    let config = |on: bool| {
+        let dir = dir.clone();
+        move |c: &mut rserve_core::EngineConfig| {
+            c.enable_prefix_caching = on;
+            c.lora = Some(LoraOptions {
+                max_loras: 2,
+                max_rank: 16,
+                max_cpu_loras: 2,
+            });
+            c.lora_modules = vec![
+                ("a".into(), dir.join("llama3-r8-qv")),
+                ("b".into(), dir.join("llama3-r4-all")),
+            ];
+        }
+    };
+    let ask = |h: &EngineHandle, lora: Option<&str>| {
+        h.submit(EngineRequest {
+            prompt_token_ids: prompt(1),
+            params: params(6),
+            lora: lora.map(str::to_owned),
+            cache_salt: None,
+            mm: None,
+        })
+        .expect("submitted")
+        .wait()
+        .expect("finished")
+    };
+    let order = [None, Some("a"), Some("b"), Some("a")];
+    let off = start("llama3", config(false));
+    let want: Vec<_> = order.iter().map(|&l| ask(&off, l)).collect();
+    let on = start("llama3", config(true));
+    let got: Vec<_> = order.iter().map(|&l| ask(&on, l)).collect();
+    assert_same(&got, &want);
+    let cached: Vec<_> = got.iter().map(|o| o.num_cached_tokens).collect();
+    // only the second request of adapter `a` finds blocks: two full blocks of its prompt
+    assert_eq!(cached, [Some(0), Some(0), Some(0), Some(32)]);
+    assert_sound(&on);
+}
+
 #[test]
 fn shared_prefixes_are_computed_once_and_change_no_output() {
     let off = start("llama3", |c| c.enable_prefix_caching = false);

@@ -51,6 +51,10 @@ pub struct ResponsesRequest {
     pub top_p: Option<f64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// vLLM's prefix-cache salt: requests share cached prompt blocks only with requests of the
+    /// same salt (a non-empty string).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
     /// Not served: responses are not stored.
     #[serde(default)]
     pub previous_response_id: Option<String>,
@@ -309,8 +313,10 @@ pub async fn responses(
         max_tokens: req.max_output_tokens,
         temperature: req.temperature,
         top_p: req.top_p,
+        cache_salt: req.cache_salt.clone(),
         ..CommonFields::default()
     };
+    let cache_salt = common.cache_salt()?;
     let params = sampling_params(&common, &info, None)?;
     validate(&params, &info)?;
     let msgs = messages(&req)?;
@@ -324,7 +330,7 @@ pub async fn responses(
             prompt_token_ids: prompt_ids,
             params,
             lora: adapter.clone(),
-            cache_salt: None,
+            cache_salt,
             mm: None,
         })
         .await?;
