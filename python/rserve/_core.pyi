@@ -46,6 +46,9 @@ class Engine:
         max_cpu_loras: int | None = None,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        limit_mm_per_prompt: int | None = None,
+        allowed_local_media_path: str | None = None,
+        allowed_media_domains: list[str] | None = None,
     ) -> None:
         """Loads a local model directory. ValueError on a bad configuration, RuntimeError (naming
         the file and reason) when loading fails."""
@@ -78,11 +81,14 @@ class Engine:
         params_json: str,
         lora: str | None = None,
         images: list[bytes] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Starts a request, with the LoRA adapter registered as `lora` when given. Text prompts
         are tokenized with special tokens. `images` (encoded PNG, JPEG, WebP or GIF) fill the
-        prompt's image placeholders in order. ValueError for invalid parameters, an empty prompt,
-        one over the context length, an adapter name that is not registered, or images that are
+        prompt's image placeholders in order. Only requests of the same `cache_salt` share cached
+        prefix blocks. ValueError for invalid parameters, an empty prompt, one over the context
+        length, an adapter name that is not registered, an empty salt, or images that are
         invalid, do not match the placeholders or are given to a text-only model."""
 
     def load_lora(self, name: str, path: str) -> int:

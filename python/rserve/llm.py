@@ -17,7 +17,7 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Generator, Union, cast
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Generator, NamedTuple, Union, cast
 
 from rserve.types import CompletionOutput, Logprob, LoRARequest, RequestOutput, SamplingParams
 
@@ -31,7 +31,14 @@ Prompt = Union[str, Sequence[int]]
 #: One chat conversation: a list of {"role", "content"} messages.
 Conversation = Sequence[Mapping[str, Any]]
 # a prompt to submit: the prompt, its text (when given as text) and its encoded images
-_Job = tuple[Prompt, Union[str, None], list[bytes]]
+class _Extras(NamedTuple):
+    """What a prompt dict carries beside its prompt: images and vLLM's prefix-cache salt."""
+
+    images: list[bytes]
+    cache_salt: str | None = None
+
+
+_Job = tuple[Prompt, Union[str, None], _Extras]
 ParamsArg = Union[SamplingParams, Mapping[str, Any], None]
 LoraArg = Union[LoRARequest, None]
 
@@ -62,6 +69,9 @@ _ENGINE_KWARGS = frozenset(
         "max_cpu_loras",
         "enable_prefix_caching",
         "tensor_parallel_size",
+        "limit_mm_per_prompt",
+        "allowed_local_media_path",
+        "allowed_media_domains",
     }
 )
 
@@ -291,7 +301,11 @@ class LLM:
     `max_lora_rank`, `max_cpu_loras` (adapters kept in host memory), `enable_prefix_caching`
     (default on: prompts start from the longest run of cached KV blocks of earlier requests;
     `RequestOutput.num_cached_tokens` says how many tokens that skipped),
-    `tensor_parallel_size` (split the model over this many GPUs: one thread per GPU, NCCL).
+    `tensor_parallel_size` (split the model over this many GPUs: one thread per GPU, NCCL),
+    and for vision models vLLM's media settings: `limit_mm_per_prompt` (`{"image": N}`: at most N
+    images a prompt, 8 by default), `allowed_local_media_path` (`file://` image URLs in `chat`
+    only under this directory; refused without it) and `allowed_media_domains` (`http(s)://`
+    image URLs only from these hosts).
     """
 
     def __init__(
@@ -315,6 +329,13 @@ class LLM:
                 f"LLM() got unsupported arguments: {', '.join(unknown)} "
                 f"(supported extras: {', '.join(sorted(_ENGINE_KWARGS))})"
             )
+        if "limit_mm_per_prompt" in kwargs:
+            kwargs["limit_mm_per_prompt"] = _image_limit(kwargs["limit_mm_per_prompt"])
+        for key in ("allowed_local_media_path",):
+            if kwargs.get(key) is not None:
+                kwargs[key] = os.fspath(kwargs[key])
+        if kwargs.get("allowed_media_domains") is not None:
+            kwargs["allowed_media_domains"] = list(kwargs["allowed_media_domains"])
         template = kwargs.get("chat_template")
         if isinstance(template, (str, os.PathLike)) and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
@@ -400,10 +421,10 @@ class LLM:
         """
         items = _normalize_prompts(prompts)
         raw = _prompt_list(prompts)
-        images = [_images_of(r) for r in raw] if len(raw) == len(items) else [[] for _ in items]
+        extras = [_extras_of(r) for r in raw] if len(raw) == len(items) else [_Extras([]) for _ in items]
         params = _per_prompt(sampling_params, len(items))
         loras = self._per_prompt_lora(lora_request, len(items))
-        jobs = [(p, p if isinstance(p, str) else None, i) for p, i in zip(items, images)]
+        jobs: list[_Job] = [(p, p if isinstance(p, str) else None, e) for p, e in zip(items, extras)]
         return self._run(jobs, params, loras)
 
     def chat(
@@ -429,7 +450,7 @@ class LLM:
         for conv in conversations:
             ids = self.apply_chat_template(conv, add_generation_prompt, tools)
             images = self._engine.chat_images(_messages_json(conv))
-            jobs.append((ids, self._engine.decode(ids, False), images))
+            jobs.append((ids, self._engine.decode(ids, False), _Extras(images)))
         return self._run(jobs, params, loras)
 
     # -- LoRA adapters ---------------------------------------------------------------------------
@@ -491,8 +512,8 @@ class LLM:
         started: list[tuple[RequestStream, _Assembler]] = []
         done = 0
         try:
-            for (prompt, text, images), p, lora in zip(jobs, params, loras):
-                started.append(self._submit(prompt, text, p, lora, images))
+            for (prompt, text, extras), p, lora in zip(jobs, params, loras):
+                started.append(self._submit(prompt, text, p, lora, extras))
             results = []
             for stream, asm in started:
                 results.append(asm.final(stream.result()))
@@ -508,7 +529,7 @@ class LLM:
         text: str | None,
         params: SamplingParams | None,
         lora: str | None = None,
-        images: list[bytes] | None = None,
+        extras: _Extras | None = None,
     ) -> tuple[RequestStream, _Assembler]:
         """Starts one request; returns its native stream and an assembler for its outputs."""
         if isinstance(prompt, str):
@@ -528,7 +549,10 @@ class LLM:
                 ids = native if isinstance(native, list) else self.encode(native)
                 fill = max(1, self.max_model_len - len(ids))
             params_json, n = params.to_engine_json(fill), params.n
-        stream = self._engine.submit(native, params_json, lora, images or None)
+        extras = extras or _Extras([])
+        stream = self._engine.submit(
+            native, params_json, lora, extras.images or None, cache_salt=extras.cache_salt
+        )
         return stream, _Assembler(text, n, stream.prompt_token_ids, logprobs)
 
     # -- streaming -------------------------------------------------------------------------------
@@ -543,7 +567,7 @@ class LLM:
         params = _as_params(sampling_params)
         lora = self._lora_name(lora_request)
         stream, asm = self._submit(
-            _normalize_one(prompt), _text_of(prompt), params, lora, _images_of(prompt)
+            _normalize_one(prompt), _text_of(prompt), params, lora, _extras_of(prompt)
         )
         return _iterate(stream, asm)
 
@@ -557,7 +581,7 @@ class LLM:
         loop = asyncio.get_running_loop()
         lora = await loop.run_in_executor(_executor(), self._lora_name, lora_request)
         submitted: Future[tuple[RequestStream, _Assembler]] = _executor().submit(
-            self._submit, _normalize_one(prompt), _text_of(prompt), params, lora, _images_of(prompt)
+            self._submit, _normalize_one(prompt), _text_of(prompt), params, lora, _extras_of(prompt)
         )
         try:
             stream, asm = await asyncio.wrap_future(submitted, loop=loop)
@@ -695,6 +719,30 @@ def _images_of(p: object) -> list[bytes]:
     if isinstance(images, (list, tuple)):
         return [_image_bytes(i) for i in images]
     return [_image_bytes(images)]
+
+
+def _image_limit(limit: object) -> int | None:
+    """vLLM's `limit_mm_per_prompt` (`{"image": N}`, or N) as the image count."""
+    if limit is None:
+        return None
+    if isinstance(limit, Mapping):
+        unknown = set(limit) - {"image"}
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt: only `image` is supported, got {sorted(unknown)}")
+        limit = limit.get("image", 8)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit_mm_per_prompt: the image limit must be a count, got {limit!r}")
+    return limit
+
+
+def _extras_of(p: object) -> _Extras:
+    """The images and the `cache_salt` of a prompt dict (vLLM's `TextPrompt` / `TokensPrompt`
+    field: only prompts of the same salt share cached prefix blocks)."""
+    images = _images_of(p)
+    salt = p.get("cache_salt") if isinstance(p, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    return _Extras(images, salt)
 
 
 def _prompt_list(prompts: object) -> list[object]:

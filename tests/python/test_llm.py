@@ -113,9 +113,15 @@ class SpyEngine:
         return getattr(self.inner, name)
 
     def submit(
-        self, prompt: Any, params_json: str, lora: str | None = None, images: list[bytes] | None = None
+        self,
+        prompt: Any,
+        params_json: str,
+        lora: str | None = None,
+        images: list[bytes] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> SpyStream:
-        s = SpyStream(self.inner.submit(prompt, params_json, lora, images))
+        s = SpyStream(self.inner.submit(prompt, params_json, lora, images, cache_salt=cache_salt))
         self.streams.append(s)
         return s
 
@@ -250,6 +256,22 @@ def test_prefix_caching_reports_cached_tokens_and_resets(llm: LLM) -> None:
         assert ids_of(again[1]) == ids_of(first)
     finally:
         off.shutdown()
+
+
+def test_cache_salts_keep_prompts_apart(llm: LLM) -> None:
+    # vLLM's prompt-dict field: only prompts of the same salt share cached blocks
+    prompt = " ".join(f"salted{i}" for i in range(40))
+    first = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy())[0]
+    other = llm.generate({"prompt": prompt, "cache_salt": "tenant-b"}, greedy())[0]
+    same = llm.generate({"prompt": prompt, "cache_salt": "tenant-a"}, greedy())[0]
+    unsalted = llm.generate(prompt, greedy())[0]
+    assert (first.num_cached_tokens, other.num_cached_tokens, unsalted.num_cached_tokens) == (0, 0, 0)
+    assert same.num_cached_tokens is not None and same.num_cached_tokens >= 16
+    assert ids_of(same) == ids_of(first) == ids_of(other)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, greedy())
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": prompt, "cache_salt": 3}, greedy())
 
 
 def test_isq_quantizes_while_loading() -> None:

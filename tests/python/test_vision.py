@@ -97,6 +97,33 @@ def test_bad_images_are_value_errors(llm: LLM) -> None:
     assert llm.generate(prompt(case), greedy(8))[0].outputs[0].token_ids == case["tokens"]
 
 
+def test_media_settings_limit_images_and_where_they_come_from() -> None:
+    case = CASES["two_images"]
+    engine = LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": 1},
+                 allowed_local_media_path=str(VISION), allowed_media_domains=["images.example.com"])
+    try:
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            engine.generate(prompt(case), greedy(2))
+        one = CASES["one_image"]
+        # file:// under the allowed directory
+        parts = [{"type": "image_url", "image_url": {"url": f"file://{VISION / (one['images'][0] + '.png')}"}},
+                 {"type": "text", "text": one["text"]}]
+        out = engine.chat([{"role": "user", "content": parts}], greedy(8))[0]
+        assert out.outputs[0].token_ids == one["tokens"]
+        outside = [{"type": "image_url", "image_url": {"url": f"file://{REPO / 'README.md'}"}}]
+        with pytest.raises(ValueError, match="allowed-local-media-path"):
+            engine.chat([{"role": "user", "content": outside}], greedy(2))
+        elsewhere = [{"type": "image_url", "image_url": {"url": "https://evil.example.org/a.png"}}]
+        with pytest.raises(ValueError, match="allowed-media-domains"):
+            engine.chat([{"role": "user", "content": elsewhere}], greedy(2))
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": -1})
+
+
 def test_a_text_model_refuses_images() -> None:
     engine = LLM(str(QWEN2), max_model_len=128)
     try:

@@ -79,12 +79,14 @@ fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
 #[pyclass(frozen, name = "Engine", module = "rserve._core")]
 struct PyEngine {
     handle: EngineHandle,
+    /// Where `chat`'s images may come from and how many a prompt may hold.
+    media: MediaConfig,
 }
 
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None, enable_prefix_caching = true, tensor_parallel_size = 1))]
+    #[pyo3(signature = (model, *, dtype = "auto".to_string(), device = "auto".to_string(), max_model_len = None, max_num_seqs = 256, max_num_batched_tokens = None, block_size = 16, kv_cache_memory = None, gpu_memory_utilization = 0.9, seed = 0, chat_template = None, enforce_eager = false, async_scheduling = true, isq = None, isq_lm_head = false, tokenizer = None, quantization = None, kv_cache_dtype = "auto".to_string(), enable_lora = false, max_loras = 1, max_lora_rank = 16, max_cpu_loras = None, enable_prefix_caching = true, tensor_parallel_size = 1, limit_mm_per_prompt = None, allowed_local_media_path = None, allowed_media_domains = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -112,7 +114,16 @@ impl PyEngine {
         max_cpu_loras: Option<usize>,
         enable_prefix_caching: bool,
         tensor_parallel_size: usize,
+        limit_mm_per_prompt: Option<usize>,
+        allowed_local_media_path: Option<String>,
+        allowed_media_domains: Option<Vec<String>>,
     ) -> PyResult<Self> {
+        let mut media = MediaConfig::default();
+        if let Some(n) = limit_mm_per_prompt {
+            media.max_images = n;
+        }
+        media.allowed_local_path = allowed_local_media_path.map(std::path::PathBuf::from);
+        media.allowed_domains = allowed_media_domains;
         let mut cfg = EngineConfig::new(model);
         cfg.dtype = dtype;
         cfg.device = device;
@@ -173,7 +184,7 @@ impl PyEngine {
             other if other.is_user_error() => PyValueError::new_err(other.to_string()),
             other => PyRuntimeError::new_err(other.to_string()),
         })?;
-        Ok(Self { handle })
+        Ok(Self { handle, media })
     }
 
     #[getter]
@@ -259,7 +270,13 @@ impl PyEngine {
         if !urls.is_empty() && self.handle.info().processor.is_none() {
             return Err(PyValueError::new_err("this model does not take images"));
         }
-        let cfg = MediaConfig::default();
+        if urls.len() > self.media.max_images {
+            return Err(PyValueError::new_err(format!(
+                "at most {} images may be given with one prompt (limit_mm_per_prompt)",
+                self.media.max_images
+            )));
+        }
+        let cfg = self.media.clone();
         let bytes: Vec<Vec<u8>> = py
             .detach(|| {
                 urls.iter()
@@ -304,8 +321,8 @@ impl PyEngine {
     }
 
     /// Submits a prompt (text or token ids) with sampling parameters (JSON), with the LoRA
-    /// adapter registered as `lora` when given.
-    #[pyo3(signature = (prompt, params_json, lora = None, images = None))]
+    /// adapter registered as `lora` when given, and the prefix-cache salt `cache_salt`.
+    #[pyo3(signature = (prompt, params_json, lora = None, images = None, *, cache_salt = None))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -313,7 +330,13 @@ impl PyEngine {
         params_json: &str,
         lora: Option<String>,
         images: Option<Vec<Bound<'_, PyBytes>>>,
+        cache_salt: Option<String>,
     ) -> PyResult<PyRequestStream> {
+        if cache_salt.as_deref() == Some("") {
+            return Err(PyValueError::new_err(
+                "cache_salt: must be a non-empty string",
+            ));
+        }
         let info = self.handle.info();
         let ids: Vec<u32> = if let Ok(text) = prompt.extract::<String>() {
             info.tokenizer
@@ -333,10 +356,10 @@ impl PyEngine {
                     .processor
                     .clone()
                     .ok_or_else(|| PyValueError::new_err("this model does not take images"))?;
-                if list.len() > MediaConfig::default().max_images {
+                if list.len() > self.media.max_images {
                     return Err(PyValueError::new_err(format!(
-                        "at most {} images may be given with one prompt",
-                        MediaConfig::default().max_images
+                        "at most {} images may be given with one prompt (limit_mm_per_prompt)",
+                        self.media.max_images
                     )));
                 }
                 let raw: Vec<Vec<u8>> = list.iter().map(|b| b.as_bytes().to_vec()).collect();
@@ -359,7 +382,7 @@ impl PyEngine {
                 prompt_token_ids: ids,
                 params,
                 lora,
-                cache_salt: None,
+                cache_salt,
                 mm,
             })
             .map_err(engine_err)?;
