@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def lora_server(tmp_path_factory):
             "--enable-lora",
             "--lora-modules",
             f"qwen-r8={ADAPTERS / 'qwen2-r8-all'}",
+            json.dumps({"name": "qwen-json", "path": str(ADAPTERS / "qwen2-r8-all"), "base_model_name": "org/base"}),
             "--max-loras",
             "2",
         ],
@@ -81,9 +83,19 @@ def test_adapters_are_models_whose_parent_is_the_base(lclient: OpenAI) -> None:
     assert set(models) >= {BASE, "qwen-r8"}
     assert models["qwen-r8"].model_extra["parent"] == BASE
     assert models[BASE].model_extra["parent"] is None
+    # vLLM's JSON form names the parent with base_model_name
+    assert models["qwen-json"].model_extra["parent"] == "org/base"
     assert lclient.models.retrieve("qwen-r8").id == "qwen-r8"
     with pytest.raises(openai.NotFoundError):
         lclient.models.retrieve("nope")
+
+
+def test_an_adapter_named_as_the_served_model_is_refused_at_start(tmp_path) -> None:
+    args = [str(binary_path()), "serve", str(MODEL), "--served-model-name", BASE, "--port", "0",
+            "--enable-lora", "--lora-modules", f"{BASE}={ADAPTERS / 'qwen2-r8-all'}"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "served model's name" in r.stderr, r.stderr[-2000:]
 
 
 def test_adapter_and_base_requests_together_decode_as_peft_and_the_base(lclient: OpenAI) -> None:
@@ -151,6 +163,63 @@ def test_adapters_load_and_unload_at_runtime(lora_server, lclient: OpenAI, tmp_p
     assert greedy_ids(lclient, "qwen-r8", case["prompt"], len(case["tokens"])) == case["tokens"]
 
 
+def write_adapter(path: Path, a_width: int) -> None:
+    """A rank-4 PEFT adapter on q_proj of layer 0 whose lora_A rows are `a_width` wide (the base's
+    are 64), written as safetensors by hand."""
+    import struct
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    shapes = {f"{prefix}.lora_A.weight": [4, a_width], f"{prefix}.lora_B.weight": [64, 4]}
+    header, at = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * shape[0] * shape[1]
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + size]}
+        at += size
+    head = json.dumps(header).encode()
+    (path / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + bytes(at))
+
+
+def test_an_adapter_of_another_shape_is_a_400_naming_it(lora_server, tmp_path: Path) -> None:
+    write_adapter(tmp_path / "narrow", 48)
+    r = httpx.post(f"{lora_server.url}/v1/load_lora_adapter",
+                   json={"lora_name": "narrow", "lora_path": str(tmp_path / "narrow")}, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "narrow" in message and "q_proj" in message, message
+    assert httpx.get(f"{lora_server.url}/health", timeout=10).status_code == 200
+
+
+def test_unloading_while_requests_stream_lets_them_finish(lora_server, lclient: OpenAI) -> None:
+    url = lora_server.url
+    post = lambda path, body: httpx.post(f"{url}/v1/{path}", json=body, timeout=60)  # noqa: E731
+    assert post("load_lora_adapter", {"lora_name": "busy", "lora_path": str(ADAPTERS / "qwen2-r8-all")}).status_code == 200
+    cases = golden("lora-qwen2-r8-all")
+
+    def streamed(case: dict) -> list[int]:
+        stream = lclient.completions.create(
+            model="busy", prompt=case["prompt"], max_tokens=len(case["tokens"]), temperature=0, stream=True,
+            logprobs=1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        ids = []
+        for chunk in stream:
+            for tok in chunk.choices[0].logprobs.tokens if chunk.choices and chunk.choices[0].logprobs else []:
+                ids.append(int(tok.split(":")[1]))
+        return ids
+
+    with ThreadPoolExecutor(len(cases) + 1) as pool:
+        running = [pool.submit(streamed, c) for c in cases]
+        # unload (and load another name) while they run: they keep the adapter they started with
+        assert post("unload_lora_adapter", {"lora_name": "busy"}).status_code == 200
+        assert post("load_lora_adapter", {"lora_name": "after", "lora_path": str(ADAPTERS / "qwen2-r8-all")}).status_code == 200
+        got = [f.result(timeout=120) for f in running]
+    assert got == [c["tokens"] for c in cases]
+    with pytest.raises(openai.NotFoundError):
+        lclient.completions.create(model="busy", prompt="hi", max_tokens=2)
+    assert post("unload_lora_adapter", {"lora_name": "after"}).status_code == 200
+
+
 def test_lora_requests_info_is_exported(lora_server, lclient: OpenAI) -> None:
     lclient.completions.create(model="qwen-r8", prompt="hi", max_tokens=2)
     text = httpx.get(f"{lora_server.url}/metrics", timeout=30).text
@@ -162,3 +231,32 @@ def test_runtime_updates_are_off_without_the_variable(http: httpx.Client) -> Non
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
     assert r.status_code == 404
     assert "RSERVE_ALLOW_RUNTIME_LORA_UPDATING" in r.json()["error"]["message"]
+
+
+def test_runtime_updates_take_vllms_variable_and_the_api_key(tmp_path_factory) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RSERVE_ALLOW_RUNTIME_LORA_UPDATING"}
+    srv = RserveProcess(
+        "lora-key",
+        [str(binary_path())],
+        MODEL,
+        tmp_path_factory.mktemp("rserve-lora-key"),
+        served_model_name=BASE,
+        max_model_len=256,
+        extra_args=["--dtype", "float32", "--enable-lora", "--api-key", "sekrit"],
+        env={**env, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
+    servers = running(srv)
+    s = next(servers)
+    try:
+        body = {"lora_name": "k", "lora_path": str(ADAPTERS / "qwen2-r8-all")}
+        r = httpx.post(f"{s.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 401, r.text
+        r = httpx.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": "k"}, timeout=60)
+        assert r.status_code == 401, r.text
+        auth = {"Authorization": "Bearer sekrit"}
+        r = httpx.post(f"{s.url}/v1/load_lora_adapter", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{s.url}/v1/unload_lora_adapter", json={"lora_name": "k"}, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        servers.close()

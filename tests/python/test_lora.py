@@ -57,6 +57,20 @@ def test_stream_and_astream_take_the_adapter(llm: LLM) -> None:
     assert out.outputs[0].token_ids == case["tokens"]
 
 
+def test_chat_takes_the_adapter_for_all_or_per_conversation(llm: LLM) -> None:
+    lora = LoRARequest("r8", 1, str(ADAPTER))
+    conv = [{"role": "user", "content": "Say something."}]
+    greedy8 = greedy(8)
+    adapted = llm.chat(conv, greedy8, lora_request=lora)[0]
+    base = llm.chat(conv, greedy8)[0]
+    # the same prompt as a token-id prompt through generate, with and without the adapter
+    ids = adapted.prompt_token_ids
+    assert adapted.outputs[0].token_ids == llm.generate(ids, greedy8, lora_request=lora)[0].outputs[0].token_ids
+    assert base.outputs[0].token_ids == llm.generate(ids, greedy8)[0].outputs[0].token_ids
+    both = llm.chat([conv, conv], greedy8, lora_request=[lora, None])
+    assert [o.outputs[0].token_ids for o in both] == [adapted.outputs[0].token_ids, base.outputs[0].token_ids]
+
+
 def test_lora_misuse_is_a_value_error(llm: LLM, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lora_path"):
         llm.generate("hi", greedy(2), lora_request=LoRARequest("fresh", 5))

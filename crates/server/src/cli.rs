@@ -184,7 +184,7 @@ pub struct EngineArgs {
     /// vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`; several may follow
     /// the flag.
     #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
-    pub lora_modules: Vec<(String, String)>,
+    pub lora_modules: Vec<LoraModuleArg>,
     /// Adapters resident on the device at once (and so the most distinct adapters in one step).
     #[arg(long, default_value_t = 1)]
     pub max_loras: usize,
@@ -197,25 +197,30 @@ pub struct EngineArgs {
     pub max_cpu_loras: Option<usize>,
 }
 
-/// One `--lora-modules` value: `name=path` or `{"name": ..., "path": ...}`.
-pub fn parse_lora_module(s: &str) -> Result<(String, String), String> {
+/// One `--lora-modules` value.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct LoraModuleArg {
+    pub name: String,
+    /// A PEFT adapter directory or a hub id.
+    pub path: String,
+    /// What `/v1/models` names as the adapter's `parent` (vLLM's field; default: the served
+    /// model's name).
+    #[serde(default)]
+    pub base_model_name: Option<String>,
+}
+
+/// One `--lora-modules` value: `name=path` or `{"name": ..., "path": ..., "base_model_name": ...}`.
+pub fn parse_lora_module(s: &str) -> Result<LoraModuleArg, String> {
     let s = s.trim();
     if s.starts_with('{') {
-        #[derive(serde::Deserialize)]
-        struct Module {
-            name: String,
-            path: String,
-            #[allow(dead_code)]
-            #[serde(default)]
-            base_model_name: Option<String>,
-        }
-        let m: Module = serde_json::from_str(s).map_err(|e| format!("--lora-modules: {e}"))?;
-        return Ok((m.name, m.path));
+        return serde_json::from_str(s).map_err(|e| format!("--lora-modules: {e}"));
     }
     match s.split_once('=') {
-        Some((n, p)) if !n.trim().is_empty() && !p.trim().is_empty() => {
-            Ok((n.trim().to_owned(), p.trim().to_owned()))
-        }
+        Some((n, p)) if !n.trim().is_empty() && !p.trim().is_empty() => Ok(LoraModuleArg {
+            name: n.trim().to_owned(),
+            path: p.trim().to_owned(),
+            base_model_name: None,
+        }),
         _ => Err(format!(
             "--lora-modules takes name=path or a JSON object with name and path, got `{s}`"
         )),
@@ -512,9 +517,14 @@ mod tests {
             panic!("wrong subcommand")
         };
         assert!(s.engine.enable_lora);
+        let module = |name: &str, path: &str, base: Option<&str>| LoraModuleArg {
+            name: name.into(),
+            path: path.into(),
+            base_model_name: base.map(Into::into),
+        };
         assert_eq!(
             s.engine.lora_modules,
-            vec![("a".into(), "/x/a".into()), ("b".into(), "org/b".into())]
+            vec![module("a", "/x/a", None), module("b", "org/b", Some("m"))]
         );
         assert_eq!((s.engine.max_loras, s.engine.max_lora_rank), (4, 16));
         assert!(parse_lora_module("nopath").is_err());

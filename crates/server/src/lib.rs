@@ -84,7 +84,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig> {
         cfg.lora_modules = args
             .lora_modules
             .iter()
-            .map(|(n, p)| (n.clone(), PathBuf::from(p)))
+            .map(|m| (m.name.clone(), PathBuf::from(&m.path)))
             .collect();
     }
     if let Some(b) = args.kv_cache_memory {

@@ -102,6 +102,18 @@ async fn serve(args: ServeArgs) -> Result<()> {
         edge.media.max_images = n;
     }
     edge.media.allowed_domains = args.allowed_media_domains.clone();
+    if let Some(m) = args.engine.lora_modules.iter().find(|m| m.name == name) {
+        anyhow::bail!(
+            "--lora-modules: the adapter name `{}` is the served model's name; requests could not tell them apart",
+            m.name
+        );
+    }
+    edge.lora_parents = args
+        .engine
+        .lora_modules
+        .iter()
+        .filter_map(|m| Some((m.name.clone(), m.base_model_name.clone()?)))
+        .collect();
     edge.media.allowed_local_path = args.allowed_local_media_path.clone();
     edge.media.fetch_timeout = seconds("--media-fetch-timeout", args.media_fetch_timeout)?;
     let state = Arc::new(AppState::new(name.clone(), api_key, edge));

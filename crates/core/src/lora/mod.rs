@@ -49,11 +49,18 @@ impl Default for LoraOptions {
     }
 }
 
+/// The most device slots `--max-loras` may ask for (each holds an adapter of `--max-lora-rank`
+/// for every projection: ~84 MB at rank 16 for the 8B shape).
+pub const MAX_LORAS: usize = 1024;
+
 impl LoraOptions {
     /// Checks the limits; `max_cpu_loras` below `max_loras` is raised to it (as vLLM does).
     pub fn validated(mut self) -> Result<Self, String> {
-        if self.max_loras == 0 {
-            return Err("max_loras must be at least 1".into());
+        if self.max_loras == 0 || self.max_loras > MAX_LORAS {
+            return Err(format!(
+                "max_loras must be in 1..={MAX_LORAS}, got {}",
+                self.max_loras
+            ));
         }
         if self.max_rank == 0 || self.max_rank > 512 {
             return Err(format!(
@@ -63,5 +70,29 @@ impl LoraOptions {
         }
         self.max_cpu_loras = self.max_cpu_loras.max(self.max_loras);
         Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_are_checked_and_host_copies_cover_the_slots() {
+        let opts = |max_loras, max_rank, max_cpu_loras| LoraOptions {
+            max_loras,
+            max_rank,
+            max_cpu_loras,
+        };
+        for bad in [
+            opts(0, 16, 1),
+            opts(MAX_LORAS + 1, 16, 1),
+            opts(1, 0, 1),
+            opts(1, 513, 1),
+        ] {
+            assert!(bad.validated().is_err(), "{bad:?}");
+        }
+        let ok = opts(4, 16, 1).validated().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(ok.max_cpu_loras, 4);
     }
 }

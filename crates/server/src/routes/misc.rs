@@ -70,7 +70,11 @@ fn adapter_cards(st: &Shared) -> Result<Vec<Value>, ApiError> {
                 "created": a.created,
                 "owned_by": "rserve",
                 "root": a.path.display().to_string(),
-                "parent": st.served_model_name,
+                "parent": st
+                    .edge
+                    .lora_parents
+                    .get(&a.name)
+                    .unwrap_or(&st.served_model_name),
                 "max_model_len": engine.info().max_model_len,
             })
         })

@@ -53,6 +53,9 @@ pub struct EdgeConfig {
     pub auto_tools: Option<crate::openai::tools::ToolParser>,
     /// Where images may come from and how many a prompt may hold.
     pub media: crate::openai::media::MediaConfig,
+    /// `/v1/models`' `parent` of adapters given one by `--lora-modules` (`base_model_name`);
+    /// others name the served model.
+    pub lora_parents: std::collections::HashMap<String, String>,
 }
 
 impl Default for EdgeConfig {
@@ -65,6 +68,7 @@ impl Default for EdgeConfig {
             tokenizer_info: false,
             auto_tools: None,
             media: crate::openai::media::MediaConfig::default(),
+            lora_parents: std::collections::HashMap::new(),
         }
     }
 }
