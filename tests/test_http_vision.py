@@ -140,6 +140,9 @@ class _SlowHandler(http.server.BaseHTTPRequestHandler):
         if self.path.startswith("/slow"):
             time.sleep(3)
         body = (VISION / "rgb_50x70.png").read_bytes()
+        if self.path.startswith("/huge"):
+            # past the 20 MiB an image may take
+            body += bytes(21 << 20)
         if self.path.startswith("/missing"):
             self.send_response(404)
             self.end_headers()
@@ -198,6 +201,7 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(vclient, vl, image_hos
         "decompression bomb": [bomb],
         "too many images": [data_uri("rgb_50x70")] * 3,
         "timeout": [f"{image_host}/slow.png"],
+        "too large": [f"{image_host}/huge.png"],
         "http error": [f"{image_host}/missing.png"],
         "file outside the allowed path": ["file:///etc/hostname"],
         "unsupported scheme": ["ftp://example.com/a.png"],
@@ -207,6 +211,7 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(vclient, vl, image_hos
         assert e.status_code == 400, what
     assert "more than the limit" in bad(vclient, [bomb]).message
     assert "At most 2 image" in bad(vclient, cases["too many images"]).message
+    assert "larger than the limit" in bad(vclient, cases["too large"]).message
     # still serving
     assert httpx.get(f"{vl.url}/health", timeout=10).status_code == 200
     test_greedy_tokens_and_usage_match_transformers(vclient, "one_image")
@@ -231,3 +236,31 @@ def test_text_only_chat_on_a_vision_model(vclient):
         extra_body=EXTRA,
     )
     assert token_ids(r.choices[0].logprobs) == case["tokens"]
+
+
+LLAVA_GOLDEN = json.loads((REPO_ROOT / "tests" / "fixtures" / "goldens" / "llava.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> RserveProcess:
+    srv = RserveProcess(
+        "llava",
+        [str(binary_path())],
+        REPO_ROOT / "tests" / "fixtures" / "models" / "llava",
+        tmp_path_factory.mktemp("rserve-llava"),
+        served_model_name="tiny-llava",
+        max_model_len=256,
+    )
+    yield from running(srv)
+
+
+def test_llava_through_the_openai_client(llava):
+    client = OpenAI(base_url=f"{llava.url}/v1", api_key="none", max_retries=0, timeout=60)
+    case = {c["name"]: c for c in LLAVA_GOLDEN["cases"]}["wide_image"]
+    kw = dict(model="tiny-llava", messages=messages(case), max_tokens=len(case["tokens"]), temperature=0)
+    r = client.chat.completions.create(**kw, logprobs=True, extra_body=EXTRA)
+    assert token_ids(r.choices[0].logprobs) == case["tokens"]
+    assert r.usage.prompt_tokens == len(case["input_ids"])
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                   if c.choices)
+    assert text == r.choices[0].message.content
