@@ -371,4 +371,89 @@ mod tests {
         let e = fetch("https://[not a host/a.png", &cfg).expect_err("unparsable");
         assert!(e.message.contains("invalid image URL"), "{}", e.message);
     }
+
+    /// A seeded fuzz of what a client controls on the image path before any pixel: URLs made of
+    /// scheme pieces, data: headers, base64 and junk, and content parts of random shapes. Every
+    /// one is an image's bytes or a 400; none panics, and no http(s) URL is fetched (the allowed
+    /// domain is one no URL here names).
+    #[test]
+    fn fuzzed_urls_and_content_parts_are_bytes_or_400s() {
+        let cfg = MediaConfig {
+            allowed_domains: Some(vec!["allowed.invalid".into()]),
+            max_bytes: 64,
+            ..MediaConfig::default()
+        };
+        let pieces = [
+            "data:",
+            "image/png",
+            ";base64",
+            ",",
+            "AAEC",
+            "====",
+            "\\",
+            "@",
+            "http://",
+            "https://",
+            "file://",
+            "/",
+            "%00",
+            "\u{1F600}",
+            ":",
+            ";",
+            "evil.com",
+            "[::1]",
+            "#",
+            "?",
+            "\r\n",
+            "text/plain",
+            "//",
+            "..",
+            "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8gISIjJCUmJygp",
+        ];
+        let mut s = 0x853c49e6748fea9bu64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for _ in 0..5000 {
+            let n = 1 + next() % 8;
+            let url: String = (0..n)
+                .map(|_| pieces[(next() % pieces.len() as u64) as usize])
+                .collect();
+            match fetch(&url, &cfg) {
+                Ok(bytes) => assert!(bytes.len() <= 64, "{url}"),
+                Err(e) => assert_eq!(e.status.as_u16(), 400, "{url}"),
+            }
+        }
+        let parts = [
+            serde_json::json!({"type": "image_url"}),
+            serde_json::json!({"type": "image_url", "image_url": 3}),
+            serde_json::json!({"type": "image_url", "image_url": {"url": null}}),
+            serde_json::json!({"type": "image_url", "image_url": "data:image/png;base64,AAEC"}),
+            serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAEC"}}),
+            serde_json::json!({"type": 7}),
+            serde_json::json!("text"),
+            serde_json::json!(null),
+        ];
+        for _ in 0..500 {
+            let content: Vec<Value> = (0..next() % 5)
+                .map(|_| parts[(next() % parts.len() as u64) as usize].clone())
+                .collect();
+            let msg: ChatMessage = serde_json::from_value(serde_json::json!({
+                "role": "user",
+                "content": content,
+            }))
+            .expect("a message");
+            match image_urls(std::slice::from_ref(&msg)) {
+                Ok(urls) => {
+                    for u in urls {
+                        let _ = fetch(u, &cfg);
+                    }
+                }
+                Err(e) => assert_eq!(e.status.as_u16(), 400),
+            }
+        }
+    }
 }
