@@ -125,6 +125,22 @@ def test_tokenize_counts_image_tokens(vl):
     assert r.json()["tokens"] == case["input_ids"]
 
 
+def test_each_image_is_encoded_once(vclient, vl):
+    def encoded() -> float:
+        text = httpx.get(f"{vl.url}/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith("rserve:images_encoded_total{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = encoded()
+    case = CASES["two_images"]
+    # a salt of its own: images whose tokens the prefix cache holds are not encoded again
+    kw = dict(model="tiny-vl", messages=messages(case), max_tokens=2, extra_body={"cache_salt": "enc"})
+    vclient.chat.completions.create(**kw)
+    assert encoded() == before + 2
+    vclient.chat.completions.create(**kw)
+    assert encoded() == before + 2
+
+
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims `width` x `height` (a decompression bomb's signature)."""
 

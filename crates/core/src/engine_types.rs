@@ -165,6 +165,9 @@ pub struct EngineStats {
     /// the grammar engine's work plus gathering the rows).
     pub mask_rows: AtomicU64,
     pub mask_micros: AtomicU64,
+    /// Images the vision encoder has run on (once per image of a request: a prompt chunk that
+    /// ends inside an image keeps its encoding for the next chunk).
+    pub images_encoded: AtomicU64,
 }
 
 /// Which LoRA adapters requests use now (vLLM's `lora_requests_info`).

@@ -159,6 +159,8 @@ pub struct ModelRunner {
     /// Encoder outputs of images whose tokens are not all computed yet (a prompt chunk may end
     /// inside an image): `[num_tokens, hidden]` by sequence and image.
     encoder_cache: HashMap<(SeqId, usize), Tensor>,
+    /// Images encoded so far (each image of a request once, however its prompt is chunked).
+    images_encoded: u64,
     /// Under tensor parallelism: the other ranks, which run every step this one runs.
     followers: Option<Box<dyn Followers>>,
 }
@@ -198,6 +200,7 @@ impl ModelRunner {
             kv,
             device,
             encoder_cache: HashMap::new(),
+            images_encoded: 0,
             followers: None,
         }
     }
@@ -445,6 +448,11 @@ impl ModelRunner {
             .collect()
     }
 
+    /// Images the encoder has run on so far.
+    pub fn images_encoded(&self) -> u64 {
+        self.images_encoded
+    }
+
     /// The image features of the step's image runs: each image is encoded once, when its first
     /// tokens are scheduled (all such images of the step in one encoder call), and kept until
     /// its last token is.
@@ -472,6 +480,7 @@ impl ModelRunner {
         if !todo.is_empty() {
             let imgs: Vec<&ImageInput> = todo.iter().map(|(_, i)| i.as_ref()).collect();
             let feats = self.model.encode_images(&imgs)?;
+            self.images_encoded += imgs.len() as u64;
             for ((key, _), f) in todo.into_iter().zip(feats) {
                 self.encoder_cache.insert(key, f);
             }

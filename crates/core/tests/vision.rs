@@ -190,6 +190,13 @@ fn chunked_prefill_splits_images_and_keeps_their_encodings() {
             cfg.enable_prefix_caching = false;
         });
         check(&h, &g, false);
+        // each image once, though its tokens span several chunks
+        let images: usize = g.cases.iter().map(|c| c.images.len()).sum();
+        let encoded = h
+            .stats()
+            .images_encoded
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(encoded, images as u64, "{name}");
     }
 }
 

@@ -215,6 +215,12 @@ impl Metrics {
             "# HELP rserve:structured_output_mask_seconds_total Host time spent computing token masks.\n# TYPE rserve:structured_output_mask_seconds_total counter\nrserve:structured_output_mask_seconds_total{{{labels}}} {}",
             mask_us.load(Ordering::Relaxed) as f64 * 1e-6
         );
+        counter(
+            &mut out,
+            "rserve:images_encoded_total",
+            "Images the vision encoder has run on (each image of a request once).",
+            stats.map_or(0, |s| s.images_encoded.load(Ordering::Relaxed)),
+        );
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of finished requests by finish reason.\n# TYPE vllm:request_success_total counter");
         for (reason, c) in [("stop", stop), ("length", length), ("abort", abort)] {
             let _ = writeln!(

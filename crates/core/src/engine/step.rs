@@ -95,6 +95,9 @@ impl Engine {
             }
         };
         let prepared = self.runner.prepare(&self.scheduler, &out, placed.as_ref());
+        self.stats
+            .images_encoded
+            .store(self.runner.images_encoded(), Ordering::Relaxed);
         self.timing.prepared = Some(Instant::now());
         let result = prepared.and_then(|(step, rows, pending)| {
             let run = self.feed_pending(&step, &pending).and_then(|()| {
