@@ -82,8 +82,9 @@ impl RgbImage {
 /// Decodes an encoded image into RGB. The size is read from the header first: more than
 /// `max_pixels` pixels is refused before decoding. Transparency (an alpha channel or a palette's
 /// transparent entries) is composited onto white, as the Hugging Face processors'
-/// `convert_to_rgb` does; grey is replicated, palettes are expanded; 16-bit channels are scaled
-/// to 8 bits.
+/// `convert_to_rgb` does; grey is replicated, palettes are expanded; 16-bit channels become 8
+/// bits as Pillow makes them (16-bit grey saturates at 255, colour and alpha keep their high
+/// byte).
 pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
     let reader = image::ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
@@ -117,14 +118,38 @@ pub fn decode(bytes: &[u8], max_pixels: u64) -> Result<RgbImage, ImageError> {
         .map_err(|_| ImageError::Decode("the decoder failed on malformed data".into()))?
         .map_err(|e| ImageError::Decode(e.to_string()))?;
     let (w, h) = (img.width() as usize, img.height() as usize);
-    let data = if img.color().has_alpha() {
-        img.to_rgba8()
+    let data = match &img {
+        // 16-bit channels as Pillow reads them: grey alone is its `I;16` mode, whose values
+        // saturate at 255 on the way to RGB; with colour or alpha the high byte is kept
+        image::DynamicImage::ImageLuma16(g) => g
+            .as_raw()
+            .iter()
+            .flat_map(|&v| [v.min(255) as u8; 3])
+            .collect(),
+        image::DynamicImage::ImageLumaA16(g) => g
+            .as_raw()
+            .chunks_exact(2)
+            .flat_map(|p| {
+                let (l, a) = ((p[0] >> 8) as u8, (p[1] >> 8) as u8);
+                over_white(&[l, l, l, a])
+            })
+            .collect(),
+        image::DynamicImage::ImageRgb16(c) => c.as_raw().iter().map(|&v| (v >> 8) as u8).collect(),
+        image::DynamicImage::ImageRgba16(c) => c
+            .as_raw()
+            .chunks_exact(4)
+            .flat_map(|p| {
+                let high = |i: usize| (p[i] >> 8) as u8;
+                over_white(&[high(0), high(1), high(2), high(3)])
+            })
+            .collect(),
+        _ if img.color().has_alpha() => img
+            .to_rgba8()
             .into_raw()
             .chunks_exact(4)
             .flat_map(over_white)
-            .collect()
-    } else {
-        img.to_rgb8().into_raw()
+            .collect(),
+        _ => img.to_rgb8().into_raw(),
     };
     RgbImage::new(w, h, data)
 }
