@@ -726,10 +726,14 @@ def _image_limit(limit: object) -> int | None:
     if limit is None:
         return None
     if isinstance(limit, Mapping):
-        unknown = set(limit) - {"image"}
-        if unknown:
-            raise ValueError(f"limit_mm_per_prompt: only `image` is supported, got {sorted(unknown)}")
-        limit = limit.get("image", 8)
+        # as `--limit-mm-per-prompt`: the image count is required, other modalities (not
+        # served) may carry counts that do not matter
+        for key, n in limit.items():
+            if key != "image" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"limit_mm_per_prompt: `{key}` must be a count, got {n!r}")
+        if "image" not in limit:
+            raise ValueError("limit_mm_per_prompt: expected an `image` count")
+        limit = limit["image"]
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"limit_mm_per_prompt: the image limit must be a count, got {limit!r}")
     return limit

@@ -99,7 +99,7 @@ def test_bad_images_are_value_errors(llm: LLM) -> None:
 
 def test_media_settings_limit_images_and_where_they_come_from() -> None:
     case = CASES["two_images"]
-    engine = LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": 1},
+    engine = LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": 1, "video": 0},
                  allowed_local_media_path=str(VISION), allowed_media_domains=["images.example.com"])
     try:
         with pytest.raises(ValueError, match="limit_mm_per_prompt"):
@@ -116,10 +116,30 @@ def test_media_settings_limit_images_and_where_they_come_from() -> None:
         elsewhere = [{"type": "image_url", "image_url": {"url": "https://evil.example.org/a.png"}}]
         with pytest.raises(ValueError, match="allowed-media-domains"):
             engine.chat([{"role": "user", "content": elsewhere}], greedy(2))
+        # the engine's HTTP routes (what the Ray deployment serves) keep the same settings
+        app = engine._engine.http_app("vl")
+        for content in (elsewhere, outside):
+            body = json.dumps({"model": "vl", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": content}]}).encode()
+            res = app.start("POST", "/v1/chat/completions", [("content-type", "application/json")], body)
+            head = res.head(30.0)
+            assert head is not None and head[0] == 400, head
+            chunks = []
+            while True:
+                try:
+                    chunk = res.next_chunk(30.0)
+                except StopIteration:
+                    break
+                assert chunk is not None, "the body did not come"
+                chunks.append(chunk)
+            err = json.loads(b"".join(chunks))
+            assert "allowed" in err["error"]["message"], err
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": 1, "video": "x"})
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(str(VL), max_model_len=512, limit_mm_per_prompt={"image": -1})
 

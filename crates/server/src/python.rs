@@ -408,6 +408,7 @@ impl PyEngine {
             served_model_name,
             api_key,
             tool_call_parser.as_deref(),
+            self.media.clone(),
         )
     }
 

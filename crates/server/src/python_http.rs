@@ -29,6 +29,7 @@ impl PyHttpApp {
         served_model_name: String,
         api_key: Option<String>,
         tool_call_parser: Option<&str>,
+        media: crate::openai::media::MediaConfig,
     ) -> PyResult<Self> {
         let auto_tools = match tool_call_parser {
             None => None,
@@ -42,8 +43,10 @@ impl PyHttpApp {
         if served_model_name.trim().is_empty() {
             return Err(PyValueError::new_err("served_model_name must not be empty"));
         }
+        // the engine's media settings (`LLM(allowed_media_domains=...)`) hold for HTTP requests too
         let edge = EdgeConfig {
             auto_tools,
+            media,
             ..EdgeConfig::default()
         };
         let rt = tokio::runtime::Builder::new_multi_thread()
