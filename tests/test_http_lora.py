@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -197,19 +198,24 @@ def test_unloading_while_requests_stream_lets_them_finish(lora_server, lclient: 
     post = lambda path, body: httpx.post(f"{url}/v1/{path}", json=body, timeout=60)  # noqa: E731
     assert post("load_lora_adapter", {"lora_name": "busy", "lora_path": str(ADAPTERS / "qwen2-r8-all")}).status_code == 200
     cases = golden("lora-qwen2-r8-all")
+    # every stream has its first chunk (the server took it with the adapter) before the unload
+    started = threading.Barrier(len(cases) + 1, timeout=60)
 
     def streamed(case: dict) -> list[int]:
         stream = lclient.completions.create(
             model="busy", prompt=case["prompt"], max_tokens=len(case["tokens"]), temperature=0, stream=True,
             logprobs=1, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
         ids = []
-        for chunk in stream:
+        for i, chunk in enumerate(stream):
+            if i == 0:
+                started.wait()
             for tok in chunk.choices[0].logprobs.tokens if chunk.choices and chunk.choices[0].logprobs else []:
                 ids.append(int(tok.split(":")[1]))
         return ids
 
     with ThreadPoolExecutor(len(cases) + 1) as pool:
         running = [pool.submit(streamed, c) for c in cases]
+        started.wait()
         # unload (and load another name) while they run: they keep the adapter they started with
         assert post("unload_lora_adapter", {"lora_name": "busy"}).status_code == 200
         assert post("load_lora_adapter", {"lora_name": "after", "lora_path": str(ADAPTERS / "qwen2-r8-all")}).status_code == 200
@@ -218,6 +224,17 @@ def test_unloading_while_requests_stream_lets_them_finish(lora_server, lclient: 
     with pytest.raises(openai.NotFoundError):
         lclient.completions.create(model="busy", prompt="hi", max_tokens=2)
     assert post("unload_lora_adapter", {"lora_name": "after"}).status_code == 200
+
+
+def test_a_reloaded_name_is_the_served_models_child(lora_server, lclient: OpenAI) -> None:
+    """`base_model_name` belongs to the adapter loaded at start: unloaded and loaded again at
+    runtime, the name's parent is the served model."""
+    url = lora_server.url
+    post = lambda path, body: httpx.post(f"{url}/v1/{path}", json=body, timeout=60)  # noqa: E731
+    assert post("unload_lora_adapter", {"lora_name": "qwen-json"}).status_code == 200
+    assert post("load_lora_adapter", {"lora_name": "qwen-json", "lora_path": str(ADAPTERS / "qwen2-r8-all")}).status_code == 200
+    models = {m.id: m for m in lclient.models.list().data}
+    assert models["qwen-json"].model_extra["parent"] == BASE
 
 
 def test_lora_requests_info_is_exported(lora_server, lclient: OpenAI) -> None:

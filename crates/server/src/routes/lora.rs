@@ -113,6 +113,7 @@ pub async fn unload_lora_adapter(
     check_allowed()?;
     let req: UnloadRequest = parse_body(body)?;
     st.engine()?.unload_lora(&req.lora_name)?;
+    st.forget_lora_parent(&req.lora_name);
     tracing::info!("unloaded LoRA adapter `{}`", req.lora_name);
     Ok(format!(
         "Success: LoRA adapter '{}' removed successfully.",

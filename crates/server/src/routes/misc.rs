@@ -70,11 +70,7 @@ fn adapter_cards(st: &Shared) -> Result<Vec<Value>, ApiError> {
                 "created": a.created,
                 "owned_by": "rserve",
                 "root": a.path.display().to_string(),
-                "parent": st
-                    .edge
-                    .lora_parents
-                    .get(&a.name)
-                    .unwrap_or(&st.served_model_name),
+                "parent": st.lora_parent(&a.name),
                 "max_model_len": engine.info().max_model_len,
             })
         })

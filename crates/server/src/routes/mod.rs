@@ -94,6 +94,9 @@ pub struct AppState {
     /// Requests admitted and not finished; beyond `max_pending` new ones get a 503.
     pub pending: AtomicUsize,
     pub edge: EdgeConfig,
+    /// `edge.lora_parents` as they stand: an unloaded adapter's entry goes with it, so an adapter
+    /// loaded later under its name is the served model's child.
+    lora_parents: std::sync::Mutex<std::collections::HashMap<String, String>>,
     body_limit: AtomicUsize,
     prep: Arc<Semaphore>,
     pub shutting_down: AtomicBool,
@@ -102,7 +105,8 @@ pub struct AppState {
 pub type Shared = Arc<AppState>;
 
 impl AppState {
-    pub fn new(served_model_name: String, api_key: Option<String>, edge: EdgeConfig) -> Self {
+    pub fn new(served_model_name: String, api_key: Option<String>, mut edge: EdgeConfig) -> Self {
+        let lora_parents = std::sync::Mutex::new(std::mem::take(&mut edge.lora_parents));
         Self {
             engine: OnceLock::new(),
             served_model_name,
@@ -116,8 +120,26 @@ impl AppState {
             body_limit: AtomicUsize::new(edge.body_limit.unwrap_or(PROVISIONAL_BODY_LIMIT)),
             prep: Arc::new(Semaphore::new(edge.prep_threads.max(1))),
             edge,
+            lora_parents,
             shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// `/v1/models`' `parent` of the adapter `name`.
+    pub fn lora_parent(&self, name: &str) -> String {
+        let parents = self
+            .lora_parents
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        parents.get(name).unwrap_or(&self.served_model_name).clone()
+    }
+
+    /// Forgets the `parent` of an unloaded adapter.
+    pub fn forget_lora_parent(&self, name: &str) {
+        self.lora_parents
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(name);
     }
 
     /// Installs the loaded engine (and the body limit scaled to its context).
@@ -243,13 +265,6 @@ impl AppState {
         self: &Arc<Self>,
         reqs: Vec<EngineRequest>,
     ) -> Result<Vec<stream::Tracked>, ApiError> {
-        let mut adapters: Vec<(String, ResolvedLora)> = Vec::new();
-        for name in reqs.iter().filter_map(|r| r.lora.as_ref()) {
-            if !adapters.iter().any(|(n, _)| n == name) {
-                let resolved = self.resolve_adapter(name.clone()).await?;
-                adapters.push((name.clone(), resolved));
-            }
-        }
         let engine = self.engine()?;
         let k = reqs.len();
         let before = self.pending.fetch_add(k, Ordering::AcqRel);
@@ -259,7 +274,16 @@ impl AppState {
                 "the server is at capacity; retry later",
             ));
         }
+        // the places are held from here (given back on any error below), so a request turned away
+        // at capacity reads no adapter from disk
         let mut slots = stream::Slots::new(self.clone(), k);
+        let mut adapters: Vec<(String, ResolvedLora)> = Vec::new();
+        for name in reqs.iter().filter_map(|r| r.lora.as_ref()) {
+            if !adapters.iter().any(|(n, _)| n == name) {
+                let resolved = self.resolve_adapter(name.clone()).await?;
+                adapters.push((name.clone(), resolved));
+            }
+        }
         let mut out = Vec::with_capacity(k);
         for req in reqs {
             let prompt_len = req.prompt_token_ids.len();
