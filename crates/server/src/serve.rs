@@ -60,9 +60,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     });
     let api_key = args.api_key.clone().filter(|k| !k.is_empty());
     let seconds = |flag: &str, v: f64| {
-        // a value too large for a `Duration` (over ~5.8e11 years) is refused, not a panic
+        // a value too large for a `Duration` (over ~5.8e11 years) is refused, not a panic; one
+        // under a nanosecond would be no time at all
         match Duration::try_from_secs_f64(v) {
-            Ok(d) if v > 0.0 => Ok(d),
+            Ok(d) if d > Duration::ZERO => Ok(d),
             _ => Err(anyhow::anyhow!(
                 "{flag} must be a positive number of seconds, got {v}"
             )),

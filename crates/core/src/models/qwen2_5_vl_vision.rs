@@ -89,6 +89,9 @@ impl Default for Qwen2VisionConfig {
     }
 }
 
+/// The most blocks a vision tower may have (the largest released towers have 32).
+const MAX_DEPTH: usize = 256;
+
 impl From<Qwen2VisionConfig> for VisionConfig {
     /// Every block attends over whole images (the windows are single merged groups, never used).
     fn from(c: Qwen2VisionConfig) -> Self {
@@ -102,8 +105,9 @@ impl From<Qwen2VisionConfig> for VisionConfig {
             patch_size: c.patch_size,
             spatial_merge_size: c.spatial_merge_size,
             temporal_patch_size: c.temporal_patch_size,
-            window_size: c.spatial_merge_size * c.patch_size,
-            fullatt_block_indexes: (0..c.depth).collect(),
+            // both from config.json: `validate` refuses what these bounds cut
+            window_size: c.spatial_merge_size.saturating_mul(c.patch_size),
+            fullatt_block_indexes: (0..c.depth.min(MAX_DEPTH + 1)).collect(),
             in_chans: c.in_chans,
             hidden_act: c.hidden_act,
             family: Family::Qwen2,
@@ -160,7 +164,12 @@ impl VisionConfig {
         if !self.head_dim().is_multiple_of(4) {
             return Err(bad("the head size must be a multiple of 4 (2-D rotary)"));
         }
-        let unit = self.spatial_merge_size * self.patch_size;
+        if self.depth > MAX_DEPTH {
+            return Err(bad(&format!("depth {} is past {MAX_DEPTH}", self.depth)));
+        }
+        let Some(unit) = self.spatial_merge_size.checked_mul(self.patch_size) else {
+            return Err(bad("spatial_merge_size * patch_size overflows"));
+        };
         if self.spatial_merge_size == 0 || unit == 0 || self.window_size < unit {
             return Err(bad(
                 "window_size must cover at least one merged patch group",
@@ -473,5 +482,38 @@ impl Qwen25Vision {
         profile.mark("merger")?;
         profile.report(n);
         Ok(y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Numbers from config.json that no tower has are load errors, not an allocation of
+    /// `depth` entries or an overflow.
+    #[test]
+    fn out_of_range_qwen2_configs_are_errors() {
+        let ok = VisionConfig::from(Qwen2VisionConfig::default());
+        assert!(ok.validate().is_ok());
+        assert_eq!(ok.fullatt_block_indexes.len(), 32);
+        for c in [
+            Qwen2VisionConfig {
+                depth: usize::MAX,
+                ..Default::default()
+            },
+            Qwen2VisionConfig {
+                spatial_merge_size: usize::MAX,
+                patch_size: 3,
+                ..Default::default()
+            },
+            Qwen2VisionConfig {
+                spatial_merge_size: 0,
+                ..Default::default()
+            },
+        ] {
+            let v = VisionConfig::from(c.clone());
+            assert!(v.validate().is_err(), "{c:?}");
+            assert!(v.fullatt_block_indexes.len() <= MAX_DEPTH + 1);
+        }
     }
 }

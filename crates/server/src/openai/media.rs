@@ -449,7 +449,10 @@ mod tests {
             match image_urls(std::slice::from_ref(&msg)) {
                 Ok(urls) => {
                     for u in urls {
-                        let _ = fetch(u, &cfg);
+                        match fetch(u, &cfg) {
+                            Ok(bytes) => assert!(bytes.len() <= 64, "{u}"),
+                            Err(e) => assert_eq!(e.status.as_u16(), 400, "{u}"),
+                        }
                     }
                 }
                 Err(e) => assert_eq!(e.status.as_u16(), 400),
