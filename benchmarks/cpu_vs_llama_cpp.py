@@ -178,6 +178,10 @@ def bench_llama_cpp_batch(path: Path, args, vocab: int, batch: int = 8) -> float
     import llama_cpp
     import numpy as np
 
+    # one llama_decode holds a whole prompt (the batch is made for 512 tokens), and a sequence's
+    # 1,024 ids cover its prompt and output
+    if args.prompt_len > 512 or args.prompt_len + args.output_len > 1024:
+        sys.exit("batch 8 against llama.cpp: --prompt-len must be <= 512 and --prompt-len + --output-len <= 1024")
     llama_cpp.llama_backend_init()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
     cp = llama_cpp.llama_context_default_params()

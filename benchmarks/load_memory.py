@@ -34,7 +34,7 @@ KV_BYTES = 16_000_000
 
 
 def status(pid: int) -> dict[str, int]:
-    """The /proc status fields in kB."""
+    """The /proc status fields in KiB (what /proc calls kB)."""
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, rest = line.partition(":")
@@ -81,8 +81,9 @@ def measure(binary: str, model: Path, flags: list[str]) -> dict:
             time.sleep(0.002)
         ready = time.perf_counter() - t0
         st = status(proc.pid)
-        return {"flags": " ".join(flags) or "(none)", "peak_anon_mb": round(max(peak_anon, st["RssAnon"]) / 1000, 1),
-                "anon_when_ready_mb": round(st["RssAnon"] / 1000, 1), "peak_rss_mb": round(st["VmHWM"] / 1000, 1),
+        mb = lambda kib: round(kib * 1024 / 1e6, 1)  # noqa: E731  (/proc counts KiB; MB are 10^6 bytes)
+        return {"flags": " ".join(flags) or "(none)", "peak_anon_mb": mb(max(peak_anon, st["RssAnon"])),
+                "anon_when_ready_mb": mb(st["RssAnon"]), "peak_rss_mb": mb(st["VmHWM"]),
                 "ready_s": round(ready, 2)}
     finally:
         proc.terminate()
