@@ -4,8 +4,9 @@
 #   make gpu-bundle   the binary and the CUDA test binaries in target/gpu-bundle, for scripts/gpu/check.sh
 #   make cuda-check   compile-check the cuda feature (what CI runs)
 #   make kbench       the kernel micro-benchmark (benchmarks/gpu/kbench.cu) in target/kbench, nvcc only
-#   make gpu-pack     the bundle and kbench in one gzipped tar, target/gpu-pack/bundle.tgz, small
-#                     enough to carry to a GPU machine (unpack there with tar xzf ... -C target)
+#   make gpu-pack     the bundle in one xz-compressed tar, target/gpu-pack/bundle.txz, small enough
+#                     to carry to a GPU machine (unpack there with python3 -c "import tarfile;
+#                     tarfile.open('target/gpu-pack/bundle.txz').extractall('target')")
 # Without CUDA:
 #   make static       a CPU rserve with no dynamic dependencies, target/static/rserve
 #   make image-cpu    OCI image FROM scratch with it: target/image/cpu (layout) and cpu.tar (archive)
@@ -51,8 +52,9 @@ gpu-bundle: cuda-binary
 	  --test paged_attention --test candle_sass --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --test structured --test vision --test tensor_parallel --test allreduce --message-format=json 2>/dev/null \
 	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 	  >target/cuda/test-binaries.txt
+	$(CUDA_ENV) && cargo build --release --features cuda -p rserve-kernels --example ggml_gpu_bench
 	rm -rf $(BUNDLE) && mkdir -p $(BUNDLE)
-	cp target/cuda/release/rserve $(BUNDLE)/
+	cp target/cuda/release/rserve target/cuda/release/examples/ggml_gpu_bench $(BUNDLE)/
 	while read -r exe; do name=$$(basename "$$exe"); cp "$$exe" "$(BUNDLE)/$${name%-*}"; done <target/cuda/test-binaries.txt
 	strip $(BUNDLE)/*
 	ls -la $(BUNDLE)
@@ -62,6 +64,8 @@ kbench:
 	  nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I crates/kernels/csrc \
 	  benchmarks/gpu/kbench.cu -L"$$CUDA_HOME/lib" -lcublas -lcublasLt -o target/kbench/kbench
 
-gpu-pack: gpu-bundle kbench
-	mkdir -p target/gpu-pack && tar czf target/gpu-pack/bundle.tgz -C target gpu-bundle kbench
+# the test binaries each embed the same kernel modules: one xz stream with a dictionary larger than a
+# binary stores them once (~33 MB for ~900 MB)
+gpu-pack: gpu-bundle
+	mkdir -p target/gpu-pack && tar cf - -C target gpu-bundle | xz -T2 -6 --lzma2=preset=6,dict=1GiB >target/gpu-pack/bundle.txz
 	ls -la target/gpu-pack

@@ -448,6 +448,52 @@ __device__ void ggml_dequantize_impl(T* __restrict__ out, const void* __restrict
   }
 }
 
+// The same, staged through shared memory so that the stores are coalesced: a CTA of kTileChunks
+// threads unpacks kTileChunks consecutive chunks (chunk t = row * chunks + c), whose values are
+// the contiguous range [t0 * kVals, (t0 + kTileChunks) * kVals) of `out` (the chunks of one
+// K-quant block permute values only inside that block, and kTileChunks is a multiple of 4), then
+// writes that range out 16 bytes a thread. Shared memory holds 16 bytes of padding after every
+// 128, so a thread's 16-byte runs (a chunk apart) fall in different banks.
+constexpr int kTileChunks = 128;
+__device__ __forceinline__ int tile_pad(int byte) { return byte + (byte >> 7) * 16; }
+template <typename T, typename F>
+__device__ void ggml_dequantize_tiled_impl(T* __restrict__ out, const void* __restrict__ w,
+                                           const void* __restrict__ d, int n, int k) {
+  constexpr int kTileBytes = kTileChunks * F::kVals * (int)sizeof(T);
+  __shared__ alignas(16) unsigned char tile[kTileBytes + kTileBytes / 8];
+  const int chunks = k / F::kVals;
+  const size_t total = (size_t)n * chunks;
+  bool waited = false;
+  for (size_t t0 = (size_t)blockIdx.x * kTileChunks; t0 < total; t0 += (size_t)gridDim.x * kTileChunks) {
+    const size_t t = t0 + threadIdx.x;
+    if (t < total) {
+      const int r = (int)(t / chunks), c = (int)(t % chunks);
+      float a[F::kVals];
+      F::unpack(F::load(F::row(w, d, r, k), c), c, a);
+#pragma unroll
+      for (int run = 0; run < F::kVals / 8; ++run)
+#pragma unroll
+        for (int h = 0; h < 8; h += Vec16<T>::N) {
+          // out[row * k + run(c, run) + h] less out[t0 * kVals], with row * k = (t - c) * kVals
+          const int at = (int)threadIdx.x * F::kVals + F::run(c, run) - F::kVals * c + h;
+          store16(reinterpret_cast<T*>(tile + tile_pad(at * (int)sizeof(T))), a + 8 * run + h);
+        }
+    }
+    __syncthreads();
+    if (!waited) {  // the weights are read-only: only the first store waits for the kernel before
+      pdl_wait();
+      waited = true;
+    }
+    const size_t left = (total - t0) * F::kVals * sizeof(T);
+    const int bytes = left < (size_t)kTileBytes ? (int)left : kTileBytes;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(out + t0 * F::kVals);
+    for (int b = (int)threadIdx.x * 16; b < bytes; b += kTileChunks * 16)
+      *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<const uint4*>(tile + tile_pad(b));
+    __syncthreads();
+  }
+  if (!waited) pdl_wait();
+}
+
 // ---- quantizers: f32 steps that are never fused, in the order of quantize.rs.
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
@@ -791,11 +837,16 @@ template <typename T> __device__ void quantize_q6k(uint8_t* q, __half* dd, const
 #define GGML_GEMV(T, NAME, F, FNAME)                                                                \
   GGML_GEMV_M(T, NAME, F, FNAME, 1) GGML_GEMV_M(T, NAME, F, FNAME, 2)                               \
   GGML_GEMV_M(T, NAME, F, FNAME, 4) GGML_GEMV_M(T, NAME, F, FNAME, 8)
-// ggml_dequantize_<fmt>_<dtype>(out, w, d, n, k): a grid-stride loop over the chunks.
+// ggml_dequantize_<fmt>_<dtype>(out, w, d, n, k): a grid-stride loop over the chunks;
+// ggml_dequantize_tiled_<fmt>_<dtype>: the same over tiles of kTileChunks chunks, kTileChunks threads.
 #define GGML_DEQUANTIZE(T, NAME, F, FNAME)                                                          \
   extern "C" __global__ void ggml_dequantize_##FNAME##_##NAME(T* out, const void* w, const void* d, \
                                                               int n, int k) {                      \
     ggml_dequantize_impl<T, F>(out, w, d, n, k);                                                    \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kTileChunks) ggml_dequantize_tiled_##FNAME##_##NAME( \
+      T* out, const void* w, const void* d, int n, int k) {                                        \
+    ggml_dequantize_tiled_impl<T, F>(out, w, d, n, k);                                              \
   }
 #define GGML_FORMAT(F, FNAME)                                                                       \
   GGML_GEMV(__nv_bfloat16, bf16, F, FNAME)                                                          \

@@ -97,6 +97,20 @@ pub struct BlockWeight {
     shape: (usize, usize),
 }
 
+/// Whether GPU dequantization takes the tiled kernel: yes, unless `RSERVE_GGML_DEQUANT_TILED=0`
+/// (for comparisons).
+fn tiled_dequantizer() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("RSERVE_GGML_DEQUANT_TILED")
+                .as_deref()
+                .map(str::trim),
+            Ok("0")
+        )
+    })
+}
+
 impl BlockWeight {
     /// Checks that `k` holds whole blocks of `t`.
     fn check(t: BlockType, (n, k): (usize, usize)) -> Result<()> {
@@ -229,10 +243,18 @@ impl BlockWeight {
 
     /// The weight as `dtype` `[n, k]`, on its device.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        self.dequantize_with(dtype, tiled_dequantizer())
+    }
+
+    /// [`Self::dequantize`] on a GPU through the tiled kernel (stores coalesced through shared
+    /// memory) or the one that stores each thread's values in place (`tiled` false); the same
+    /// values either way.
+    pub fn dequantize_with(&self, dtype: DType, tiled: bool) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = self.data.device() {
-            return cuda::dequantize(dev, self, dtype);
+            return cuda::dequantize(dev, self, dtype, tiled);
         }
+        let _ = tiled;
         let w = quantize::dequantize(self.t, &self.to_ggml()?);
         Tensor::from_vec(w, self.shape, self.data.device())?.to_dtype(dtype)
     }

@@ -109,23 +109,31 @@ fn with_weight<R>(
 }
 
 /// `w` dequantized to `dtype`.
-pub fn dequantize(dev: &CudaDevice, w: &BlockWeight, dtype: DType) -> Result<Tensor> {
+pub fn dequantize(dev: &CudaDevice, w: &BlockWeight, dtype: DType, tiled: bool) -> Result<Tensor> {
     match dtype {
-        DType::BF16 => dequantize_as::<half::bf16>(dev, w),
-        DType::F16 => dequantize_as::<half::f16>(dev, w),
-        DType::F32 => dequantize_as::<f32>(dev, w),
+        DType::BF16 => dequantize_as::<half::bf16>(dev, w, tiled),
+        DType::F16 => dequantize_as::<half::f16>(dev, w, tiled),
+        DType::F32 => dequantize_as::<f32>(dev, w, tiled),
         dt => candle_core::bail!("no GPU dequantizer to {dt:?}"),
     }
 }
 
-fn dequantize_as<T: crate::cuda::KernelElem>(dev: &CudaDevice, w: &BlockWeight) -> Result<Tensor> {
+/// Chunks of a tile of the tiled dequantizer (`kTileChunks` in csrc/ggml.cu), one a thread.
+const TILE_CHUNKS: usize = 128;
+
+fn dequantize_as<T: crate::cuda::KernelElem>(
+    dev: &CudaDevice,
+    w: &BlockWeight,
+    tiled: bool,
+) -> Result<Tensor> {
     let (n, k) = w.shape;
     let stream = dev.cuda_stream();
     // SAFETY: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(n * k) }?;
     if n * k > 0 {
         let name = format!(
-            "ggml_dequantize_{}_{}",
+            "ggml_dequantize_{}{}_{}",
+            if tiled { "tiled_" } else { "" },
             format_name(w.t),
             dtype_suffix(T::DTYPE)?
         );
@@ -141,15 +149,31 @@ fn dequantize_as<T: crate::cuda::KernelElem>(dev: &CudaDevice, w: &BlockWeight) 
                 (&raw mut ki).cast::<c_void>(),
             ];
             let sms = 132 * 8;
-            let grid = (n * k / 32).div_ceil(256).clamp(1, sms) as u32;
-            // SAFETY: `ggml_dequantize_<fmt>_<dtype>(out, w, d, n, k)` (csrc/ggml.cu): w and d are
-            // the weight's data and scales in the device layout for [n, k] (null d for q4k), out
-            // holds n * k of T; a grid-stride loop, so any grid is valid; the kernel waits before
-            // it writes.
-            unsafe { launch_dependent(&func, &stream, grid, 256, &mut params) }
+            let (grid, threads) = if tiled {
+                let chunks = n * k / chunk_values(w.t);
+                (
+                    chunks.div_ceil(TILE_CHUNKS).clamp(1, 132 * 16),
+                    TILE_CHUNKS as u32,
+                )
+            } else {
+                ((n * k / 32).div_ceil(256).clamp(1, sms), 256)
+            };
+            // SAFETY: `ggml_dequantize_[tiled_]<fmt>_<dtype>(out, w, d, n, k)` (csrc/ggml.cu): w
+            // and d are the weight's data and scales in the device layout for [n, k] (null d for
+            // q4k), out holds n * k of T; grid-stride loops, so any grid is valid (the tiled form
+            // takes CTAs of kTileChunks threads); the kernels wait before they write.
+            unsafe { launch_dependent(&func, &stream, grid as u32, threads, &mut params) }
         })?;
     }
     Ok(tensor_from_slice(y, dev, (n, k)))
+}
+
+/// Values a dequantizer thread unpacks (`kVals` of the format in csrc/ggml.cu).
+fn chunk_values(t: BlockType) -> usize {
+    match t {
+        BlockType::Q4K | BlockType::Q6K => 64,
+        BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0 => 32,
+    }
 }
 
 /// The streaming product `x W^T` (with `glu`, SiLU(x G^T) * x U^T of a stacked gate-up weight),
