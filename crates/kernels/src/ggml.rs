@@ -101,14 +101,7 @@ pub struct BlockWeight {
 /// (for comparisons).
 fn tiled_dequantizer() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("RSERVE_GGML_DEQUANT_TILED")
-                .as_deref()
-                .map(str::trim),
-            Ok("0")
-        )
-    })
+    *ON.get_or_init(|| crate::switch_on("RSERVE_GGML_DEQUANT_TILED"))
 }
 
 impl BlockWeight {

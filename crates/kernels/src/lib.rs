@@ -15,6 +15,11 @@
 //! - `query_start_loc`: `[num_seqs + 1]` u32, cumulative query token counts
 //! - `slot_mapping`: `[num_tokens]` i64, flat cache slot (`block * block_size + offset`) per token, -1 to skip
 
+/// Whether the comparison switch `name` (an environment variable) is on: unless it is `0`.
+pub(crate) fn switch_on(name: &str) -> bool {
+    !matches!(std::env::var(name).as_deref().map(str::trim), Ok("0"))
+}
+
 #[cfg(feature = "cuda")]
 pub mod allreduce;
 pub mod bias;

@@ -64,14 +64,7 @@ pub const STACKED_MAX_ROWS: usize = 256;
 /// at most as many bytes again, unless `RSERVE_LORA_STACKED=0` (for comparisons).
 pub fn stacked_applies(w: &Tensor, slot_rows: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("RSERVE_LORA_STACKED")
-                .as_deref()
-                .map(str::trim),
-            Ok("0")
-        )
-    });
+    let on = *ON.get_or_init(|| crate::switch_on("RSERVE_LORA_STACKED"));
     let Ok((n, _)) = w.dims2() else {
         return false;
     };
@@ -123,14 +116,7 @@ pub fn linear_rows_lora_stacked(
 /// (the product, then the terms added onto it; for comparisons).
 fn terms_first() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("RSERVE_LORA_TERMS_FIRST")
-                .as_deref()
-                .map(str::trim),
-            Ok("0")
-        )
-    })
+    *ON.get_or_init(|| crate::switch_on("RSERVE_LORA_TERMS_FIRST"))
 }
 
 /// `x W^T` plus each row's LoRA term (with `glu`, `silu(g) * v`) for a batch with prompt runs:
