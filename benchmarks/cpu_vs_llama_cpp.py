@@ -66,9 +66,11 @@ def ensure_env() -> None:
         os.execv(str(py), [str(py), *sys.argv])
 
 
-def write_f16(path: Path, s: dict, seed: int) -> None:
+def gguf_writer(path: Path, s: dict):
+    """An f16 GGUF writer for the shape `s` (hyperparameters, `arch`, `pre`) with the test
+    tokenizer's vocabulary, padded with unused tokens to `s["vocab"]`; the tensors are the
+    caller's."""
     import gguf
-    import numpy as np
 
     tok = json.loads(TOKENIZER.read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -97,6 +99,21 @@ def write_f16(path: Path, s: dict, seed: int) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    return w
+
+
+def append_results(out: Path, meta: dict, rows: list[dict]) -> None:
+    """Appends each row, with `meta`, as a JSON line to `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**meta, **r}) + "\n")
+
+
+def write_f16(path: Path, s: dict, seed: int) -> None:
+    import numpy as np
+
+    w = gguf_writer(path, s)
     rng = np.random.default_rng(seed)
 
     def mat(rows: int, cols: int) -> np.ndarray:

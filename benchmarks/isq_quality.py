@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cpu_vs_llama_cpp import TOKENIZER, cpu_model, ensure_env, log  # noqa: E402
+from cpu_vs_llama_cpp import TOKENIZER, append_results, cpu_model, ensure_env, gguf_writer, log  # noqa: E402
 
 SHAPE = dict(hidden=256, ff=768, layers=4, heads=4, kv=2, vocab=1024, theta=1e6, eps=1e-6)
 # rserve's --isq formats and the llama.cpp ftypes beside them (llama.cpp's K-quant recipes mix
@@ -121,35 +121,9 @@ def write_hf(d: Path, w: dict) -> None:
 def write_gguf(path: Path, w: dict) -> None:
     """The same weights as an f16 GGUF under llama.cpp's qwen2 names (no q/k permutation: qwen2
     rotates halves, as the checkpoint does)."""
-    import gguf
     import numpy as np
 
-    s = SHAPE
-    tok = json.loads(TOKENIZER.read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab]
-    special = {a["id"] for a in tok["added_tokens"]}
-    types = [3 if i in special else 1 for i in range(len(tokens))]
-    tokens += [f"<|unused_{i}|>" for i in range(len(tokens), s["vocab"])]
-    types += [5] * (s["vocab"] - len(types))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    g = gguf.GGUFWriter(str(path), "qwen2")
-    g.add_block_count(s["layers"])
-    g.add_context_length(4096)
-    g.add_embedding_length(s["hidden"])
-    g.add_feed_forward_length(s["ff"])
-    g.add_head_count(s["heads"])
-    g.add_head_count_kv(s["kv"])
-    g.add_rope_freq_base(s["theta"])
-    g.add_layer_norm_rms_eps(s["eps"])
-    g.add_file_type(1)
-    g.add_tokenizer_model("gpt2")
-    g.add_tokenizer_pre("qwen2")
-    g.add_token_list(tokens)
-    g.add_token_types(types)
-    g.add_token_merges(merges)
-    g.add_bos_token_id(0)
-    g.add_eos_token_id(1)
+    g = gguf_writer(path, {**SHAPE, "arch": "qwen2", "pre": "qwen2"})
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -313,10 +287,7 @@ def main() -> None:
     meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "threads": args.threads,
             "llama_cpp": getattr(llama_cpp, "__version__", "?"), "shape": SHAPE,
             "sequences": args.sequences, "length": args.length}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**meta, **r}) + "\n")
+    append_results(args.out, meta, rows)
     print("| format | engine | mean abs log-prob error | KL (nats per token, +- s.e.) |")
     print("|---|---|---:|---:|")
     for r in rows:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from cpu_vs_llama_cpp import cpu_model, log  # noqa: E402
+from cpu_vs_llama_cpp import append_results, cpu_model, log  # noqa: E402
 
 KV_BYTES = 16_000_000
 
@@ -114,10 +114,7 @@ def main() -> None:
              **measure(args.rserve, model, flags)}
         rows.append(r)
     meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "kv_cache_bytes": KV_BYTES}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**meta, **r}) + "\n")
+    append_results(args.out, meta, rows)
     print("| model | flags | file (MB) | peak anonymous memory (MB) | at /health (MB) | peak RSS with mapped pages (MB) | to /health (s) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
