@@ -574,6 +574,8 @@ def part_speed(a, out: Path) -> None:
                          env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
                               **variant}, tag=tag)
             rec["ready_s"] = srv.ready_s
+            rec["peak_rss_gb"] = peak_rss_gb(srv.proc.pid)
+            rec["startup"] = startup_lines(srv)
             try:
                 speed_benches(a, srv, out, want, rec, kind)
             except Exception as e:  # keep what was measured
@@ -593,6 +595,13 @@ def peak_rss_gb(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def startup_lines(srv: Server) -> list[str]:
+    """The server log's lines on ISQ, the GPU memory (load peak, KV cache budget) and the start."""
+    lines = srv.log_path.read_text().splitlines()
+    return [ln.strip()[-500:] for ln in lines
+            if "ISQ" in ln or "rserve: serving" in ln or "KV cache" in ln][-4:]
 
 
 def part_quant(a, out: Path) -> None:
@@ -663,9 +672,7 @@ def part_quant(a, out: Path) -> None:
         rec["ready_s"] = srv.ready_s
         rec["peak_rss_gb"] = peak_rss_gb(srv.proc.pid)
         try:
-            lines = srv.log_path.read_text().splitlines()
-            rec["startup"] = [ln.strip()[-400:] for ln in lines
-                              if "ISQ" in ln or "rserve: serving" in ln or "KV cache" in ln][-4:]
+            rec["startup"] = startup_lines(srv)
             lp, arg = teacher_forced_rserve(srv, ids)
             rec["vs_transformers_bf16"] = compare(kind, hf_bf16, (lp, arg))
             if f == "fp8" and sim is not None:

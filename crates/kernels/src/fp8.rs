@@ -279,14 +279,30 @@ fn check(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Whether `dev` multiplies FP8 on tensor cores (a CUDA GPU of compute capability 8.9 or later).
+/// Whether `dev` multiplies FP8 on tensor cores: a CUDA GPU of compute capability 8.9 or later,
+/// unless they are turned off ([`allow_tensor_cores`], or `RSERVE_FP8_TENSOR_CORES=0` at start),
+/// which gives the path of GPUs without them.
 pub fn tensor_cores(dev: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        return cuda::compute_capability(d).is_ok_and(|cc| cc >= (8, 9));
+        return tensor_cores_allowed().load(std::sync::atomic::Ordering::Relaxed)
+            && cuda::compute_capability(d).is_ok_and(|cc| cc >= (8, 9));
     }
     let _ = dev;
     false
+}
+
+fn tensor_cores_allowed() -> &'static std::sync::atomic::AtomicBool {
+    static ON: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
+    ON.get_or_init(|| {
+        std::sync::atomic::AtomicBool::new(crate::switch_on("RSERVE_FP8_TENSOR_CORES"))
+    })
+}
+
+/// Lets [`tensor_cores`] say yes where the GPU has them (`true`), or makes every GPU take the
+/// path of those without them (`false`): for tests and comparisons on one machine.
+pub fn allow_tensor_cores(on: bool) {
+    tensor_cores_allowed().store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 #[cfg(feature = "cuda")]

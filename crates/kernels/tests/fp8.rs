@@ -177,9 +177,17 @@ fn cpu_products_are_the_dequantized_weights() -> Result<()> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
+    use std::sync::{Mutex, MutexGuard};
 
     fn gpu() -> Device {
         Device::new_cuda(0).expect("a CUDA device")
+    }
+
+    /// Held by the tests whose products depend on [`fp8::allow_tensor_cores`], which one of them
+    /// turns off for a while.
+    fn tensor_core_switch() -> MutexGuard<'static, ()> {
+        static LOCK: Mutex<()> = Mutex::new(());
+        LOCK.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     #[test]
@@ -227,6 +235,7 @@ mod cuda {
     /// without whole vectors; the products over them equal the ones that quantize themselves.
     #[test]
     fn the_norms_fp8_rows_are_the_quantizers_bits() -> Result<()> {
+        let _switch = tensor_core_switch();
         let dev = gpu();
         for dtype in [DType::BF16, DType::F16] {
             for (rows, h) in [(300, 4096), (7, 1000), (64, 2048), (5, 8192)] {
@@ -268,6 +277,7 @@ mod cuda {
 
     #[test]
     fn tensor_core_products_match_the_reference() -> Result<()> {
+        let _switch = tensor_core_switch();
         let dev = gpu();
         assert!(fp8::tensor_cores(&dev), "the test GPU has FP8 tensor cores");
         for dtype in [DType::BF16, DType::F16] {
@@ -288,6 +298,46 @@ mod cuda {
                         e < 0.08,
                         "{dtype:?} m {m} n {n} k {k} vs 16-bit activations: {e}"
                     );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A GPU without FP8 tensor cores (simulated by turning them off): rows past the decode
+    /// kernel's take the dequantized weight through a 16-bit product, as the reference does, and
+    /// the norm's FP8 rows are not asked for.
+    #[test]
+    fn without_tensor_cores_larger_products_are_the_dequantized_weights() -> Result<()> {
+        struct Restore;
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                fp8::allow_tensor_cores(true);
+            }
+        }
+        let _switch = tensor_core_switch();
+        let dev = gpu();
+        fp8::allow_tensor_cores(false);
+        let _restore = Restore;
+        assert!(!fp8::tensor_cores(&dev));
+        for dtype in [DType::BF16, DType::F16] {
+            for m in [1, 4, 5, 64, 300] {
+                for (n, k) in [(32, 64), (1024, 4096)] {
+                    let (x, q, s) = operands(&dev, dtype, m, n, k)?;
+                    assert!(!fp8::takes_fp8_rows(&x), "m {m}");
+                    let want = fp8::reference_linear(&x.to_dtype(DType::F32)?, &q, &s)?;
+                    let got = fp8::linear(&x, &q, &s)?;
+                    let e = rel_err(&got, &want)?;
+                    assert!(e < 1e-2, "{dtype:?} m {m} n {n} k {k}: {e}");
+                    if m > 4 {
+                        // exactly the 16-bit product of the dequantized weight
+                        let dense = fp8::reference_linear(&x, &q, &s)?;
+                        assert_eq!(rel_err(&got, &dense)?, 0.0, "{dtype:?} m {m} n {n} k {k}");
+                    }
+                    let h = n / 2;
+                    let (g, u) = (want.narrow(1, 0, h)?, want.narrow(1, h, h)?);
+                    let e = rel_err(&fp8::silu_glu(&x, &q, &s)?, &(g.silu()? * u)?)?;
+                    assert!(e < 2e-2, "glu {dtype:?} m {m} n {n} k {k}: {e}");
                 }
             }
         }

@@ -41,6 +41,9 @@ pub(crate) fn gpu_kv_budget(
     };
     let err = |e: String| EngineError::Model(format!("sizing the KV cache: {e}"));
     let before = gpu::memory(dev).map_err(err)?;
+    // the pool's high-water mark so far: the weights plus whatever loading held at once (16-bit
+    // tensors on their way to ISQ, staging copies)
+    let load_peak = gpu::peak(dev).map_err(err)?;
     gpu::reset_peak(dev).map_err(err)?;
     let tokens = batched_tokens.min(max_model_len.max(1));
     let rows = cfg.max_num_seqs.min(tokens);
@@ -80,9 +83,11 @@ pub(crate) fn gpu_kv_budget(
     let budget = allowed.saturating_sub(in_use + peak + graphs);
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     tracing::info!(
-        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading, activation peak {:.2} GiB for {tokens} tokens, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
+        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading (tensors {:.2} GiB, their peak while loading {:.2} GiB), activation peak {:.2} GiB for {tokens} tokens, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
         gib(before.total),
         gib(in_use),
+        gib(before.pool_used),
+        gib(load_peak),
         gib(peak),
         gib(graphs),
         gib(budget),
