@@ -1,5 +1,6 @@
-"""The `vision` part of scripts/gpu/check.py: Qwen2.5-VL-7B's shape with random bf16 weights made
-here, served by rserve next to transformers on the same GPU.
+"""The `vision` part of scripts/gpu/check.py: Qwen2.5-VL-7B's shape (Qwen2-VL-7B's with
+RSERVE_VISION_ARCH=qwen2-vl) with random bf16 weights made here, served by rserve next to
+transformers on the same GPU.
 
 - parity: teacher-forced log-probs of a chat prompt with one 448x448 image (ids from rserve's
   /tokenize, pixels from transformers' processor) against transformers bf16.
@@ -70,13 +71,15 @@ def words(n: int, seed: int) -> str:
     return " ".join(f"t{rng.randrange(1000, 100000)}" for _ in range(n))
 
 
-def make_vl(root: Path):
+def make_vl(root: Path, arch: str = "qwen2.5-vl"):
+    """Random bf16 weights in the 7B shape of `arch` (`qwen2.5-vl` or `qwen2-vl`), saved under
+    `root`: (transformers' model on the GPU, its path, seconds taken)."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from check import word_tokenizer
 
-    path = root / "qwen2.5-vl-7b"
+    path = root / f"{arch}-7b"
     text = dict(vocab_size=VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                 rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
@@ -87,16 +90,27 @@ def make_vl(root: Path):
                   fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
     ids = dict(image_token_id=IMAGE, video_token_id=151656, vision_start_token_id=VISION_START,
                vision_end_token_id=VISION_END)
+    config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    if arch == "qwen2-vl":
+        # Qwen2-VL-7B: full attention in every block, LayerNorm and a QuickGELU MLP
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16,
+                      in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      hidden_act="quick_gelu")
+    elif arch != "qwen2.5-vl":
+        raise SystemExit(f"RSERVE_VISION_ARCH: unknown {arch} (qwen2.5-vl or qwen2-vl)")
     try:
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+        cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     except TypeError:
-        cfg = Qwen2_5_VLConfig(**text, vision_config=vision, tie_word_embeddings=False, **ids)
-    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        cfg = config_cls(**text, vision_config=vision, tie_word_embeddings=False, **ids)
+    cfg.architectures = [model_cls.__name__]
     torch.manual_seed(0)
     t0 = time.time()
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration(cfg)
+        model = model_cls(cfg)
     torch.set_default_dtype(torch.float32)
     model.eval()
     model.save_pretrained(path, safe_serialization=True, max_shard_size="5GB")
@@ -169,12 +183,15 @@ def part_vision(a, out: Path) -> None:
 
     root = Path(a.scratch)
     root.mkdir(parents=True, exist_ok=True)
-    model, path, made = make_vl(root)
-    log(f"qwen2.5-vl-7b: made and saved in {made:.1f}s")
+    import os
+
+    arch = os.environ.get("RSERVE_VISION_ARCH", "qwen2.5-vl")
+    name = f"{arch}-7b"
+    model, path, made = make_vl(root, arch)
+    log(f"{name}: made and saved in {made:.1f}s")
     # the cost of an image alone: host decode + preprocessing, the encoder (with a breakdown); the
     # same with the encoders' attention through candle ops, and with RSERVE_BASELINE_BINARY (an
     # earlier build) when it is set
-    import os
     import subprocess
 
     # RSERVE_VISION_QUICK=1: the default build's benchmark, parity and rserve's TTFT only
@@ -192,12 +209,11 @@ def part_vision(a, out: Path) -> None:
         bench = next((json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")),
                      {"error": r.stderr[-2000:]})
         profile = [ln[-300:] for ln in r.stderr.splitlines() if "vision encoder" in ln]
-        emit(out, {"part": "vision-bench", "model": "qwen2.5-vl-7b", "variant": variant, **bench,
+        emit(out, {"part": "vision-bench", "model": name, "variant": variant, **bench,
                    "encoder_profile": profile[-4:]})
     proc = hf_processor()
     srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
                  "--gpu-memory-utilization", "0.6", tag="-vision")
-    name = "qwen2.5-vl-7b"
     rec: dict = {"part": "vision", "model": name, "ready_s": srv.ready_s}
     try:
         m = srv.model_name()
