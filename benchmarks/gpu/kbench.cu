@@ -33,11 +33,12 @@
 using bf16 = __nv_bfloat16;
 
 // ---------------------------------------------------------------- candidates
-// The production GEMV template (csrc/gemv.cu) at other tile shapes.
+// The production GEMV template (csrc/gemv.cu) at other tile shapes, on 16-bit weights (no row
+// scales).
 template <int M, int R, int U, int NT>
-__global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const bf16* w, int m, int n,
-                                                int k) {
-  gemv_impl<bf16, M, R, U, NT>(y, x, w, m, n, k);
+__global__ void __launch_bounds__(NT) gemv_cand(bf16* y, const bf16* x, const void* w,
+                                                const float* row_scale, int m, int n, int k) {
+  gemv_impl<bf16, DenseW<bf16>, M, R, U, NT>(y, x, w, row_scale, m, n, k);
 }
 
 typedef void (*DecodeFn)(bf16*, const bf16*, const bf16*, const bf16*, const uint32_t*,
@@ -64,8 +65,9 @@ struct Decode {
 // least MINB CTAs per SM asked of the register allocator, run with the shared-memory carveout at
 // its maximum (the driver's default carveout holds four 2-warp CTAs per SM).
 template <int S, int W, int MINB, bool KM = false>
-__global__ void __launch_bounds__(32 * W, MINB) tc_occ(PAGED_DECODE_PARAMS(bf16)) {
-  paged_decode_tc_impl<bf16, 128, S, W, KM>(PAGED_DECODE_ARGS);
+__global__ void __launch_bounds__(32 * W, MINB) tc_occ(PAGED_DECODE_PARAMS(bf16, bf16)) {
+  pdl_wait();  // as the production kernels (a no-op unless launched as a dependent)
+  paged_decode_tc_impl<bf16, bf16, 128, S, W, KM>(PAGED_DECODE_ARGS);
 }
 static const Decode kOcc[] = {{"w2s3c", tc_occ<3, 2, 1>, 3, 2},  {"w2s3c6", tc_occ<3, 2, 6>, 3, 2},
                               {"w2s3c8", tc_occ<3, 2, 8>, 3, 2}, {"w2s4c", tc_occ<4, 2, 1>, 4, 2},
@@ -133,7 +135,8 @@ static bf16* alloc_bf16(size_t n, uint32_t seed, float scale) {
   return p;
 }
 
-typedef void (*GemvFn)(bf16*, const bf16*, const bf16*, int, int, int);
+// y, x, W, W's row scales (null for 16-bit W), m, n, k: the production kernels' arguments.
+typedef void (*GemvFn)(bf16*, const bf16*, const void*, const float*, int, int, int);
 static cublasHandle_t g_cublas;
 // A kernel, or cuBLAS (fn null): y [m, n] = x [m, k] W^T with W [n, k] row-major.
 struct Gemv {
@@ -142,7 +145,7 @@ struct Gemv {
   int rows_per_cta, threads, max_m;
   void launch(bf16* y, const bf16* x, const bf16* w, int m, int n, int k) const {
     if (fn) {
-      fn<<<(n + rows_per_cta - 1) / rows_per_cta, threads>>>(y, x, w, m, n, k);
+      fn<<<(n + rows_per_cta - 1) / rows_per_cta, threads>>>(y, x, w, nullptr, m, n, k);
       return;
     }
     const float one = 1.f, zero = 0.f;
@@ -454,17 +457,19 @@ static void bench_small() {
   time("rotary_qk", [&] {
     rotary_qk_bf16<<<1, 512>>>(qkv, pos, cs, cs, H + KVH, D, (long)(H + 2 * KVH) * D);
   });
+  // the cache writes' FP8 factors (1 / the layer's scale) are 1 for a 16-bit cache
   time("reshape_and_cache", [&] {
-    reshape_and_cache_bf16<<<1, 256>>>(cache, qkv + (H * D), slot, KVH * D, (long)(H + 2 * KVH) * D);
+    reshape_and_cache_bf16<<<1, 256>>>(cache, qkv + (H * D), slot, KVH * D, (long)(H + 2 * KVH) * D,
+                                       1.f);
   });
   time("rotary_qk_cache", [&] {
     rotary_qk_cache_bf16<<<1, 1024>>>(qkv, pos, cs, cs, H, KVH, D, (long)(H + 2 * KVH) * D, cache,
-                                      cache + (size_t)2048 * KVH * D, slot);
+                                      cache + (size_t)2048 * KVH * D, slot, 1.f, 1.f);
   });
   time("silu_and_mul", [&] {
     silu_and_mul_bf16<<<(inter + 255) / 256, 256>>>(o, a, (long)inter, inter);
   });
-  time("empty(1 CTA)", [&] { reshape_and_cache_bf16<<<1, 32>>>(cache, qkv, slot, 0, 0); });
+  time("empty(1 CTA)", [&] { reshape_and_cache_bf16<<<1, 32>>>(cache, qkv, slot, 0, 0, 1.f); });
   for (void* p : {(void*)a, (void*)b, (void*)o, (void*)w, (void*)qkv, (void*)cs, (void*)cache,
                   (void*)pos, (void*)slot})
     CK(cudaFree(p));
@@ -527,7 +532,7 @@ static void bench_chain(int sms) {
   // n: rows of W; the GLU form writes n / 2 outputs
   auto launch = [&](GemvFn fn, int outs, bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     if (!pdl) {
-      fn<<<(outs + 3) / 4, 256, 0, st>>>(y, in, wt, 1, n, k);
+      fn<<<(outs + 3) / 4, 256, 0, st>>>(y, in, wt, nullptr, 1, n, k);
       return;
     }
     cudaLaunchConfig_t cfg = {};
@@ -540,7 +545,8 @@ static void bench_chain(int sms) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     const int one = 1;
-    CK(cudaLaunchKernelEx(&cfg, fn, y, in, wt, one, n, k));
+    const float* no_scales = nullptr;
+    CK(cudaLaunchKernelEx(&cfg, fn, y, in, (const void*)wt, no_scales, one, n, k));
   };
   auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     launch(g1.fn, n, y, in, wt, n, k);
@@ -552,7 +558,8 @@ static void bench_chain(int sms) {
       gemv(qkv, norm + hidden, wp, qkv_n, hidden);
       wp += (size_t)qkv_n * hidden;
       rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
-                                               kc + l * cache_layer, vc + l * cache_layer, slot);
+                                               kc + l * cache_layer, vc + l * cache_layer, slot,
+                                               1.f, 1.f);
       paged_decode_tc_w4_d128_bf16<<<dim3(KVH, 1, count), 128, tc_smem, st>>>(
           att, qkv, kc + l * cache_layer, vc + l * cache_layer, dt, dl, ds, dq, width, H, KVH, D,
           BS, scale, 0, qkv_n, split, H, acc, ml);
