@@ -297,6 +297,28 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   for (long i = done + first; i < n; i += stride) out[i] = to_f32(x[i]);
 }
 
+// x * sigmoid(1.702 x) (quick_gelu) in f32, rounded once.
+__device__ __forceinline__ float quick_gelu_f32(float v) { return v / (1.f + __expf(-1.702f * v)); }
+template <typename T>
+__device__ void quick_gelu_impl(T* __restrict__ out, const T* __restrict__ x, long n) {
+  constexpr int VN = Vec16<T>::N;
+  const long stride = (long)gridDim.x * blockDim.x;
+  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  long done = 0;
+  if (((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(x)) & 15) == 0) {
+    const long nv = n / VN;
+    for (long v = first; v < nv; v += stride) {
+      float f[VN];
+      load16(x + v * VN, f);
+#pragma unroll
+      for (int e = 0; e < VN; ++e) f[e] = quick_gelu_f32(f[e]);
+      store16(out + v * VN, f);
+    }
+    done = nv * VN;
+  }
+  for (long i = done + first; i < n; i += stride) out[i] = from_f32<T>(quick_gelu_f32(to_f32(x[i])));
+}
+
 #define FUSED_OPS(T, NAME)                                                                         \
   extern "C" __global__ void silu_and_mul_##NAME(T* out, const T* gu, long n, int inter) {         \
     silu_and_mul_impl<T>(out, gu, n, inter);                                                       \
@@ -321,6 +343,9 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
   }                                                                                                \
   extern "C" __global__ void add_bias_##NAME(T* out, const T* y, const T* bias, long n, int cols) { \
     add_bias_impl<T>(out, y, bias, n, cols);                                                       \
+  }                                                                                                \
+  extern "C" __global__ void quick_gelu_##NAME(T* out, const T* x, long n) {                       \
+    quick_gelu_impl<T>(out, x, n);                                                                 \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)
 #define ROTARY_CACHE(T, C, NAME)                                                                   \

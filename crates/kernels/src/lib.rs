@@ -20,6 +20,7 @@ pub(crate) fn switch_on(name: &str) -> bool {
     !matches!(std::env::var(name).as_deref().map(str::trim), Ok("0"))
 }
 
+pub mod activation;
 #[cfg(feature = "cuda")]
 pub mod allreduce;
 pub mod bias;

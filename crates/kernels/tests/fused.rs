@@ -409,6 +409,29 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_quick_gelu_matches_reference() -> Result<()> {
+        use rserve_kernels::activation::{quick_gelu, quick_gelu_reference};
+        let dev = gpu();
+        for (dtype, tol) in CASES {
+            // whole 16-byte vectors, a tail past them, and a strided input (made contiguous)
+            for (t, c) in [(1, 8), (300, 5120), (3, 37), (2, 4097)] {
+                let x = (Tensor::randn(0f32, 3., (t, c), &Device::Cpu)?).to_dtype(dtype)?;
+                // the reference in f32, then rounded once as the kernel does
+                let want = quick_gelu_reference(&x.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
+                let got = quick_gelu(&x.to_device(&dev)?)?.to_device(&Device::Cpu)?;
+                assert_eq!(got.dims(), &[t, c]);
+                let err = max_rel_err(&got, &want)?;
+                assert!(err <= tol, "{dtype:?} {t}x{c}: {err}");
+                let xt = x.t()?.to_device(&dev)?;
+                let got = quick_gelu(&xt)?.to_device(&Device::Cpu)?;
+                let err = max_rel_err(&got, &want.t()?)?;
+                assert!(err <= tol, "{dtype:?} {t}x{c} transposed: {err}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn cuda_silu_and_mul_matches_reference() -> Result<()> {
         let dev = gpu();
         for (dtype, tol) in CASES {

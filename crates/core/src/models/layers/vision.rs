@@ -110,7 +110,7 @@ impl VitAct {
 
     pub fn forward(self, h: &Tensor) -> Result<Tensor> {
         match self {
-            Self::QuickGelu => h * candle_nn::ops::sigmoid(&(h * 1.702)?)?,
+            Self::QuickGelu => rserve_kernels::activation::quick_gelu(h),
             Self::Gelu => h.gelu_erf(),
         }
     }
