@@ -275,10 +275,10 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
   }
 }
 
-// out[i] = x[i] as f32 (logits leaving the LM head): 16-byte loads and two or four 16-byte stores
-// per thread where both pointers allow, single elements for the rest.
-template <typename T>
-__device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, long n) {
+// out[i] = op(x[i]) computed in f32 over n values: 16-byte loads of x and whole 16-byte stores of
+// out per thread where both pointers allow, single elements for the rest.
+template <typename T, typename O, typename Op>
+__device__ void map_impl(O* __restrict__ out, const T* __restrict__ x, long n, Op op) {
   constexpr int VN = Vec16<T>::N;
   const long stride = (long)gridDim.x * blockDim.x;
   const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -288,36 +288,24 @@ __device__ void to_f32_impl(float* __restrict__ out, const T* __restrict__ x, lo
     for (long v = first; v < nv; v += stride) {
       float f[VN];
       load16(x + v * VN, f);
-      float4* o = reinterpret_cast<float4*>(out + v * VN);
 #pragma unroll
-      for (int e = 0; e < VN; e += 4) o[e / 4] = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+      for (int e = 0; e < VN; ++e) f[e] = op(f[e]);
+#pragma unroll
+      for (int e = 0; e < VN; e += Vec16<O>::N) store16(out + v * VN + e, f + e);
     }
     done = nv * VN;
   }
-  for (long i = done + first; i < n; i += stride) out[i] = to_f32(x[i]);
+  for (long i = done + first; i < n; i += stride) out[i] = from_f32<O>(op(to_f32(x[i])));
 }
 
-// x * sigmoid(1.702 x) (quick_gelu) in f32, rounded once.
-__device__ __forceinline__ float quick_gelu_f32(float v) { return v / (1.f + __expf(-1.702f * v)); }
-template <typename T>
-__device__ void quick_gelu_impl(T* __restrict__ out, const T* __restrict__ x, long n) {
-  constexpr int VN = Vec16<T>::N;
-  const long stride = (long)gridDim.x * blockDim.x;
-  const long first = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  long done = 0;
-  if (((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(x)) & 15) == 0) {
-    const long nv = n / VN;
-    for (long v = first; v < nv; v += stride) {
-      float f[VN];
-      load16(x + v * VN, f);
-#pragma unroll
-      for (int e = 0; e < VN; ++e) f[e] = quick_gelu_f32(f[e]);
-      store16(out + v * VN, f);
-    }
-    done = nv * VN;
-  }
-  for (long i = done + first; i < n; i += stride) out[i] = from_f32<T>(quick_gelu_f32(to_f32(x[i])));
-}
+// x as f32 (logits leaving the LM head).
+struct AsF32 {
+  __device__ __forceinline__ float operator()(float v) const { return v; }
+};
+// x * sigmoid(1.702 x) (quick_gelu), rounded once.
+struct QuickGelu {
+  __device__ __forceinline__ float operator()(float v) const { return v / (1.f + __expf(-1.702f * v)); }
+};
 
 #define FUSED_OPS(T, NAME)                                                                         \
   extern "C" __global__ void silu_and_mul_##NAME(T* out, const T* gu, long n, int inter) {         \
@@ -339,13 +327,13 @@ __device__ void quick_gelu_impl(T* __restrict__ out, const T* __restrict__ x, lo
                                nullptr, nullptr, nullptr, 1.f, 1.f);                               \
   }                                                                                                \
   extern "C" __global__ void to_f32_##NAME(float* out, const T* x, long n) {                       \
-    to_f32_impl<T>(out, x, n);                                                                     \
+    map_impl<T, float>(out, x, n, AsF32{});                                                        \
   }                                                                                                \
   extern "C" __global__ void add_bias_##NAME(T* out, const T* y, const T* bias, long n, int cols) { \
     add_bias_impl<T>(out, y, bias, n, cols);                                                       \
   }                                                                                                \
   extern "C" __global__ void quick_gelu_##NAME(T* out, const T* x, long n) {                       \
-    quick_gelu_impl<T>(out, x, n);                                                                 \
+    map_impl<T, T>(out, x, n, QuickGelu{});                                                        \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)
 #define ROTARY_CACHE(T, C, NAME)                                                                   \

@@ -28,12 +28,11 @@ pub fn quick_gelu_reference(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{dtype_suffix, function, strided_launch, vector_items, view};
+    use crate::cuda::{by_float_dtype, dtype_suffix, function, strided_launch, vector_items, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
-    use half::{bf16, f16};
+    use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
     pub struct QuickGelu;
 
@@ -71,12 +70,7 @@ mod cuda {
         }
 
         fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            match s.dtype() {
-                DType::F32 => run::<f32>(s, l),
-                DType::BF16 => run::<bf16>(s, l),
-                DType::F16 => run::<f16>(s, l),
-                dt => candle_core::bail!("quick_gelu: unsupported dtype {dt:?}"),
-            }
+            by_float_dtype!("quick_gelu", s.dtype(), run, s, l)
         }
     }
 }

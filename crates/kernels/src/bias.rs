@@ -39,7 +39,8 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
 mod cuda {
     use crate::cublaslt::{self, Form, Operands};
     use crate::cuda::{
-        cuda_storage, dtype_suffix, function, strided_launch, tensor_from_slice, vector_items, view,
+        by_float_dtype, cuda_storage, dtype_suffix, function, strided_launch, tensor_from_slice,
+        vector_items, view,
     };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
@@ -170,12 +171,7 @@ mod cuda {
             b: &CudaStorage,
             bl: &Layout,
         ) -> Result<(CudaStorage, Shape)> {
-            match y.dtype() {
-                DType::F32 => run::<f32>((y, yl), (b, bl)),
-                DType::BF16 => run::<bf16>((y, yl), (b, bl)),
-                DType::F16 => run::<f16>((y, yl), (b, bl)),
-                dt => candle_core::bail!("add_bias: unsupported dtype {dt:?}"),
-            }
+            by_float_dtype!("add_bias", y.dtype(), run, (y, yl), (b, bl))
         }
     }
 }

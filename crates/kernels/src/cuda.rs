@@ -18,6 +18,20 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rserve_kernels.
 pub(crate) trait KernelElem: CudaDType + WithDType + DeviceRepr {}
 impl<T: CudaDType + WithDType + DeviceRepr> KernelElem for T {}
 
+/// `$f::<T>(args..)` with `T` the element type of the float dtype `$dt` (f32, bf16, f16); any
+/// other dtype is an error naming `$op`.
+macro_rules! by_float_dtype {
+    ($op:literal, $dt:expr, $f:ident, $($arg:expr),*) => {
+        match $dt {
+            candle_core::DType::F32 => $f::<f32>($($arg),*),
+            candle_core::DType::BF16 => $f::<half::bf16>($($arg),*),
+            candle_core::DType::F16 => $f::<half::f16>($($arg),*),
+            dt => candle_core::bail!("{}: unsupported dtype {dt:?}", $op),
+        }
+    };
+}
+pub(crate) use by_float_dtype;
+
 /// Suffix of a kernel's name for `dtype` (kernels are instantiated per element type).
 pub(crate) fn dtype_suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {

@@ -18,6 +18,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 /// E4M3's largest finite value.
 pub const E4M3_MAX: f32 = 448.0;
@@ -285,24 +287,22 @@ fn check(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<()> {
 pub fn tensor_cores(dev: &Device) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
-        return tensor_cores_allowed().load(std::sync::atomic::Ordering::Relaxed)
+        return tensor_cores_allowed().load(Ordering::Relaxed)
             && cuda::compute_capability(d).is_ok_and(|cc| cc >= (8, 9));
     }
     let _ = dev;
     false
 }
 
-fn tensor_cores_allowed() -> &'static std::sync::atomic::AtomicBool {
-    static ON: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
-    ON.get_or_init(|| {
-        std::sync::atomic::AtomicBool::new(crate::switch_on("RSERVE_FP8_TENSOR_CORES"))
-    })
+fn tensor_cores_allowed() -> &'static AtomicBool {
+    static ON: OnceLock<AtomicBool> = OnceLock::new();
+    ON.get_or_init(|| AtomicBool::new(crate::switch_on("RSERVE_FP8_TENSOR_CORES")))
 }
 
 /// Lets [`tensor_cores`] say yes where the GPU has them (`true`), or makes every GPU take the
 /// path of those without them (`false`): for tests and comparisons on one machine.
 pub fn allow_tensor_cores(on: bool) {
-    tensor_cores_allowed().store(on, std::sync::atomic::Ordering::Relaxed);
+    tensor_cores_allowed().store(on, Ordering::Relaxed);
 }
 
 #[cfg(feature = "cuda")]

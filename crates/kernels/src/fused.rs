@@ -320,26 +320,15 @@ pub(crate) use cuda::norm_launch;
 mod cuda {
     use super::Rotary;
     use crate::cuda::{
-        cuda_slice, dtype_suffix, function, strided_launch, vector_items, view, Dependent,
+        by_float_dtype, cuda_slice, dtype_suffix, function, strided_launch, vector_items, view,
+        Dependent,
     };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
     };
     use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
-    use half::{bf16, f16};
-
-    macro_rules! by_dtype {
-        ($dt:expr, $f:ident, $($arg:expr),*) => {
-            match $dt {
-                DType::F32 => $f::<f32>($($arg),*),
-                DType::BF16 => $f::<bf16>($($arg),*),
-                DType::F16 => $f::<f16>($($arg),*),
-                dt => candle_core::bail!("unsupported dtype {dt:?}"),
-            }
-        };
-    }
+    use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
     pub struct ToF32;
 
@@ -418,7 +407,7 @@ mod cuda {
             s: &CudaStorage,
             l: &Layout,
         ) -> Result<()> {
-            by_dtype!(s.dtype(), to_f32_into, d, dl, s, l)
+            by_float_dtype!("to_f32_into", s.dtype(), to_f32_into, d, dl, s, l)
         }
     }
 
@@ -436,7 +425,7 @@ mod cuda {
         }
 
         fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            by_dtype!(s.dtype(), to_f32, s, l)
+            by_float_dtype!("to_f32", s.dtype(), to_f32, s, l)
         }
     }
 
@@ -481,7 +470,7 @@ mod cuda {
         }
 
         fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-            by_dtype!(s.dtype(), silu_and_mul, s, l)
+            by_float_dtype!("silu_and_mul", s.dtype(), silu_and_mul, s, l)
         }
     }
 
@@ -562,7 +551,15 @@ mod cuda {
             if r.dtype() != x.dtype() || w.dtype() != x.dtype() {
                 candle_core::bail!("add_rms_norm: dtypes differ");
             }
-            by_dtype!(x.dtype(), add_rms_norm, self.eps, (x, xl), (r, rl), (w, wl))
+            by_float_dtype!(
+                "add_rms_norm",
+                x.dtype(),
+                add_rms_norm,
+                self.eps,
+                (x, xl),
+                (r, rl),
+                (w, wl)
+            )
         }
     }
 
@@ -688,6 +685,6 @@ mod cuda {
     }
 
     pub(super) fn rotary(op: &Rotary<'_>, s: &mut CudaStorage, l: &Layout) -> Result<()> {
-        by_dtype!(s.dtype(), rotary_typed, op, s, l)
+        by_float_dtype!("rotary", s.dtype(), rotary_typed, op, s, l)
     }
 }
