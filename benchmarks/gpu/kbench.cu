@@ -4,8 +4,9 @@
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
 // Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
-// gemv,step,attn,attn1,attn256,occ,tk,tk256,small,chain,gemm,lt,pchain (default: all but attn1 and attn256, which
-// run one case each, with the tensor-core kernel the engine picks there, for a profiler).
+// gemv,step,attn,attn1,attn256,occ,tk,tk256,tk8,tk8one,small,chain,gemm,lt,pchain (default: all
+// but attn1, attn256, tk256 and tk8one, which run one case each, with the tensor-core kernel the
+// engine picks there, for a profiler).
 // Output: one line per measurement.
 #include "kernels.cu"
 
@@ -98,15 +99,19 @@ __global__ void gemv_reference(float* y, const bf16* x, const bf16* w, int m, in
   }
 }
 
+// A hashed value in [-scale / 2, scale / 2] for element i.
+__device__ __forceinline__ float hashed(size_t i, uint32_t seed, float scale) {
+  uint32_t h = (uint32_t)(i * 2654435761u) ^ seed;
+  h ^= h >> 13;
+  h *= 0x5bd1e995u;
+  h ^= h >> 15;
+  return ((h & 0xffff) / 65535.f - 0.5f) * scale;
+}
+
 __global__ void fill(bf16* p, size_t n, uint32_t seed, float scale) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)(i * 2654435761u) ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16(((h & 0xffff) / 65535.f - 0.5f) * scale);
-  }
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i] = __float2bfloat16(hashed(i, seed, scale));
 }
 
 // ---------------------------------------------------------------- harness
@@ -217,7 +222,8 @@ static std::vector<Gemv> variants(int m) {
 // Whether the comma-separated list `sections` (null: every section) names `s`.
 static bool want(const char* sections, const char* s) {
   if (!sections)
-    return strcmp(s, "attn1") != 0 && strcmp(s, "attn256") != 0 && strcmp(s, "tk256") != 0;
+    return strcmp(s, "attn1") != 0 && strcmp(s, "attn256") != 0 && strcmp(s, "tk256") != 0 &&
+           strcmp(s, "tk8one") != 0;
   const std::string list = std::string(",") + sections + ",";
   return list.find(std::string(",") + s + ",") != std::string::npos;
 }
@@ -313,6 +319,27 @@ static int decode_splits(int ctas, int ctx, int sms) {
   return std::max(1, std::min((2 * sms + ctas - 1) / ctas, ctx / kMinSplitKeys));
 }
 
+// The decode kernels' metadata on the device for B sequences of ctx keys, each its own run of
+// `width` blocks: block tables, lengths, query starts (one token each) and the sequence list.
+static void decode_metadata(int B, int ctx, int width, uint32_t*& dt, uint32_t*& dl, uint32_t*& ds,
+                            uint32_t*& dq) {
+  std::vector<uint32_t> tables((size_t)B * width), lens(B, ctx), starts(B + 1), seqs(B);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < width; ++j) tables[(size_t)b * width + j] = b * width + j;
+    starts[b] = b;
+    seqs[b] = b;
+  }
+  starts[B] = B;
+  CK(cudaMalloc(&dt, tables.size() * 4));
+  CK(cudaMalloc(&dl, B * 4));
+  CK(cudaMalloc(&ds, (B + 1) * 4));
+  CK(cudaMalloc(&dq, B * 4));
+  CK(cudaMemcpy(dt, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dl, lens.data(), B * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(ds, starts.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dq, seqs.data(), B * 4, cudaMemcpyHostToDevice));
+}
+
 static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Decode& dk = kDecodes[0]) {
   const int H = 32, KVH = 8, D = 128, BS = 16;
   const int width = (ctx + BS - 1) / BS;
@@ -324,22 +351,8 @@ static void bench_attn_case(int B, int ctx, int forced_split, int sms, const Dec
   bf16* q = alloc_bf16((size_t)B * H * D, 7, 1.0f);
   bf16* out;
   CK(cudaMalloc(&out, (size_t)B * H * D * 2));
-  std::vector<uint32_t> tables((size_t)B * width), lens(B, ctx), starts(B + 1), seqs(B);
-  for (int b = 0; b < B; ++b) {
-    for (int j = 0; j < width; ++j) tables[(size_t)b * width + j] = b * width + j;
-    starts[b] = b;
-    seqs[b] = b;
-  }
-  starts[B] = B;
   uint32_t *dt, *dl, *ds, *dq;
-  CK(cudaMalloc(&dt, tables.size() * 4));
-  CK(cudaMalloc(&dl, B * 4));
-  CK(cudaMalloc(&ds, (B + 1) * 4));
-  CK(cudaMalloc(&dq, B * 4));
-  CK(cudaMemcpy(dt, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dl, lens.data(), B * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(ds, starts.data(), (B + 1) * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dq, seqs.data(), B * 4, cudaMemcpyHostToDevice));
+  decode_metadata(B, ctx, width, dt, dl, ds, dq);
   // forced_split: keys per slice (0: no split)
   const int count = forced_split >= 0 ? (forced_split > 0 ? (ctx + forced_split - 1) / forced_split : 1)
                                       : decode_splits(B * KVH, ctx, sms);
@@ -428,6 +441,118 @@ static void bench_occ(const Decode (&list)[N], int sms) {
     bench_attn_case(256, 577, -1, sms, dk);
     bench_attn_case(64, 4096, -1, sms, dk);
   }
+}
+
+// FP8 caches (section `tk8`): the transposed tensor-core kernel over E4M3 caches at other depths,
+// widths and CTAs per SM, against the direct kernel on the same bytes. GB/s counts the cache bytes
+// read (one byte a value).
+typedef void (*Decode8Fn)(PAGED_DECODE_PARAMS(bf16, e4m3));
+template <int S, int W, int MINB>
+__global__ void __launch_bounds__(32 * W, MINB) tk8_occ(PAGED_DECODE_PARAMS(bf16, e4m3)) {
+  pdl_wait();
+  paged_decode_tc_impl<bf16, e4m3, 128, S, W, true>(PAGED_DECODE_ARGS);
+}
+struct Decode8 {
+  const char* name;
+  Decode8Fn fn;
+  int stages;  // 0: the direct kernel
+  int warps;
+  int smem() const {
+    const int G = 4, D = 128;
+    if (stages == 0) return 4 * (G * D + G * 256 + 3 * G + 256);
+    return warps * stages * 2 * kTcKeys * D;
+  }
+};
+static const Decode8 kTk8[] = {{"tk8_w2s3", tk8_occ<3, 2, 1>, 3, 2}, {"tk8_w2s4", tk8_occ<4, 2, 1>, 4, 2},
+                               {"tk8_w2s6", tk8_occ<6, 2, 1>, 6, 2}, {"tk8_w4s3", tk8_occ<3, 4, 1>, 3, 4},
+                               {"tk8_w4s4", tk8_occ<4, 4, 1>, 4, 4}, {"tk8_w1s4", tk8_occ<4, 1, 1>, 4, 1},
+                               {"tk8_w1s6", tk8_occ<6, 1, 1>, 6, 1}, {"tk8_w2s3c6", tk8_occ<3, 2, 6>, 3, 2},
+                               {"tk8_w2s3c8", tk8_occ<3, 2, 8>, 3, 2}, {"tk8_w2s4c8", tk8_occ<4, 2, 8>, 4, 2}};
+static const Decode8 kDirect8 = {"direct8", paged_decode_g4_bf16_fp8, 0, 0};
+
+__global__ void fill_e4m3(e4m3* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    p[i].bits = f32_to_e4m3(hashed(i, seed, 4.f));
+}
+
+static void bench_attn8_case(int B, int ctx, int sms, const Decode8& dk) {
+  const int H = 32, KVH = 8, D = 128, BS = 16;
+  const int width = (ctx + BS - 1) / BS;
+  const size_t slots = (size_t)B * width * BS;
+  const size_t layer_elems = slots * KVH * D;
+  const int layers = (int)std::max<size_t>(2, std::min<size_t>(32, ((size_t)2 << 30) / (layer_elems * 2)));
+  e4m3 *k, *v;
+  CK(cudaMalloc(&k, layer_elems * layers));
+  CK(cudaMalloc(&v, layer_elems * layers));
+  fill_e4m3<<<1024, 256>>>(k, layer_elems * layers, 5);
+  fill_e4m3<<<1024, 256>>>(v, layer_elems * layers, 6);
+  bf16* q = alloc_bf16((size_t)B * H * D, 7, 1.0f);
+  bf16* out;
+  CK(cudaMalloc(&out, (size_t)B * H * D * 2));
+  uint32_t *dt, *dl, *ds, *dq;
+  decode_metadata(B, ctx, width, dt, dl, ds, dq);
+  const int count = decode_splits(B * KVH, ctx, sms);
+  const int split = count > 1 ? kMinSplitKeys : 0;
+  const long rows = (long)B * H;
+  float *acc, *ml;
+  CK(cudaMalloc(&acc, (size_t)count * rows * D * 4));
+  CK(cudaMalloc(&ml, (size_t)count * rows * 2 * 4));
+  const float scale = 1.f / sqrtf((float)D);
+  auto launch = [&](const Decode8& d, int l) {
+    const dim3 grid = d.stages == 0 ? dim3(B, KVH, count) : dim3(KVH, B, count);
+    d.fn<<<grid, d.stages == 0 ? 128 : 32 * d.warps, d.smem()>>>(
+        out, q, k + (size_t)l * layer_elems, v + (size_t)l * layer_elems, dt, dl, ds, dq, width, H,
+        KVH, D, BS, scale, 0, (long)H * D, split, rows, acc, ml);
+    if (count > 1) paged_attention_combine_bf16<<<rows, 128>>>(out, acc, ml, count, rows, D);
+  };
+  Timer t;
+  const int reps = std::max(4, 256 / layers);
+  for (int l = 0; l < layers; ++l) launch(dk, l);
+  t.start();
+  for (int r = 0; r < reps; ++r)
+    for (int l = 0; l < layers; ++l) launch(dk, l);
+  const double us = t.stop_ms() * 1e3 / (reps * layers);
+  const size_t n = (size_t)B * H * D;
+  std::vector<bf16> mine(n), ref(n);
+  launch(dk, 0);
+  CK(cudaMemcpy(mine.data(), out, n * 2, cudaMemcpyDeviceToHost));
+  launch(kDirect8, 0);
+  CK(cudaMemcpy(ref.data(), out, n * 2, cudaMemcpyDeviceToHost));
+  float err = 0.f;
+  for (size_t i = 0; i < n; ++i)
+    err = std::max(err, std::fabs(__bfloat162float(mine[i]) - __bfloat162float(ref[i])));
+  int blocks = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, dk.fn, dk.stages == 0 ? 128 : 32 * dk.warps,
+                                                   dk.smem()));
+  const double bytes = 2.0 * B * ctx * KVH * D;
+  printf("attn8 %-10s b=%-3d ctx=%-5d x%-3d %d CTAs/SM  %8.2f us  %6.0f GB/s  err %.2e\n", dk.name, B,
+         ctx, count, blocks, us, bytes / us / 1e3, err);
+  for (void* p : {(void*)k, (void*)v, (void*)q, (void*)out, (void*)dt, (void*)dl, (void*)ds,
+                  (void*)dq, (void*)acc, (void*)ml})
+    CK(cudaFree(p));
+}
+
+static void bench_tk8(int sms, bool one) {
+  for (const Decode8& dk : kTk8) {
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            std::max(dk.smem(), 48 << 10)));
+    CK(cudaFuncSetAttribute(dk.fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                            cudaSharedmemCarveoutMaxShared));
+  }
+  if (one) {  // the engine's choice at 256 sequences, for a profiler
+    bench_attn8_case(256, 768, sms, kTk8[0]);
+    return;
+  }
+  for (int B : {256, 64}) {
+    bench_attn_case(B, 768, -1, sms, kDecodes[4]);  // 16-bit cache beside
+    for (const Decode8& dk : kTk8) bench_attn8_case(B, 768, sms, dk);
+  }
+  bench_attn_case(256, 577, -1, sms, kDecodes[4]);
+  for (const Decode8& dk : kTk8) bench_attn8_case(256, 577, sms, dk);
+  bench_attn_case(64, 4096, -1, sms, kDecodes[4]);
+  for (const Decode8& dk : kTk8) bench_attn8_case(64, 4096, sms, dk);
+  bench_attn8_case(256, 768, sms, kDirect8);
 }
 
 // Batch-1 element-wise kernels as the 8B layer launches them, 64 launches in a row each.
@@ -800,6 +925,8 @@ int main(int argc, char** argv) {
   if (want(sections, "tk")) bench_occ(kTk, prop.multiProcessorCount);
   if (want(sections, "attn256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount, kDecodes[2]);
   if (want(sections, "tk256")) bench_attn_case(256, 768, -1, prop.multiProcessorCount, kDecodes[4]);
+  if (want(sections, "tk8")) bench_tk8(prop.multiProcessorCount, false);
+  if (want(sections, "tk8one")) bench_tk8(prop.multiProcessorCount, true);
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
   if (want(sections, "gemm")) bench_gemm();

@@ -1,6 +1,7 @@
 // The one translation unit built into rserve's kernel image (SASS for sm_90a plus PTX).
 #include "paged_attention.cu"
 #include "decode.cu"
+#include "decode_tc.cu"
 #include "prefill.cu"
 #include "segment_attention.cu"
 #include "gemv.cu"

@@ -192,24 +192,26 @@ pub fn decode_group_bucket(group: usize) -> Option<usize> {
 }
 
 /// Key stages per warp of the tensor-core decode kernel (`S` of
-/// `paged_decode_tc_w<W>_d<D>_<dtype>` in `csrc/decode.cu`).
+/// `paged_decode_tc_w<W>_d<D>_<dtype>` in `csrc/decode_tc.cu`).
 const DECODE_TC_STAGES: usize = 3;
 
 /// Dynamic shared memory of the tensor-core decode kernel of `warps` warps: per warp and stage a
 /// K and a V tile of 16 keys, rows padded by eight elements (the queries borrow warp 0's last
-/// stage). With an FP8 cache the stages hold unpadded rows of bytes and each warp has one more,
-/// 16-bit stage for the tile it converts.
+/// stage). With an FP8 cache the stages hold unpadded rows of bytes; with heads as the products'
+/// rows (`keys_as_rows` false) each warp has one more, 16-bit stage for the tile it converts.
 pub fn decode_tc_shared_bytes(
     warps: usize,
     head_dim: usize,
     elem_bytes: usize,
     fp8_cache: bool,
+    keys_as_rows: bool,
 ) -> usize {
     let tile16 = 2 * 16 * (head_dim + 8) * elem_bytes;
-    if fp8_cache {
-        warps * (tile16 + DECODE_TC_STAGES * 2 * 16 * head_dim)
-    } else {
-        warps * DECODE_TC_STAGES * tile16
+    let tile8 = 2 * 16 * head_dim;
+    match (fp8_cache, keys_as_rows) {
+        (true, true) => warps * DECODE_TC_STAGES * tile8,
+        (true, false) => warps * (tile16 + DECODE_TC_STAGES * tile8),
+        (false, _) => warps * DECODE_TC_STAGES * tile16,
     }
 }
 

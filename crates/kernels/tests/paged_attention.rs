@@ -157,9 +157,15 @@ fn tensor_core_decode_narrows_its_ctas_for_large_grids() {
     assert_eq!(decode_tc_warps(320, 132), 2, "40 sequences of 8 KV heads");
     assert_eq!(decode_tc_warps(2048, 132), 2);
     // four 2-warp CTAs of head dim 128 fit a Hopper multiprocessor's 228 KiB (1 KiB each kept)
-    assert_eq!(decode_tc_shared_bytes(2, 128, 2, false), 52_224);
-    assert!(4 * (decode_tc_shared_bytes(2, 128, 2, false) + 1024) <= 228 * 1024);
-    assert_eq!(decode_tc_shared_bytes(4, 128, 2, false), 2 * 52_224);
+    assert_eq!(decode_tc_shared_bytes(2, 128, 2, false, true), 52_224);
+    assert!(4 * (decode_tc_shared_bytes(2, 128, 2, false, true) + 1024) <= 228 * 1024);
+    assert_eq!(decode_tc_shared_bytes(4, 128, 2, false, false), 2 * 52_224);
+    // an FP8 cache read straight into fragments: three stages of bytes, 8 such CTAs per SM
+    assert_eq!(decode_tc_shared_bytes(2, 128, 2, true, true), 24_576);
+    assert_eq!(
+        decode_tc_shared_bytes(2, 128, 2, true, false),
+        2 * (8_704 + 12_288)
+    );
 }
 
 #[test]

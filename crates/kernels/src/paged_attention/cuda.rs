@@ -242,15 +242,12 @@ impl PagedAttention<'_> {
                 let w = decode_tc_warps(kvh * n_dec * splits.count, sms);
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
                 // keys as the products' rows where the group fits their 8 columns
-                let layout = if group <= 8 && keys_as_rows_decode_enabled() {
-                    "tk"
-                } else {
-                    "tc"
-                };
+                let keys_as_rows = group <= 8 && keys_as_rows_decode_enabled();
+                let layout = if keys_as_rows { "tk" } else { "tc" };
                 (
                     format!("paged_decode_{layout}_w{w}_d{d}_{ksuffix}"),
                     grid,
-                    decode_tc_shared_bytes(w, d, elem, fp8),
+                    decode_tc_shared_bytes(w, d, elem, fp8, keys_as_rows),
                     32 * w as u32,
                 )
             } else {
@@ -272,8 +269,8 @@ impl PagedAttention<'_> {
             {
                 let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
                 splits.push(&mut b);
-                // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` and
-                // `paged_decode_{tc,tk}_w<W>_d<D>_<dtype>` in csrc/decode.cu; the group fits G (16
+                // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` (csrc/decode.cu)
+                // and `paged_decode_{tc,tk}_w<W>_d<D>_<dtype>` (csrc/decode_tc.cu); the group fits G (16
                 // for the tc kernel, 8 for tk, whose head dim and q alignment are checked above),
                 // rows are 16-byte multiples, metadata validated.
                 unsafe { b.launch(cfg) }?;
