@@ -123,6 +123,54 @@ __device__ void fp8_scale_outer_impl(T* y, const D* d, const float* __restrict__
   for (int c = 0; c < 8 && j + c < n; ++c) y[e + c] = from_f32<T>(to_f32(d[e + c]) * si * sw[j + c]);
 }
 
+// The end of an FP8 gate-up product, one CTA per row: from the product's unscaled sums d [m,
+// 2 * inter] (gate columns, then up), a [m, inter] = silu(g) * u with g and u the sums times
+// sx[row] * sw[column] rounded to T, and a's FP8 rows q [m, inter] with their scales qs [m]: the
+// bits of fp8_scale_outer, silu_and_mul and fp8_quantize_rows one after another, in one pass over
+// the sums (the next product takes the rows). A thread takes 8 neighbouring columns at a time and
+// reads its own values of a back for the bytes.
+// Host guarantees: inter % 8 == 0; every pointer 16-byte aligned (contiguous tensors).
+template <typename T, typename D>
+__device__ void fp8_glu_rows_impl(T* __restrict__ a, uint8_t* __restrict__ q,
+                                  float* __restrict__ qs, const D* __restrict__ d,
+                                  const float* __restrict__ sx, const float* __restrict__ sw,
+                                  int inter) {
+  pdl_wait();
+  const size_t row = blockIdx.x;
+  const D* dg = d + row * 2 * inter;
+  const D* du = dg + inter;
+  T* ar = a + row * inter;
+  uint8_t* qr = q + row * inter;
+  const float si = sx[row];
+  float amax = 0.f;
+  for (int j = 8 * threadIdx.x; j < inter; j += 8 * kFp8Threads) {
+    float g[8], u[8], o[8];
+#pragma unroll
+    for (int h = 0; h < 8; h += Vec16<D>::N) {
+      load16(dg + j + h, g + h);
+      load16(du + j + h, u + h);
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const float gc = to_f32(from_f32<T>(g[c] * si * sw[j + c]));
+      const float uc = to_f32(from_f32<T>(u[c] * si * sw[inter + j + c]));
+      o[c] = to_f32(from_f32<T>(gc / (1.f + __expf(-gc)) * uc));
+      amax = fmaxf(amax, fabsf(o[c]));
+    }
+#pragma unroll
+    for (int h = 0; h < 8; h += Vec16<T>::N) store16(ar + j + h, o + h);
+  }
+  amax = block_max(amax);
+  const float s = fp8_row_scale(amax);
+  if (threadIdx.x == 0) qs[row] = s;
+  for (int j = 8 * threadIdx.x; j < inter; j += 8 * kFp8Threads) {
+    float o[8];
+#pragma unroll
+    for (int h = 0; h < 8; h += Vec16<T>::N) load16_rw(ar + j + h, o + h);
+    *reinterpret_cast<uint2*>(qr + j) = make_uint2(fp8_pack4(o, s), fp8_pack4(o + 4, s));
+  }
+}
+
 }  // namespace
 
 #define FP8_OPS(T, NAME)                                                                           \
@@ -141,5 +189,13 @@ __device__ void fp8_scale_outer_impl(T* y, const D* d, const float* __restrict__
   extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_scale_outer_f32_##NAME(            \
       T* y, const float* d, const float* sx, const float* sw, int n) {                             \
     fp8_scale_outer_impl<T, float>(y, d, sx, sw, n);                                               \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_glu_rows_##NAME(                   \
+      T* a, uint8_t* q, float* qs, const T* d, const float* sx, const float* sw, int inter) {      \
+    fp8_glu_rows_impl<T, T>(a, q, qs, d, sx, sw, inter);                                           \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(kFp8Threads) fp8_glu_rows_f32_##NAME(               \
+      T* a, uint8_t* q, float* qs, const float* d, const float* sx, const float* sw, int inter) {  \
+    fp8_glu_rows_impl<T, float>(a, q, qs, d, sx, sw, inter);                                       \
   }
 RSERVE_FOR_DTYPES(FP8_OPS)

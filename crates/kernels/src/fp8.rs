@@ -259,6 +259,24 @@ pub fn silu_glu_with_rows(
     crate::silu_and_mul(&linear_with_rows(x, rows, q, scale)?)
 }
 
+/// [`silu_glu_with_rows`] that also gives the result's FP8 rows (the bits [`quantize_rows`] gives)
+/// where the product makes them in the same pass, for the next product to take: an FP8
+/// tensor-core product ([`takes_fp8_rows`] of `x`) with an intermediate width that is a multiple
+/// of 8; elsewhere `None`.
+pub fn silu_glu_rows(
+    x: &Tensor,
+    rows: Option<&Fp8Rows>,
+    q: &Tensor,
+    scale: &Tensor,
+) -> Result<(Tensor, Option<Fp8Rows>)> {
+    check(x, q, scale)?;
+    #[cfg(feature = "cuda")]
+    if let Some((a, r)) = cuda::glu_rows(x, rows, q, scale)? {
+        return Ok((a, Some(r)));
+    }
+    Ok((silu_glu_with_rows(x, rows, q, scale)?, None))
+}
+
 /// The reference product: the weight dequantized to `x`'s dtype, then a dense product.
 pub fn reference_linear(x: &Tensor, q: &Tensor, scale: &Tensor) -> Result<Tensor> {
     let w = dequantize_rows(q, scale, x.dtype())?;
@@ -525,13 +543,7 @@ mod cuda {
                 .map(Some);
         }
         if m > 0 && k % 16 == 0 && n % 16 == 0 && super::tensor_cores(x.device()) {
-            // the rows' FP8 form when it came with them (made from these very values)
-            let (xq, sx) = match rows {
-                Some(r) if r.q.dims2()? == (m, k) && r.scale.dims1()? == m => {
-                    (r.q.clone(), r.scale.clone())
-                }
-                _ => quantize_rows(dev, &x)?,
-            };
+            let (xq, sx) = rows_of(dev, &x, rows)?;
             let y = fp8_gemm::scaled_mm(dev, &xq, &sx, q, scale, x.dtype())?;
             return if glu {
                 crate::silu_and_mul(&y).map(Some)
@@ -540,5 +552,49 @@ mod cuda {
             };
         }
         Ok(None)
+    }
+
+    /// The tensor-core gate-up product with its result's FP8 rows (`fp8_glu_rows_*`), or `None`
+    /// where [`linear`] takes another path or the intermediate width is not a multiple of 8.
+    pub fn glu_rows(
+        x: &Tensor,
+        rows: Option<&super::Fp8Rows>,
+        q: &Tensor,
+        scale: &Tensor,
+    ) -> Result<Option<(Tensor, super::Fp8Rows)>> {
+        let Device::Cuda(dev) = x.device() else {
+            return Ok(None);
+        };
+        let (m, k) = x.dims2()?;
+        let (n, _) = q.dims2()?;
+        if !super::takes_fp8_rows(x) || m == 0 || n % 16 != 0 || k % 16 != 0 {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        let (xq, sx) = rows_of(dev, &x, rows)?;
+        let (a, aq, ascale) = fp8_gemm::scaled_mm_glu_rows(dev, &xq, &sx, q, scale, x.dtype())?;
+        Ok(Some((
+            a,
+            super::Fp8Rows {
+                q: aq,
+                scale: ascale,
+            },
+        )))
+    }
+
+    /// The FP8 rows of `x` `[m, k]`: `rows` when they came with it (made from these very
+    /// values), else quantized here.
+    fn rows_of(
+        dev: &CudaDevice,
+        x: &Tensor,
+        rows: Option<&super::Fp8Rows>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (m, k) = x.dims2()?;
+        match rows {
+            Some(r) if r.q.dims2()? == (m, k) && r.scale.dims1()? == m => {
+                Ok((r.q.clone(), r.scale.clone()))
+            }
+            _ => quantize_rows(dev, x),
+        }
     }
 }

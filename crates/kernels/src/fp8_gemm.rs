@@ -34,63 +34,59 @@ pub fn scaled_mm(
     }
 }
 
-fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
+/// For a fused gate-up weight `wq` `[2 * inter, k]` (gate rows, then up rows): `a` =
+/// `silu(gate) * up` `[m, inter]` in `out` (bf16 or f16) with its FP8 rows `(q, scale)`, the bits
+/// [`scaled_mm`], `silu_and_mul` and `fp8::quantize_rows` give one after another, from one pass
+/// over the product's sums (`fp8_glu_rows_*`).
+pub fn scaled_mm_glu_rows(
     dev: &CudaDevice,
     xq: &Tensor,
     sx: &Tensor,
     wq: &Tensor,
     sw: &Tensor,
-) -> Result<Tensor> {
+    out: DType,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    match out {
+        DType::BF16 => glu_rows_as::<half::bf16>(dev, xq, sx, wq, sw),
+        DType::F16 => glu_rows_as::<half::f16>(dev, xq, sx, wq, sw),
+        dt => candle_core::bail!("fp8 product: no {dt:?} output"),
+    }
+}
+
+/// A product's unscaled sums `[m, n]`: in T where T is bf16 (the sums, at most 448² k, are within
+/// its range), else in f32.
+enum Sums<T> {
+    Own(CudaSlice<T>),
+    F32(CudaSlice<f32>),
+}
+
+/// `xq wq^T` with unit scales, `(m, n)` and the sums.
+fn product<T: CudaDType + WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    xq: &Tensor,
+    wq: &Tensor,
+) -> Result<((usize, usize), Sums<T>)> {
     let (m, k) = xq.dims2()?;
     let (n, wk) = wq.dims2()?;
-    if k != wk || k % 16 != 0 || n % 16 != 0 {
+    if k != wk || k % 16 != 0 || n % 16 != 0 || m == 0 || n == 0 {
         candle_core::bail!("fp8 product: x [{m}, {k}] against weight [{n}, {wk}]");
     }
     let stream = dev.cuda_stream();
-    // SAFETY: every element is written by the scaling kernel.
-    let mut y = unsafe { dev.alloc::<T>(m * n) }?;
-    if m == 0 || n == 0 {
-        return Ok(tensor_from_slice(y, dev, (m, n)));
-    }
-    // the unscaled f32 sums, for a result without bf16's range
+    // SAFETY: every element is written by the product.
     let mut sums = match T::DTYPE {
-        DType::BF16 => None,
-        // SAFETY: every element is written by the product.
-        _ => Some(unsafe { dev.alloc::<f32>(m * n) }?),
+        DType::BF16 => Sums::Own(unsafe { dev.alloc::<T>(m * n) }?),
+        _ => Sums::F32(unsafe { dev.alloc::<f32>(m * n) }?),
     };
     let (xg, xl) = xq.storage_and_layout();
     let (wg, wl) = wq.storage_and_layout();
-    let (sxg, sxl) = sx.storage_and_layout();
-    let (swg, swl) = sw.storage_and_layout();
     let xv = view::<u8>(cuda_storage(&xg, "activations")?, xl, "activations")?;
     let wv = view::<u8>(cuda_storage(&wg, "weight")?, wl, "weight")?;
-    let sxv = view::<f32>(
-        cuda_storage(&sxg, "activation scales")?,
-        sxl,
-        "activation scales",
-    )?;
-    let swv = view::<f32>(cuda_storage(&swg, "weight scales")?, swl, "weight scales")?;
-    let (xp, _x) = xv.device_ptr(&stream);
-    let (wp, _w) = wv.device_ptr(&stream);
-    let (sxp, _sx) = sxv.device_ptr(&stream);
-    let (swp, _sw) = swv.device_ptr(&stream);
-    let form = Form::Fp8 {
-        sums: if sums.is_some() {
-            DType::F32
-        } else {
-            DType::BF16
-        },
-    };
     {
-        let (dp, _d, _y) = match sums.as_mut() {
-            Some(s) => {
-                let (p, g) = s.device_ptr_mut(&stream);
-                (p, Some(g), None)
-            }
-            None => {
-                let (p, g) = y.device_ptr_mut(&stream);
-                (p, None, Some(g))
-            }
+        let (xp, _x) = xv.device_ptr(&stream);
+        let (wp, _w) = wv.device_ptr(&stream);
+        let (form, (dp, _d)) = match &mut sums {
+            Sums::Own(y) => (DType::BF16, y.device_ptr_mut(&stream)),
+            Sums::F32(s) => (DType::F32, s.device_ptr_mut(&stream)),
         };
         let ops = Operands {
             w: wp,
@@ -101,12 +97,118 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
         // SAFETY: weight [n, k] and activations [m, k] E4M3, the sums [m, n] of the form's
         // output type, all contiguous on `dev` (checked above), their guards held to the end of
         // this block.
-        if !unsafe { cublaslt::matmul(dev, (m, n, k), form, &ops) }? {
+        if !unsafe { cublaslt::matmul(dev, (m, n, k), Form::Fp8 { sums: form }, &ops) }? {
             candle_core::bail!("fp8 product: cuBLASLt has no algorithm for m={m} n={n} k={k}");
         }
     }
-    scale_outer::<T>(dev, &mut y, sums.as_ref(), sxp, swp, (m, n))?;
+    Ok(((m, n), sums))
+}
+
+/// The device pointers of the scales `sx` `[m]` and `sw` `[n]` (f32), with their guards.
+macro_rules! scale_ptrs {
+    ($stream:expr, $sx:expr, $sw:expr, $sxp:ident, $swp:ident) => {
+        let (sxg, sxl) = $sx.storage_and_layout();
+        let (swg, swl) = $sw.storage_and_layout();
+        let sxv = view::<f32>(
+            cuda_storage(&sxg, "activation scales")?,
+            sxl,
+            "activation scales",
+        )?;
+        let swv = view::<f32>(cuda_storage(&swg, "weight scales")?, swl, "weight scales")?;
+        let ($sxp, _sx_guard) = sxv.device_ptr($stream);
+        let ($swp, _sw_guard) = swv.device_ptr($stream);
+    };
+}
+
+fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    xq: &Tensor,
+    sx: &Tensor,
+    wq: &Tensor,
+    sw: &Tensor,
+) -> Result<Tensor> {
+    let (m, n) = (xq.dims2()?.0, wq.dims2()?.0);
+    if m == 0 || n == 0 {
+        return Tensor::zeros((m, n), T::DTYPE, xq.device());
+    }
+    let ((m, n), sums) = product::<T>(dev, xq, wq)?;
+    let stream = dev.cuda_stream();
+    scale_ptrs!(&stream, sx, sw, sxp, swp);
+    let y = match sums {
+        Sums::Own(mut y) => {
+            scale_outer::<T>(dev, &mut y, None, sxp, swp, (m, n))?;
+            y
+        }
+        Sums::F32(s) => {
+            // SAFETY: every element is written by the scaling kernel.
+            let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+            scale_outer::<T>(dev, &mut y, Some(&s), sxp, swp, (m, n))?;
+            y
+        }
+    };
     Ok(tensor_from_slice(y, dev, (m, n)))
+}
+
+fn glu_rows_as<T: CudaDType + WithDType + DeviceRepr>(
+    dev: &CudaDevice,
+    xq: &Tensor,
+    sx: &Tensor,
+    wq: &Tensor,
+    sw: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (m, n) = (xq.dims2()?.0, wq.dims2()?.0);
+    if n % 16 != 0 {
+        candle_core::bail!("fp8 gate-up product: {n} rows");
+    }
+    let inter = n / 2;
+    if m == 0 {
+        return Ok((
+            Tensor::zeros((0, inter), T::DTYPE, xq.device())?,
+            Tensor::zeros((0, inter), DType::U8, xq.device())?,
+            Tensor::zeros(0, DType::F32, xq.device())?,
+        ));
+    }
+    let (_, sums) = product::<T>(dev, xq, wq)?;
+    let stream = dev.cuda_stream();
+    scale_ptrs!(&stream, sx, sw, sxp, swp);
+    // SAFETY: every element, byte and scale is written by the kernel (one CTA per row).
+    let mut a = unsafe { dev.alloc::<T>(m * inter) }?;
+    let mut q = unsafe { dev.alloc::<u8>(m * inter) }?;
+    let mut qs = unsafe { dev.alloc::<f32>(m) }?;
+    {
+        let (form, (mut dp, _d)) = match &sums {
+            Sums::Own(y) => ("", y.device_ptr(&stream)),
+            Sums::F32(s) => ("_f32", s.device_ptr(&stream)),
+        };
+        let func = function(
+            dev,
+            &format!("fp8_glu_rows{form}_{}", dtype_suffix(T::DTYPE)?),
+        )?;
+        let (mut ap, _a) = a.device_ptr_mut(&stream);
+        let (mut qp, _q) = q.device_ptr_mut(&stream);
+        let (mut qsp, _qs) = qs.device_ptr_mut(&stream);
+        let (mut sxp, mut swp) = (sxp, swp);
+        let mut ii = inter as i32;
+        let mut params = [
+            (&raw mut ap).cast::<c_void>(),
+            (&raw mut qp).cast::<c_void>(),
+            (&raw mut qsp).cast::<c_void>(),
+            (&raw mut dp).cast::<c_void>(),
+            (&raw mut sxp).cast::<c_void>(),
+            (&raw mut swp).cast::<c_void>(),
+            (&raw mut ii).cast::<c_void>(),
+        ];
+        // SAFETY: `fp8_glu_rows[_f32]_<dtype>(a, q, qs, d, sx, sw, inter)` (csrc/fp8.cu): d the
+        // sums [m, 2 inter] (T, or f32 with `_f32`), sx [m] and sw [2 inter] f32, a [m, inter]
+        // of T, q [m, inter] bytes, qs [m] f32, all alive for the call; one CTA of 256 threads
+        // per row; inter is a multiple of 8 (n of 16) and every buffer a fresh allocation.
+        unsafe { launch_dependent(&func, &stream, m as u32, 256, &mut params) }?;
+    }
+    Ok((
+        tensor_from_slice(a, dev, (m, inter)),
+        tensor_from_slice(q, dev, (m, inter)),
+        tensor_from_slice(qs, dev, m),
+    ))
 }
 
 /// `y = sums * sx[i] * sw[j]`, or in place on `y` without `sums` (`fp8_scale_outer_*`).

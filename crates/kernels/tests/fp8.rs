@@ -160,6 +160,13 @@ fn cpu_products_are_the_dequantized_weights() -> Result<()> {
     let glu = fp8::silu_glu(&x, &q, &s)?;
     let (g, u) = (want.narrow(1, 0, 12)?, want.narrow(1, 12, 12)?);
     assert!(rel_err(&glu, &(g.silu()? * u)?)? < 1e-6);
+    // on the CPU the gate-up product makes no FP8 rows of its result
+    let (same, rows) = fp8::silu_glu_rows(&x, None, &q, &s)?;
+    assert!(rows.is_none());
+    assert_eq!(
+        same.flatten_all()?.to_vec1::<f32>()?,
+        glu.flatten_all()?.to_vec1::<f32>()?
+    );
     // the dequantized weight is within E4M3's bound of the original
     let w0 = (Tensor::randn(0f32, 1., (5, 32), &cpu)? * 3.0)?;
     let (q, s) = fp8::quantize_rows(&w0)?;
@@ -271,6 +278,46 @@ mod cuda {
                     assert_eq!(bits(&a)?, bits(&b)?, "{dtype:?} {rows}x{h} product");
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The gate-up product's fused end: the activations are the bits of the product, then
+    /// `silu_and_mul`, and their FP8 rows the bits `quantize_rows` gives for them, with the
+    /// input's rows handed over or not, widths whose last pass is whole or partial; at decode
+    /// sizes (the streaming kernel) no rows are made.
+    #[test]
+    fn the_gate_ups_fp8_rows_are_the_quantizers_bits() -> Result<()> {
+        let _switch = tensor_core_switch();
+        let dev = gpu();
+        let bits = |t: &Tensor| -> Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            for (m, inter, k) in [(64, 1024, 512), (300, 2056, 256), (9, 7168, 1024)] {
+                let (x, q, s) = operands(&dev, dtype, m, 2 * inter, k)?;
+                let x = (x * 4.0)?;
+                let want = fp8::silu_glu(&x, &q, &s)?;
+                let (wq, ws) = fp8::quantize_rows(&want)?;
+                let (xq, xs) = fp8::quantize_rows(&x)?;
+                let given = fp8::Fp8Rows { q: xq, scale: xs };
+                for rows in [None, Some(&given)] {
+                    let (a, f8) = fp8::silu_glu_rows(&x, rows, &q, &s)?;
+                    let what = format!("{dtype:?} {m}x{inter}x{k} given {}", rows.is_some());
+                    assert_eq!(bits(&a)?, bits(&want)?, "{what}: activations");
+                    let f8 = f8.expect("a tensor-core gate-up makes the rows");
+                    assert_eq!(
+                        f8.q.flatten_all()?.to_vec1::<u8>()?,
+                        wq.flatten_all()?.to_vec1::<u8>()?,
+                        "{what}: bytes"
+                    );
+                    assert_eq!(f8.scale.to_vec1::<f32>()?, ws.to_vec1::<f32>()?, "{what}");
+                }
+            }
+            let (x, q, s) = operands(&dev, dtype, 3, 512, 256)?;
+            let (a, f8) = fp8::silu_glu_rows(&x, None, &q, &s)?;
+            assert!(f8.is_none(), "decode rows take the streaming kernel");
+            assert_eq!(bits(&a)?, bits(&fp8::silu_glu(&x, &q, &s)?)?);
         }
         Ok(())
     }

@@ -74,6 +74,15 @@ impl LinearMethod for Fp8Linear {
         }
     }
 
+    fn matmul_silu_glu_rows(
+        &self,
+        x: &Tensor,
+        rows: Option<&fp8::Fp8Rows>,
+        _ctx: &LayerCtx<'_>,
+    ) -> Result<(Tensor, Option<fp8::Fp8Rows>)> {
+        fp8::silu_glu_rows(x, rows, &self.q, &self.scale)
+    }
+
     fn shape(&self) -> (usize, usize) {
         let d = self.q.dims();
         (

@@ -68,6 +68,22 @@ pub trait LinearMethod: Send + Sync + fmt::Debug {
             self.matmul(x, ctx)
         }
     }
+
+    /// [`LinearMethod::matmul_silu_glu`] of `x` (with its FP8 form `rows` where it came), and the
+    /// result's FP8 form where the product makes it in the same pass, for a next product that
+    /// [takes FP8 rows](LinearMethod::takes_fp8_rows). Only the FP8 method makes it.
+    fn matmul_silu_glu_rows(
+        &self,
+        x: &Tensor,
+        rows: Option<&Fp8Rows>,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<(Tensor, Option<Fp8Rows>)> {
+        let y = match rows {
+            Some(r) => self.matmul_fp8_rows(x, r, true, ctx)?,
+            None => self.matmul_silu_glu(x, ctx)?,
+        };
+        Ok((y, None))
+    }
 }
 
 /// A weight kept as it was loaded, `[out, in]` in the model's dtype.
@@ -416,6 +432,20 @@ impl Linear {
                     None => Ok(y),
                 }
             }
+        }
+    }
+
+    /// [`Linear::forward_silu_glu_with`], with the result's FP8 form where the product makes it
+    /// ([`LinearMethod::matmul_silu_glu_rows`]; never with a bias).
+    pub fn forward_silu_glu_rows(
+        &self,
+        x: &Tensor,
+        rows: Option<&Fp8Rows>,
+        ctx: &LayerCtx<'_>,
+    ) -> Result<(Tensor, Option<Fp8Rows>)> {
+        match &self.bias {
+            None => self.method.matmul_silu_glu_rows(x, rows, ctx),
+            Some(_) => Ok((self.forward_silu_glu_with(x, rows, ctx)?, None)),
         }
     }
 

@@ -95,15 +95,17 @@ impl Mlp {
         self.gate_up_proj.takes_fp8_rows(x)
     }
 
-    /// [`Mlp::forward`] of `x`, whose FP8 form `rows` may come with it.
+    /// [`Mlp::forward`] of `x`, whose FP8 form `rows` may come with it. An FP8 gate-up product
+    /// hands the down product its activations in FP8 form as well.
     pub fn forward_with(
         &self,
         x: &Tensor,
         rows: Option<&rserve_kernels::fp8::Fp8Rows>,
         ctx: &LayerCtx<'_>,
     ) -> Result<Tensor> {
-        let h = self.gate_up_proj.forward_silu_glu_with(x, rows, ctx)?;
-        self.down_proj.forward(&h, ctx)
+        let (h, h_rows) = self.gate_up_proj.forward_silu_glu_rows(x, rows, ctx)?;
+        let h_rows = h_rows.filter(|_| self.down_proj.takes_fp8_rows(&h));
+        self.down_proj.forward_with(&h, h_rows.as_ref(), ctx)
     }
 }
 
