@@ -335,17 +335,35 @@ mod cuda {
     use candle_core::cuda_backend::{CudaDevice, WrapErr};
     use candle_core::{DType, Device, Result, Tensor};
     use std::ffi::c_void;
+    use std::sync::{Mutex, OnceLock};
 
     const THREADS: u32 = 256;
 
+    /// The GPU's compute capability, asked of the driver once per device (the FP8 paths ask
+    /// it for every product).
     pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
+        type Known = Mutex<Vec<(usize, (i32, i32))>>;
+        static KNOWN: OnceLock<Known> = OnceLock::new();
         let ctx = dev.cuda_stream().context().clone();
+        let ordinal = ctx.ordinal();
+        let known = KNOWN.get_or_init(|| Mutex::new(Vec::new()));
+        if let Some(&(_, cc)) = known
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("compute capability cache poisoned".into()))?
+            .iter()
+            .find(|(o, _)| *o == ordinal)
+        {
+            return Ok(cc);
+        }
         let major = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .w()?;
         let minor = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
             .w()?;
+        if let Ok(mut k) = known.lock() {
+            k.push((ordinal, (major, minor)));
+        }
         Ok((major, minor))
     }
 
