@@ -9,14 +9,14 @@
 //! round-to-nearest-even, as `GGML_FP32_TO_FP16` does. Rows are quantized in parallel; rows are
 //! independent, so the result does not depend on the number of threads. The K-quants' scale
 //! searches, nearly all of their time, run one sub-block per AVX2 lane where the host has it
-//! (`quantize/kquant_avx2.rs`, the same bits as the scalar searches in `quantize/kquant.rs`).
+//! (`quantize/avx2.rs`, the same bits as the scalar searches in `quantize/kquant.rs`).
 //!
 //! Reference: the llama.cpp goldens in `tests/fixtures/quant/` (made by llama.cpp itself from
 //! the same values; see `crates/core/tests/gguf.rs`).
 
-mod kquant;
 #[cfg(target_arch = "x86_64")]
-mod kquant_avx2;
+mod avx2;
+mod kquant;
 
 use half::f16;
 use kquant::{q4k_block, q6k_block};
@@ -72,29 +72,64 @@ impl BlockType {
 
 /// Quantizes `x`, `rows` rows of `cols` values, to `t`; `cols` must be a multiple of the block.
 pub fn quantize(t: BlockType, x: &[f32], cols: usize) -> Result<Vec<u8>, String> {
-    let bv = t.block_values();
-    if cols == 0 || !cols.is_multiple_of(bv) || !x.len().is_multiple_of(cols) {
-        return Err(format!(
-            "{t:?} needs rows that are a multiple of {bv} values; got {} values in rows of {cols}",
-            x.len()
-        ));
+    if cols == 0 || !x.len().is_multiple_of(cols) {
+        return Err(format!("{} values are not whole rows of {cols}", x.len()));
     }
+    check_cols(t, cols)?;
     let rb = t.row_bytes(cols);
     let mut out = vec![0u8; x.len() / cols * rb];
     out.par_chunks_mut(rb)
         .zip(x.par_chunks(cols))
-        .for_each(|(o, r)| {
-            for (ob, xb) in o.chunks_exact_mut(t.block_bytes()).zip(r.chunks_exact(bv)) {
-                match t {
-                    BlockType::Q8_0 => q8_0_block(xb, ob),
-                    BlockType::Q4_0 => q4_0_block(xb, ob),
-                    BlockType::Q5_0 => q5_0_block(xb, ob),
-                    BlockType::Q4K => q4k_block(xb, ob),
-                    BlockType::Q6K => q6k_block(xb, ob),
-                }
-            }
-        });
+        .for_each(|(o, r)| quantize_row(t, r, o));
     Ok(out)
+}
+
+/// Quantizes `rows` rows of `cols` values to `t`, row `r`'s values written by `fill(r, buf)`
+/// into a buffer of `cols` first: a checkpoint's rows converted as they are read, with no
+/// full-size f32 copy of the tensor. Rows in parallel; `cols` must be a multiple of the block.
+pub fn quantize_rows(
+    t: BlockType,
+    rows: usize,
+    cols: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> Result<Vec<u8>, String> {
+    check_cols(t, cols)?;
+    let rb = t.row_bytes(cols);
+    let mut out = vec![0u8; rows * rb];
+    out.par_chunks_mut(rb).enumerate().for_each_init(
+        || vec![0f32; cols],
+        |buf, (r, o)| {
+            fill(r, buf);
+            quantize_row(t, buf, o);
+        },
+    );
+    Ok(out)
+}
+
+fn check_cols(t: BlockType, cols: usize) -> Result<(), String> {
+    let bv = t.block_values();
+    if cols == 0 || !cols.is_multiple_of(bv) {
+        return Err(format!(
+            "{t:?} needs rows that are a multiple of {bv} values; got rows of {cols}"
+        ));
+    }
+    Ok(())
+}
+
+/// One row `x` into its blocks `o`.
+fn quantize_row(t: BlockType, x: &[f32], o: &mut [u8]) {
+    for (ob, xb) in o
+        .chunks_exact_mut(t.block_bytes())
+        .zip(x.chunks_exact(t.block_values()))
+    {
+        match t {
+            BlockType::Q8_0 => q8_0_block(xb, ob),
+            BlockType::Q4_0 => q4_0_block(xb, ob),
+            BlockType::Q5_0 => q5_0_block(xb, ob),
+            BlockType::Q4K => q4k_block(xb, ob),
+            BlockType::Q6K => q6k_block(xb, ob),
+        }
+    }
 }
 
 fn put_f16(out: &mut [u8], v: f32) {
@@ -112,36 +147,81 @@ fn nearest_int(v: f32) -> i32 {
     (bits & 0x007f_ffff) - 0x0040_0000
 }
 
+/// Whether the vector paths can run (AVX2, asked once).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
+/// How a block's scaled values `v * id` become levels.
+#[derive(Debug, Clone, Copy)]
+enum Cast {
+    /// `round` (half away from zero), as ggml's `roundf`.
+    Round,
+    /// `+ offset`, truncated toward zero, as ggml's `(int8_t)` cast of a positive value.
+    Offset(f32),
+}
+
+/// The levels of a 32-value block: `x * id` cast as `cast` says, then to i8 as Rust's `as i8`
+/// casts (saturating, NaN to 0). On AVX2 hosts 8 values at a time, the same bits.
+fn casts(x: &[f32], id: f32, cast: Cast) -> [i8; 32] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        return unsafe { avx2::casts(x, id, cast) };
+    }
+    casts_scalar(x, id, cast)
+}
+
+fn casts_scalar(x: &[f32], id: f32, cast: Cast) -> [i8; 32] {
+    let mut out = [0i8; 32];
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = match cast {
+            Cast::Round => (v * id).round() as i8,
+            Cast::Offset(off) => (v * id + off) as i8,
+        };
+    }
+    out
+}
+
+/// The largest magnitude in a block (NaN ignored, as `f32::max` ignores it).
+fn abs_max(x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        return unsafe { avx2::abs_max(x) };
+    }
+    x.iter().fold(0f32, |a, &v| a.max(v.abs()))
+}
+
 fn q8_0_block(x: &[f32], out: &mut [u8]) {
-    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    let amax = abs_max(x);
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
-    for (o, &v) in out[2..].iter_mut().zip(x) {
-        *o = (v * id).round() as i8 as u8;
+    for (o, q) in out[2..].iter_mut().zip(casts(x, id, Cast::Round)) {
+        *o = q as u8;
     }
 }
 
-/// The value of largest magnitude (the first such, as ggml scans).
+/// The value of largest magnitude (the first such, as ggml scans; 0 when every value is zero).
 fn signed_max(x: &[f32]) -> f32 {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
+    let amax = abs_max(x);
+    if amax == 0.0 {
+        return 0.0;
     }
-    max
+    x.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0)
 }
 
 fn q4_0_block(x: &[f32], out: &mut [u8]) {
     let d = signed_max(x) / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
+    let q = casts(x, id, Cast::Offset(8.5));
     for j in 0..16 {
-        // truncation toward zero of a positive value, as ggml's `(int8_t)` cast
-        let q0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
-        let q1 = ((x[16 + j] * id + 8.5) as i8).min(15) as u8;
+        let q0 = q[j].min(15) as u8;
+        let q1 = q[16 + j].min(15) as u8;
         out[2 + j] = q0 | (q1 << 4);
     }
 }
@@ -150,10 +230,11 @@ fn q5_0_block(x: &[f32], out: &mut [u8]) {
     let d = signed_max(x) / -16.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
+    let q = casts(x, id, Cast::Offset(16.5));
     let mut qh = 0u32;
     for j in 0..16 {
-        let q0 = ((x[j] * id + 16.5) as i8).min(31) as u8;
-        let q1 = ((x[16 + j] * id + 16.5) as i8).min(31) as u8;
+        let q0 = q[j].min(31) as u8;
+        let q1 = q[16 + j].min(31) as u8;
         out[6 + j] = (q0 & 0x0F) | ((q1 & 0x0F) << 4);
         qh |= u32::from((q0 & 0x10) >> 4) << j;
         qh |= u32::from((q1 & 0x10) >> 4) << (j + 16);
@@ -312,6 +393,84 @@ mod tests {
                 .fold(0f32, |a, (u, v)| a.max((u - v).abs()));
             assert!(err <= bound, "{t:?}: round-trip error {err} > {bound}");
         }
+    }
+
+    /// The AVX2 levels and magnitudes of the 32-value formats are the scalar code's, ties,
+    /// saturation and non-finite values included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_block_casts_give_the_scalar_bits() {
+        if !has_avx2() {
+            return;
+        }
+        let special = [
+            0.0,
+            -0.0,
+            0.5,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            -2.5,
+            126.5,
+            127.5,
+            -127.5,
+            -128.5,
+            300.0,
+            -300.0,
+            0.49999997,
+            -0.49999997,
+            8388607.5,
+            1e30,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-40,
+            -1e-40,
+            7.5,
+            -8.5,
+            15.49,
+            16.5,
+            -16.5,
+            31.9,
+            3.0,
+            -3.0,
+            0.25,
+        ];
+        let mut blocks: Vec<Vec<f32>> = vec![special.to_vec()];
+        blocks.extend(values(32 * 200, 7).chunks_exact(32).map(|b| b.to_vec()));
+        blocks.push(vec![0.0; 32]);
+        blocks.push(vec![-0.0; 32]);
+        blocks.push(vec![f32::NAN; 32]);
+        for b in &blocks {
+            let want = b.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            // SAFETY: AVX2 checked above
+            let got = unsafe { avx2::abs_max(b) };
+            assert_eq!(got.to_bits(), want.to_bits(), "{b:?}");
+            for id in [1.0f32, 127.0, -8.0, 16.0 / 3.0, 0.0, 1e20] {
+                for cast in [Cast::Round, Cast::Offset(8.5), Cast::Offset(16.5)] {
+                    // SAFETY: AVX2 checked above
+                    let got = unsafe { avx2::casts(b, id, cast) };
+                    assert_eq!(got, casts_scalar(b, id, cast), "{cast:?} x {id}: {b:?}");
+                }
+            }
+        }
+    }
+
+    /// Rows filled one at a time quantize to the bytes of the whole tensor at once.
+    #[test]
+    fn rows_filled_one_at_a_time_give_the_tensors_bytes() {
+        let (rows, cols) = (37, 512);
+        let x = values(rows * cols, 11);
+        for t in ALL {
+            let whole = quantize(t, &x, cols).expect("quantize");
+            let by_rows = quantize_rows(t, rows, cols, |r, buf| {
+                buf.copy_from_slice(&x[r * cols..(r + 1) * cols])
+            })
+            .expect("rows");
+            assert_eq!(whole, by_rows, "{t:?}");
+        }
+        assert!(quantize_rows(BlockType::Q4K, 2, 128, |_, _| {}).is_err());
     }
 
     #[test]

@@ -26,7 +26,7 @@ mod avx2;
 mod vnni;
 mod x8;
 
-pub use x8::{X8Weight, ROWS};
+pub use x8::{advise_huge_pages, X8Weight, ROWS};
 
 use crate::quantize::BlockType;
 use half::f16;

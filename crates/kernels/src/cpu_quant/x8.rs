@@ -179,23 +179,25 @@ impl Lines {
 }
 
 /// Asks Linux to back the whole 2 MiB pages inside `buf` with transparent huge pages (honoured
-/// where THP is `always` or `madvise`, the usual default). A weight streamed once a token then
-/// takes a TLB miss every 2 MiB instead of every 4 KiB, and the hardware prefetchers, which stop
-/// at page boundaries, run on. A hint only: a refusal changes nothing.
-#[cfg(target_os = "linux")]
-fn advise_huge_pages(buf: &[u8]) {
-    const HUGE: usize = 2 << 20;
-    let start = buf.as_ptr() as usize;
-    let first = start.next_multiple_of(HUGE);
-    let end = (start + buf.len()) / HUGE * HUGE;
-    if end > first {
-        // SAFETY: the range lies inside `buf`'s allocation; the advice changes no contents
-        unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
+/// where THP is `always` or `madvise`, the usual default), best before anything is written. A
+/// weight streamed once a token then takes a TLB miss every 2 MiB instead of every 4 KiB, and the
+/// hardware prefetchers, which stop at page boundaries, run on; a buffer being filled takes a
+/// page fault every 2 MiB. A hint only: a refusal changes nothing.
+pub fn advise_huge_pages<T>(buf: &[T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_ptr() as usize;
+        let first = start.next_multiple_of(HUGE);
+        let end = (start + std::mem::size_of_val(buf)) / HUGE * HUGE;
+        if end > first {
+            // SAFETY: the range lies inside `buf`'s allocation; the advice changes no contents
+            unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
+        }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
 }
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_buf: &[u8]) {}
 
 impl Clone for Lines {
     fn clone(&self) -> Self {

@@ -1,19 +1,14 @@
 //! The K-quant formats, `q4k` and `q6k`: ggml's scale searches in scalar code (the reference,
-//! and the path on hosts without AVX2), the choice of the vector searches in `kquant_avx2.rs`,
+//! and the path on hosts without AVX2), the choice of the vector searches in `avx2.rs`,
 //! and the steps both share (the scales' packing, the final levels, the bytes).
 //!
 //! A block of 256 values is cut into sub-blocks (8 of 32 for `q4k`, 16 of 16 for `q6k`), and
 //! each sub-block's scale is searched over 21 (`q4k`) or 19 (`q6k`) trial scales, a pass over
 //! its values each: nearly all the quantizers' time.
 
-use super::{f16_at, nearest_int, put_f16, scale_min_k4, QK_K};
-
-/// Whether the vector searches can run (AVX2, asked once).
 #[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
-    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
-}
+use super::has_avx2;
+use super::{f16_at, nearest_int, put_f16, scale_min_k4, QK_K};
 
 /// ggml's `make_qkx2_quants`: an asymmetric scale and minimum for `x` with levels `0..=nmax`
 /// under `weights`, searching `nstep + 1` scales around the range's. Writes the levels to `l`
@@ -125,9 +120,9 @@ pub(super) fn q4k_search(x: &[f32], levels: &mut [u8; QK_K]) -> ([f32; 8], [f32;
 pub(super) fn q4k_block(x: &[f32], out: &mut [u8]) {
     let mut levels = [0u8; QK_K];
     #[cfg(target_arch = "x86_64")]
-    let (scales, mins) = if avx2() {
+    let (scales, mins) = if has_avx2() {
         // SAFETY: the host has AVX2 (checked above); `x` holds a whole block.
-        unsafe { super::kquant_avx2::q4k_search(x, &mut levels) }
+        unsafe { super::avx2::q4k_search::<false>(x, &mut levels) }
     } else {
         q4k_search(x, &mut levels)
     };
@@ -166,6 +161,13 @@ pub(super) fn q4k_block(x: &[f32], out: &mut [u8]) {
     put_f16(&mut out[0..2], max_scale / 63.0);
     put_f16(&mut out[2..4], max_min / 63.0);
     let (d_all, dmin_all) = (f16_at(&out[0..2]), f16_at(&out[2..4]));
+    // a sub-block whose stored scale is 0 keeps the search's levels, which the vector search
+    // leaves out: searched again with them (rare: a sub-block ~126x smaller than the largest)
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && (0..8).any(|j| d_all * f32::from(scale_min_k4(j, &out[4..16]).0) == 0.0) {
+        // SAFETY: the host has AVX2 (checked above); `x` holds a whole block.
+        unsafe { super::avx2::q4k_search::<true>(x, &mut levels) };
+    }
     for j in 0..8 {
         let (s, m) = scale_min_k4(j, &out[4..16]);
         let d = d_all * f32::from(s);
@@ -254,9 +256,9 @@ pub(super) fn q6k_search(x: &[f32], levels: &mut [u8; QK_K]) -> [f32; 16] {
 pub(super) fn q6k_block(x: &[f32], out: &mut [u8]) {
     let mut levels = [0u8; QK_K];
     #[cfg(target_arch = "x86_64")]
-    let scales = if avx2() {
+    let scales = if has_avx2() {
         // SAFETY: the host has AVX2 (checked above); `x` holds a whole block.
-        unsafe { super::kquant_avx2::q6k_search(x, &mut levels) }
+        unsafe { super::avx2::q6k_search(x, &mut levels) }
     } else {
         q6k_search(x, &mut levels)
     };
@@ -316,7 +318,8 @@ mod tests {
     use crate::quantize::test_values;
 
     /// Blocks that take every branch of the searches: random values at several scales, constant
-    /// sub-blocks (zero, positive, negative), one-signed sub-blocks, tiny values and lone spikes.
+    /// sub-blocks (zero, positive, negative), one-signed sub-blocks, tiny values, lone spikes and
+    /// non-finite values.
     fn blocks() -> Vec<Vec<f32>> {
         let mut out = Vec::new();
         for (seed, scale) in [(1u64, 1.0f32), (2, 0.02), (3, 1e-3), (4, 300.0), (5, 1e-20)] {
@@ -342,20 +345,36 @@ mod tests {
         out.push(vec![-1.5; QK_K]);
         out.push(vec![2.0; QK_K]);
         out.push((0..QK_K).map(|i| (i % 7) as f32 - 3.0).collect());
+        let mut odd = r;
+        odd[3] = f32::NAN;
+        odd[40] = f32::INFINITY;
+        odd[77] = f32::NEG_INFINITY;
+        odd[100] = 1e-40;
+        odd[180] = f32::NAN;
+        odd[181] = -f32::INFINITY;
+        out.push(odd);
         out
     }
 
     #[test]
     fn the_vector_q4k_search_gives_the_scalar_bits() {
-        if !avx2() {
+        if !has_avx2() {
             return;
         }
         for (n, x) in blocks().iter().enumerate() {
             let (mut a, mut b) = ([0u8; QK_K], [0u8; QK_K]);
             let (sa, ma) = q4k_search(x, &mut a);
             // SAFETY: AVX2 checked above; a whole block
-            let (sb, mb) = unsafe { crate::quantize::kquant_avx2::q4k_search(x, &mut b) };
+            let (sb, mb) = unsafe { crate::quantize::avx2::q4k_search::<true>(x, &mut b) };
             let bits = |v: [f32; 8]| v.map(f32::to_bits);
+            let mut c = [0u8; QK_K];
+            // SAFETY: as above
+            let (sc, mc) = unsafe { crate::quantize::avx2::q4k_search::<false>(x, &mut c) };
+            assert_eq!(
+                (bits(sc), bits(mc)),
+                (bits(sb), bits(mb)),
+                "block {n}: no levels"
+            );
             assert_eq!(bits(sa), bits(sb), "block {n}: scales");
             assert_eq!(bits(ma), bits(mb), "block {n}: minimums");
             assert_eq!(a, b, "block {n}: levels");
@@ -364,14 +383,14 @@ mod tests {
 
     #[test]
     fn the_vector_q6k_search_gives_the_scalar_bits() {
-        if !avx2() {
+        if !has_avx2() {
             return;
         }
         for (n, x) in blocks().iter().enumerate() {
             let (mut a, mut b) = ([0u8; QK_K], [0u8; QK_K]);
             let sa = q6k_search(x, &mut a);
             // SAFETY: AVX2 checked above; a whole block
-            let sb = unsafe { crate::quantize::kquant_avx2::q6k_search(x, &mut b) };
+            let sb = unsafe { crate::quantize::avx2::q6k_search(x, &mut b) };
             assert_eq!(
                 sa.map(f32::to_bits),
                 sb.map(f32::to_bits),

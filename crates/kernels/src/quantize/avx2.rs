@@ -1,15 +1,20 @@
-//! The K-quant scale searches with one sub-block per AVX2 lane: the eight sub-blocks of a `q4k`
-//! block, or eight of a `q6k` block's sixteen, are searched in lockstep, so that each trial
-//! scale is one pass of 8-wide instructions over the sub-blocks' values instead of eight scalar
-//! passes.
+//! The quantizers' AVX2 paths, each the same bits as its scalar code.
 //!
-//! Each lane performs the scalar search's IEEE operations (`kquant.rs`) in the scalar order: the
-//! same multiplies, adds and divides (never fused), ggml's magic-number rounding, and every
-//! `if` turned into a select under the same comparison (ordered `<` and `>`, which are false
-//! for NaN as Rust's are), so the scales and levels are the scalar search's bits. Tests hold
-//! the two to each other over random, constant, one-signed and zero sub-blocks.
+//! - The K-quant scale searches with one sub-block per lane: the eight sub-blocks of a `q4k`
+//!   block, or eight of a `q6k` block's sixteen, are searched in lockstep, so that each trial
+//!   scale is one pass of 8-wide instructions over the sub-blocks' values instead of eight
+//!   scalar passes. Each lane performs the scalar search's IEEE operations (`kquant.rs`) in the
+//!   scalar order: the same multiplies, adds and divides (never fused), ggml's magic-number
+//!   rounding, and every `if` turned into a select under the same comparison (ordered `<` and
+//!   `>`, which are false for NaN as Rust's are).
+//! - The 32-value formats' levels (`q8_0`, `q4_0`, `q5_0`) 8 at a time: the scaled value rounded
+//!   half away from zero (`roundf`) or offset and truncated, then cast to i8 as Rust's `as`
+//!   casts (saturating, NaN to 0); and the block's largest magnitude.
+//!
+//! Tests hold each to its scalar code over random, constant, one-signed, zero and non-finite
+//! values.
 
-use super::QK_K;
+use super::{Cast, QK_K};
 use std::arch::x86_64::*;
 
 type V = __m256;
@@ -85,6 +90,62 @@ fn level(v: V, lo: i32, hi: i32) -> V {
     _mm256_cvtepi32_ps(q)
 }
 
+/// 8 values from `c` (at least 8 long).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load(c: &[f32]) -> V {
+    assert!(c.len() >= 8);
+    // SAFETY: `c` holds at least 8 values (asserted)
+    unsafe { _mm256_loadu_ps(c.as_ptr()) }
+}
+
+/// [`super::abs_max`] of a 32-value block: the largest magnitude, NaN ignored (`maxps` returns
+/// its second operand, the running maximum, when the first is NaN).
+#[target_feature(enable = "avx2")]
+pub(super) fn abs_max(x: &[f32]) -> f32 {
+    let mut m = _mm256_setzero_ps();
+    for c in x.chunks_exact(8) {
+        m = _mm256_max_ps(abs(load(c)), m);
+    }
+    lanes(m).into_iter().fold(0f32, f32::max)
+}
+
+/// `v` rounded half away from zero, as `roundf`: truncated, then moved one away from zero where
+/// the dropped fraction (exact) is at least one half.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn round_away(v: V) -> V {
+    let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+    let half = _mm256_cmp_ps::<_CMP_GE_OQ>(abs(sub(v, t)), splat(0.5));
+    let one = _mm256_or_ps(_mm256_and_ps(v, splat(-0.0)), splat(1.0));
+    add(t, _mm256_and_ps(half, one))
+}
+
+/// [`super::casts`] of a 32-value block.
+#[target_feature(enable = "avx2")]
+pub(super) fn casts(x: &[f32], id: f32, cast: Cast) -> [i8; 32] {
+    let mut out = [0i8; 32];
+    for (o, c) in out.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
+        let v = mul(load(c), splat(id));
+        let t = match cast {
+            Cast::Round => round_away(v),
+            Cast::Offset(off) => {
+                _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(add(v, splat(off)))
+            }
+        };
+        // `as i8`: NaN to 0, then saturated (the value is whole, so the conversion is exact)
+        let t = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(t, t), t);
+        let t = _mm256_min_ps(_mm256_max_ps(t, splat(-128.0)), splat(127.0));
+        let mut q = [0i32; 8];
+        // SAFETY: `q` holds 8 values
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().cast(), _mm256_cvttps_epi32(t)) };
+        for (o, q) in o.iter_mut().zip(q) {
+            *o = q as i8;
+        }
+    }
+    out
+}
+
 /// `N` vectors, vector `i` holding value `i` of sub-blocks `first..first + 8` of `N` values each.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -120,11 +181,16 @@ fn lanes(v: V) -> [f32; 8] {
 }
 
 /// [`super::kquant::q4k_search`], sub-block `j` in lane `j`: `make_qkx2_quants(15, ..., -1, 0.1,
-/// 20)` under weights `rms + |x|`.
+/// 20)` under weights `rms + |x|`. The search's levels are written to `levels` only when
+/// `LEVELS` (`q4k` recomputes every sub-block's levels from its stored scale, and needs the
+/// search's only where that scale is 0): without them each trial saves a select per value.
 ///
 /// `x` must hold at least 256 values (whole blocks).
 #[target_feature(enable = "avx2")]
-pub(super) fn q4k_search(x: &[f32], levels: &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]) {
+pub(super) fn q4k_search<const LEVELS: bool>(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+) -> ([f32; 8], [f32; 8]) {
     let xt: [V; 32] = transpose::<32>(x, 0);
     let zero = _mm256_setzero_ps();
     let mut sum_x2 = zero;
@@ -154,7 +220,9 @@ pub(super) fn q4k_search(x: &[f32], levels: &mut [u8; QK_K]) -> ([f32; 8], [f32;
     let mut best = zero;
     for i in 0..32 {
         let q = level(mul(iscale, sub(xt[i], min)), 0, 15);
-        l[i] = q;
+        if LEVELS {
+            l[i] = q;
+        }
         let diff = sub(add(mul(scale, q), min), xt[i]);
         best = add(best, mul(w[i], mul(diff, diff)));
     }
@@ -182,17 +250,21 @@ pub(super) fn q4k_search(x: &[f32], levels: &mut [u8; QK_K]) -> ([f32; 8], [f32;
             cur = add(cur, mul(w[i], mul(diff, diff)));
         }
         let take = _mm256_and_ps(gt(det, zero), lt(cur, best));
-        for i in 0..32 {
-            l[i] = select(l[i], aux[i], take);
+        if LEVELS {
+            for i in 0..32 {
+                l[i] = select(l[i], aux[i], take);
+            }
         }
         best = select(best, cur, take);
         scale = select(scale, this_scale, take);
         min = select(min, this_min, take);
     }
-    for v in l.iter_mut() {
-        *v = select(*v, zero, flat);
+    if LEVELS {
+        for v in l.iter_mut() {
+            *v = select(*v, zero, flat);
+        }
+        store_levels::<32>(&l, levels);
     }
-    store_levels::<32>(&l, levels);
     let scale = select(scale, zero, flat);
     let min = select(min, flat_min, flat);
     (lanes(scale), lanes(_mm256_xor_ps(min, splat(-0.0))))
