@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# CPU start of GGUF files with two binaries, alternating run by run on one machine (page cache
-# warm): process start -> /health -> first token of a 16-token completion, the peak RSS of loading
-# and generating one token, and the greedy tokens of both binaries compared.
-#   benchmarks/cpu_startup_ab.sh BEFORE AFTER RUNS MODEL.gguf...   results: $OUT/cpu_startup_ab.jsonl
+# CPU start of models (GGUF files or checkpoint directories) with two binaries, alternating run by
+# run on one machine (page cache warm): process start -> /health -> first token of a 16-token
+# completion, the peak RSS of loading and generating one token, and the greedy tokens of both
+# binaries compared. RSERVE_ARGS (split on spaces) go to both, e.g. RSERVE_ARGS="--isq q4k".
+#   benchmarks/cpu_startup_ab.sh BEFORE AFTER RUNS MODEL...   results: $OUT/cpu_startup_ab.jsonl
 set -uo pipefail
 OUT=${OUT:-/tmp/rserve-cpu-ab}
 mkdir -p "$OUT"
 before=$1 after=$2 runs=$3
 shift 3
+read -r -a args <<<"${RSERVE_ARGS:-}"
+tag="$(echo "${RSERVE_ARGS:-}" | tr -d ' ')"
 for m in "$@"; do
   for i in $(seq "$runs"); do
     for b in "$before" "$after"; do
-      "$b" bench startup "$m" --binary "$b" --runs 1 --json | grep '^{' |
-        sed "s|^{|{\"binary\": \"$b\", \"model\": \"$(basename "$m")\", |" >>"$OUT/cpu_startup_ab.jsonl"
+      "$b" bench startup "$m" --binary "$b" --runs 1 --json -- "${args[@]}" | grep '^{' |
+        sed "s|^{|{\"binary\": \"$b\", \"model\": \"$(basename "$m")$tag\", |" >>"$OUT/cpu_startup_ab.jsonl"
     done
   done
   for b in "$before" "$after"; do
-    /usr/bin/time -f "%M" -o "$OUT/rss" "$b" generate "$m" --prompt "t5 t6 t7 t8" --max-tokens 24 \
-      --temperature 0 >"$OUT/greedy-$(basename "$b")-$(basename "$m").txt" 2>/dev/null
-    echo "{\"binary\": \"$b\", \"model\": \"$(basename "$m")\", \"peak_rss_kb\": $(tail -1 "$OUT/rss")}" >>"$OUT/cpu_startup_ab.jsonl"
+    /usr/bin/time -f "%M" -o "$OUT/rss" "$b" generate "$m" "${args[@]}" --prompt "t5 t6 t7 t8" \
+      --max-tokens 24 --temperature 0 >"$OUT/greedy-$(basename "$b")-$(basename "$m")$tag.txt" 2>/dev/null
+    echo "{\"binary\": \"$b\", \"model\": \"$(basename "$m")$tag\", \"peak_rss_kb\": $(tail -1 "$OUT/rss")}" >>"$OUT/cpu_startup_ab.jsonl"
   done
-  cmp -s "$OUT/greedy-$(basename "$before")-$(basename "$m").txt" "$OUT/greedy-$(basename "$after")-$(basename "$m").txt" &&
-    echo "$(basename "$m"): greedy text identical" || echo "$(basename "$m"): greedy text DIFFERS"
+  cmp -s "$OUT/greedy-$(basename "$before")-$(basename "$m")$tag.txt" "$OUT/greedy-$(basename "$after")-$(basename "$m")$tag.txt" &&
+    echo "$(basename "$m")$tag: greedy text identical" || echo "$(basename "$m")$tag: greedy text DIFFERS"
 done
 python3 - "$OUT/cpu_startup_ab.jsonl" <<'PY'
 import json, sys, collections

@@ -9,7 +9,7 @@ use crate::load_error::LoadError;
 use crate::lora::LoraSlots;
 use crate::parallel::{Split, TpShard};
 use crate::quant::ggml::GgmlLinear;
-use crate::quant::isq::Isq;
+use crate::quant::isq::{Isq, StoredQuant};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::GgmlDType;
 use candle_core::safetensors::MmapedSafetensors;
@@ -304,13 +304,76 @@ impl Weights {
         Ok(Some((info.dtype, bytes)))
     }
 
+    /// The linear weight `name` `[out, in]` quantized by ISQ on the CPU straight from the
+    /// memory map's rows ([`Isq::quantize_stored`]: no f32 copy of the tensor), for the caller
+    /// to report ([`Isq::report_stored`]). `None` where ISQ takes its usual path or none (no
+    /// ISQ, a GPU, FP8, tensor parallelism, a GGUF source, rows no GGML type fits, a view loaded
+    /// dense).
+    pub fn isq_stored(
+        &self,
+        shape: &[usize],
+        name: &str,
+    ) -> Result<Option<StoredQuant>, LoadError> {
+        let (Some(isq), Source::Safetensors(st)) = (self.isq(), &self.inner.source) else {
+            return Ok(None);
+        };
+        let &[out, cols] = shape else {
+            return Ok(None);
+        };
+        if !self.inner.device.is_cpu() || self.inner.tp.is_some() {
+            return Ok(None);
+        }
+        let full = self.full(name);
+        let view = st.get(&full).map_err(|_| self.missing(full.clone()))?;
+        if view.shape() != shape {
+            return Err(LoadError::TensorShape {
+                name: full,
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let Ok(stored) = DType::try_from(view.dtype()) else {
+            return Ok(None);
+        };
+        isq.quantize_stored(&full, view.data(), stored, (out, cols), self.inner.dtype)
+    }
+
     /// The linear weight `name` `[out, in]` as stored in a GGML block format, when the
     /// checkpoint stores it so (GGUF); `None` for a dense weight.
     pub fn quantized(&self, shape: &[usize], name: &str) -> Result<Option<GgmlLinear>, LoadError> {
-        let Some((dtype, bytes)) = self.stored_blocks(shape, name)? else {
+        let stored = self.stored_blocks(shape, name)?;
+        self.ggml_linear(stored, shape, name)
+    }
+
+    /// [`Weights::quantized`] for a decoder projection, which ISQ on the CPU also quantizes
+    /// straight from the memory map ([`Weights::isq_stored`]).
+    pub fn quantized_projection(
+        &self,
+        shape: &[usize],
+        name: &str,
+    ) -> Result<Option<GgmlLinear>, LoadError> {
+        if let Some(s) = self.stored_blocks(shape, name)? {
+            return self.ggml_linear(Some(s), shape, name);
+        }
+        let Some(q) = self.isq_stored(shape, name)? else {
             return Ok(None);
         };
-        GgmlLinear::from_bytes(dtype, &bytes, (shape[0], shape[1]), &self.inner.device)
+        if let Some(isq) = self.isq() {
+            isq.report_stored(&self.full(name), &[&q]);
+        }
+        self.ggml_linear(Some((q.dtype, q.bytes.into())), shape, name)
+    }
+
+    fn ggml_linear(
+        &self,
+        stored: Option<(GgmlDType, std::borrow::Cow<'_, [u8]>)>,
+        shape: &[usize],
+        name: &str,
+    ) -> Result<Option<GgmlLinear>, LoadError> {
+        let (Some((dtype, bytes)), &[out, inp]) = (stored, shape) else {
+            return Ok(None);
+        };
+        GgmlLinear::from_bytes(dtype, &bytes, (out, inp), &self.inner.device)
             .map(Some)
             .map_err(|e| LoadError::Tensor {
                 name: self.full(name),
@@ -378,6 +441,13 @@ impl Weights {
                 return Ok(t);
             }
         }
+        let stored = DType::try_from(view.dtype()).ok();
+        if let Some(t) = stored.and_then(|d| self.widened(view.data(), d, shape)) {
+            return t.map_err(|e| LoadError::Tensor {
+                name: full.clone(),
+                reason: e.to_string(),
+            });
+        }
         let t = st
             .load(&full, &self.inner.device)
             .and_then(|t| t.to_dtype(self.inner.dtype))
@@ -386,6 +456,26 @@ impl Weights {
                 reason: e.to_string(),
             })?;
         Ok(t)
+    }
+
+    /// A 16-bit tensor for an f32 model on the CPU, converted straight from the memory map on
+    /// every core ([`crate::host::widen_to_f32`]); `None` for any other case.
+    fn widened(
+        &self,
+        data: &[u8],
+        stored: DType,
+        shape: &[usize],
+    ) -> Option<candle_core::Result<Tensor>> {
+        if !self.inner.device.is_cpu() || self.inner.dtype != DType::F32 {
+            return None;
+        }
+        let bf16 = match stored {
+            DType::BF16 => true,
+            DType::F16 => false,
+            _ => return None,
+        };
+        let values = crate::host::widen_to_f32(data, bf16)?;
+        Some(Tensor::from_vec(values, shape, &Device::Cpu))
     }
 
     /// A large tensor stored in the engine's dtype, carried to the GPU through pinned staging

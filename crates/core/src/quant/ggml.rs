@@ -99,10 +99,16 @@ impl GgmlLinear {
         }
         let x = weight
             .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_device(&candle_core::Device::Cpu)?
-            .to_vec1::<f32>()?;
-        let bytes = quantize::quantize(t, &x, inp).map_err(candle_core::Error::msg)?;
+            .to_device(&candle_core::Device::Cpu)?;
+        // the values where they lie when contiguous (a loaded weight), else a copy
+        let (storage, layout) = x.storage_and_layout();
+        let bytes = match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) => {
+                quantize::quantize(t, &v[a..b], inp)
+            }
+            _ => quantize::quantize(t, &x.flatten_all()?.to_vec1::<f32>()?, inp),
+        }
+        .map_err(candle_core::Error::msg)?;
         Self::from_bytes(dtype, &bytes, (out, inp), weight.device())
     }
 

@@ -3,11 +3,13 @@
 //! projections exist unquantized at any time. Records what it did for the startup line.
 
 use super::fp8::Fp8Linear;
-use super::ggml::GgmlLinear;
+use super::ggml::{block_type, GgmlLinear};
 use super::{ggml_name, storage_type, IsqFormat};
 use crate::load_error::LoadError;
 use crate::models::layers::linear::{Dense, LinearMethod};
-use candle_core::Tensor;
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Tensor};
+use rserve_kernels::quantize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,6 +24,8 @@ pub struct IsqReport {
     pub bytes_after: usize,
     /// `(tensor, type stored in)` for each projection that could not take the format.
     pub fallbacks: Vec<(String, String)>,
+    /// Wall time during which some projection was being quantized (layers that load side by
+    /// side count once).
     pub time: Duration,
     /// How the products run, where the device decides it (`fp8`).
     pub products: Option<String>,
@@ -59,12 +63,26 @@ impl IsqReport {
     }
 }
 
+/// A projection quantized by [`Isq::quantize_stored`]: its GGML type and ggml's bytes, and what
+/// the report will say of it.
+#[derive(Debug)]
+pub struct StoredQuant {
+    pub dtype: GgmlDType,
+    pub bytes: Vec<u8>,
+    before: usize,
+    fallback: Option<&'static str>,
+    /// When its quantization started and ended.
+    span: (Instant, Instant),
+}
+
 /// Quantizes the projections of one model as they load.
 #[derive(Debug)]
 pub struct Isq {
     format: IsqFormat,
     lm_head: bool,
     report: Mutex<IsqReport>,
+    /// When each projection's quantization started and ended.
+    spans: Mutex<Vec<(Instant, Instant)>>,
 }
 
 impl Isq {
@@ -77,6 +95,7 @@ impl Isq {
                 format: Some(format),
                 ..IsqReport::default()
             }),
+            spans: Mutex::default(),
         })
     }
 
@@ -109,20 +128,111 @@ impl Isq {
             };
         // the kernels' time, not their launches'
         weight.device().synchronize().map_err(err)?;
+        let products = (self.format == IsqFormat::Fp8)
+            .then(|| Fp8Linear::products(weight.device()).to_string());
+        self.spans
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((start, Instant::now()));
+        self.record(name, (before, after), fallback, products);
+        Ok(method)
+    }
+
+    /// Projection `name` `[out, cols]` quantized on the CPU straight from its rows as stored
+    /// (`data`, little-endian `stored` values: bf16, f16 or f32), each row converted to f32 as
+    /// it is quantized, with no f32 copy of the tensor; reported by [`Isq::report_stored`] once
+    /// the projection (maybe fused from several) is whole. `None` where this path does not apply
+    /// (FP8, rows no GGML type fits, another stored type): the caller loads the tensor and calls
+    /// [`Isq::linear`] then. `dtype` is the model's, for the report's sizes.
+    pub fn quantize_stored(
+        &self,
+        name: &str,
+        data: &[u8],
+        stored: DType,
+        (out, cols): (usize, usize),
+        dtype: DType,
+    ) -> Result<Option<StoredQuant>, LoadError> {
+        let Some(t) = storage_type(self.format, cols) else {
+            return Ok(None);
+        };
+        let Some(bt) = block_type(t) else {
+            return Ok(None);
+        };
+        let width = match stored {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+            _ => return Ok(None),
+        };
+        let err = |reason: String| LoadError::Tensor {
+            name: name.to_string(),
+            reason: format!("quantizing to {}: {reason}", self.format),
+        };
+        let rb = cols * width;
+        if data.len() != out * rb {
+            return Err(err(format!(
+                "{} bytes do not hold [{out}, {cols}] in {stored:?}",
+                data.len()
+            )));
+        }
+        let start = Instant::now();
+        let bf16 = stored == DType::BF16;
+        let bytes = quantize::quantize_rows(bt, out, cols, |r, buf| {
+            let row = &data[r * rb..(r + 1) * rb];
+            if width == 4 {
+                for (o, b) in buf.iter_mut().zip(row.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            } else {
+                for (o, b) in buf.iter_mut().zip(row.chunks_exact(2)) {
+                    *o = crate::host::widen(b, bf16);
+                }
+            }
+        })
+        .map_err(err)?;
+        Ok(Some(StoredQuant {
+            dtype: t,
+            bytes,
+            before: out * cols * dtype.size_in_bytes(),
+            fallback: (Some(t) != self.format.ggml()).then(|| ggml_name(t)),
+            span: (start, Instant::now()),
+        }))
+    }
+
+    /// Reports `parts`, quantized by [`Isq::quantize_stored`], as the one projection `name`
+    /// (fused when there are several parts).
+    pub fn report_stored(&self, name: &str, parts: &[&StoredQuant]) {
+        let before = parts.iter().map(|p| p.before).sum();
+        let after = parts.iter().map(|p| p.bytes.len()).sum();
+        let fallback = parts.iter().find_map(|p| p.fallback);
+        for p in parts {
+            self.spans
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(p.span);
+        }
+        self.record(name, (before, after), fallback, None);
+    }
+
+    /// Adds one projection to the report.
+    fn record(
+        &self,
+        name: &str,
+        (before, after): (usize, usize),
+        fallback: Option<&str>,
+        products: Option<String>,
+    ) {
         let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
         r.bytes_before += before;
         r.bytes_after += after;
-        r.time += start.elapsed();
         if fallback != Some("dense") {
             r.quantized += 1;
         }
         if let Some(t) = fallback {
             r.fallbacks.push((name.to_string(), t.to_string()));
         }
-        if self.format == IsqFormat::Fp8 && r.products.is_none() {
-            r.products = Some(Fp8Linear::products(weight.device()).to_string());
+        if r.products.is_none() {
+            r.products = products;
         }
-        Ok(method)
     }
 
     /// Whether the output head is quantized too (`--isq-lm-head`).
@@ -130,11 +240,92 @@ impl Isq {
         self.lm_head
     }
 
-    /// What was done so far.
+    /// What was done so far, the fallbacks in the model's order (layers may load side by side).
     pub fn report(&self) -> IsqReport {
-        self.report
+        let mut r = self
+            .report
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .clone();
+        r.fallbacks
+            .sort_by_cached_key(|(name, _)| natural_key(name));
+        r.time = covered(&self.spans.lock().unwrap_or_else(|p| p.into_inner()));
+        r
+    }
+}
+
+/// The time covered by at least one of `spans`.
+fn covered(spans: &[(Instant, Instant)]) -> Duration {
+    let mut sorted = spans.to_vec();
+    sorted.sort_unstable();
+    let mut total = Duration::ZERO;
+    let mut open: Option<(Instant, Instant)> = None;
+    for (a, b) in sorted {
+        open = match open {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + open.map_or(Duration::ZERO, |(s, e)| e - s)
+}
+
+/// `name` cut into runs of digits (compared as numbers) and of other characters, so that
+/// `layers.2` sorts before `layers.10`.
+fn natural_key(name: &str) -> Vec<(u64, String)> {
+    let mut key = Vec::new();
+    let mut rest = name;
+    while let Some(c) = rest.chars().next() {
+        let digit = c.is_ascii_digit();
+        let end = rest
+            .find(|ch: char| ch.is_ascii_digit() != digit)
+            .unwrap_or(rest.len());
+        let (run, tail) = rest.split_at(end);
+        key.push(match run.parse::<u64>() {
+            Ok(n) if digit => (n, String::new()),
+            _ => (u64::MAX, run.to_string()),
+        });
+        rest = tail;
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn overlapping_spans_count_once() {
+        let t = std::time::Instant::now();
+        let at = |ms: u64| t + std::time::Duration::from_millis(ms);
+        let spans = [
+            (at(0), at(10)),
+            (at(5), at(20)),
+            (at(30), at(40)),
+            (at(32), at(35)),
+        ];
+        assert_eq!(super::covered(&spans).as_millis(), 30);
+        assert_eq!(super::covered(&[]).as_millis(), 0);
+    }
+
+    #[test]
+    fn fallbacks_sort_in_layer_order() {
+        let mut names = vec![
+            "m.layers.10.q",
+            "m.layers.2.q",
+            "m.layers.2.k",
+            "m.layers.1.q",
+        ];
+        names.sort_by_cached_key(|n| super::natural_key(n));
+        assert_eq!(
+            names,
+            [
+                "m.layers.1.q",
+                "m.layers.2.k",
+                "m.layers.2.q",
+                "m.layers.10.q"
+            ]
+        );
     }
 }

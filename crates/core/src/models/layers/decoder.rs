@@ -95,8 +95,7 @@ impl Decoder {
             [local.vocab_size, cfg.hidden_size],
             "embed_tokens.weight",
         )?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
+        let layer = |i: usize| -> std::result::Result<Layer, LoadError> {
             let lw = m.pp("layers").pp(i);
             let spec = AttentionSpec {
                 hidden_size: cfg.hidden_size,
@@ -109,7 +108,7 @@ impl Decoder {
                 rms_norm_eps: cfg.rms_norm_eps,
                 sliding_window: cfg.sliding_window.get(i).copied().flatten(),
             };
-            layers.push(Layer {
+            Ok(Layer {
                 input_layernorm: RmsNorm::load(
                     &lw.pp("input_layernorm"),
                     cfg.hidden_size,
@@ -127,8 +126,24 @@ impl Decoder {
                     local.intermediate_size,
                     cfg.mlp_bias,
                 )?,
-            });
-        }
+            })
+        };
+        // On the CPU without adapters the layers load side by side: each layer's conversion and
+        // quantization run on every core already, but what lies between them (concatenating
+        // fused projections, repacking, allocating) runs on one, and another layer fills the
+        // gaps. A GPU load streams through its staging buffers in order, and adapters register
+        // their slots in order.
+        let layers = if w.device().is_cpu() && w.lora().is_none() {
+            use rayon::prelude::*;
+            (0..cfg.num_layers)
+                .into_par_iter()
+                .map(layer)
+                .collect::<std::result::Result<Vec<_>, _>>()?
+        } else {
+            (0..cfg.num_layers)
+                .map(layer)
+                .collect::<std::result::Result<Vec<_>, _>>()?
+        };
         let norm = RmsNorm::load(&m.pp("norm"), cfg.hidden_size, cfg.rms_norm_eps)?;
         let lm_head = Linear::load_head(w, &embed_tokens, cfg.tie_word_embeddings)?;
         let rotary = RotaryEmbedding::new(

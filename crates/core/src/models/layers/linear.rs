@@ -175,7 +175,7 @@ impl Linear {
         out_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
-        let layer = if let Some(q) = w.quantized(&[out_dim, in_dim], "weight")? {
+        let layer = if let Some(q) = w.quantized_projection(&[out_dim, in_dim], "weight")? {
             let bias = Self::load_bias(w, out_dim, bias)?;
             Self::with_method(Arc::new(q), bias)
         } else {
@@ -301,10 +301,27 @@ impl Linear {
         in_dim: usize,
         bias: bool,
     ) -> std::result::Result<Self, LoadError> {
-        let stored = parts
+        let mut stored = parts
             .iter()
             .map(|(w, out)| w.stored_blocks(&[*out, in_dim], "weight"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        if stored.iter().all(Option::is_none) {
+            // ISQ on the CPU quantizes each part from the memory map
+            let streamed = parts
+                .iter()
+                .map(|(w, out)| w.isq_stored(&[*out, in_dim], "weight"))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            if let Some((first, isq)) = parts.first().and_then(|(w, _)| Some((w, w.isq()?))) {
+                let done: Vec<_> = streamed.iter().flatten().collect();
+                if !done.is_empty() {
+                    isq.report_stored(&first.name_of("weight (fused)"), &done);
+                }
+            }
+            stored = streamed
+                .into_iter()
+                .map(|q| q.map(|q| (q.dtype, Cow::Owned(q.bytes))))
+                .collect();
+        }
         if stored.iter().any(Option::is_some) {
             return Self::fuse_stored(parts, stored, in_dim, bias)?.with_lora(parts, in_dim);
         }
