@@ -219,11 +219,25 @@ fn q4_0_block(x: &[f32], out: &mut [u8]) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
     let q = casts(x, id, Cast::Offset(8.5));
-    for j in 0..16 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        out[2..18].copy_from_slice(&unsafe { avx2::pack_q4_0(&q) });
+        return;
+    }
+    out[2..18].copy_from_slice(&pack_q4_0(&q));
+}
+
+/// `q4_0`'s 16 bytes of levels: level `j` (clamped to 15 as ggml's `MIN(15, ...)`) in the low
+/// nibble of byte `j`, level `16 + j` in its high nibble.
+fn pack_q4_0(q: &[i8; 32]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (j, o) in out.iter_mut().enumerate() {
         let q0 = q[j].min(15) as u8;
         let q1 = q[16 + j].min(15) as u8;
-        out[2 + j] = q0 | (q1 << 4);
+        *o = q0 | (q1 << 4);
     }
+    out
 }
 
 fn q5_0_block(x: &[f32], out: &mut [u8]) {
@@ -231,15 +245,32 @@ fn q5_0_block(x: &[f32], out: &mut [u8]) {
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
     let q = casts(x, id, Cast::Offset(16.5));
+    #[cfg(target_arch = "x86_64")]
+    let (qh, low) = if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        unsafe { avx2::pack_q5_0(&q) }
+    } else {
+        pack_q5_0(&q)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (qh, low) = pack_q5_0(&q);
+    out[2..6].copy_from_slice(&qh.to_le_bytes());
+    out[6..22].copy_from_slice(&low);
+}
+
+/// `q5_0`'s fifth bits (bit `j` of level `j`, clamped to 31) and 16 bytes of low nibbles, laid
+/// out as `q4_0`'s.
+fn pack_q5_0(q: &[i8; 32]) -> (u32, [u8; 16]) {
+    let mut low = [0u8; 16];
     let mut qh = 0u32;
-    for j in 0..16 {
+    for (j, o) in low.iter_mut().enumerate() {
         let q0 = q[j].min(31) as u8;
         let q1 = q[16 + j].min(31) as u8;
-        out[6 + j] = (q0 & 0x0F) | ((q1 & 0x0F) << 4);
+        *o = (q0 & 0x0F) | ((q1 & 0x0F) << 4);
         qh |= u32::from((q0 & 0x10) >> 4) << j;
         qh |= u32::from((q1 & 0x10) >> 4) << (j + 16);
     }
-    out[2..6].copy_from_slice(&qh.to_le_bytes());
+    (qh, low)
 }
 
 /// The 6-bit scale and minimum of sub-block `j` of a `q4k` block.
@@ -471,6 +502,27 @@ mod tests {
             assert_eq!(whole, by_rows, "{t:?}");
         }
         assert!(quantize_rows(BlockType::Q4K, 2, 128, |_, _| {}).is_err());
+    }
+
+    /// The AVX2 packing of `q4_0` and `q5_0` levels is the scalar packing, for every level a
+    /// cast can give (negative and above the format's top included).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_packing_gives_the_scalar_bytes() {
+        if !has_avx2() {
+            return;
+        }
+        let mut s = 5u64;
+        for _ in 0..2000 {
+            let q: [i8; 32] = std::array::from_fn(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+                (s >> 56) as i8
+            });
+            // SAFETY: AVX2 checked above
+            assert_eq!(unsafe { avx2::pack_q4_0(&q) }, pack_q4_0(&q), "{q:?}");
+            // SAFETY: AVX2 checked above
+            assert_eq!(unsafe { avx2::pack_q5_0(&q) }, pack_q5_0(&q), "{q:?}");
+        }
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   `>`, which are false for NaN as Rust's are).
 //! - The 32-value formats' levels (`q8_0`, `q4_0`, `q5_0`) 8 at a time: the scaled value rounded
 //!   half away from zero (`roundf`) or offset and truncated, then cast to i8 as Rust's `as`
-//!   casts (saturating, NaN to 0); and the block's largest magnitude.
+//!   casts (saturating, NaN to 0); the block's largest magnitude; and `q4_0`'s and `q5_0`'s
+//!   nibbles and fifth bits packed 16 and 32 at a time.
 //!
 //! Tests hold each to its scalar code over random, constant, one-signed, zero and non-finite
 //! values.
@@ -144,6 +145,51 @@ pub(super) fn casts(x: &[f32], id: f32, cast: Cast) -> [i8; 32] {
         }
     }
     out
+}
+
+/// Levels `q` clamped to `top` (a signed minimum, as the scalar `min`), low 16 and high 16.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn clamped_halves(q: &[i8; 32], top: i8) -> (__m128i, __m128i) {
+    // SAFETY: `q` holds 32 bytes
+    let v = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
+    let v = _mm256_min_epi8(v, _mm256_set1_epi8(top));
+    (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bytes16(v: __m128i) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    // SAFETY: `out` holds 16 bytes
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) };
+    out
+}
+
+/// [`super::pack_q4_0`]: the low half's levels as they are, the high half's low nibbles shifted
+/// up (a byte's shift drops the rest, as the scalar `u8` shift does).
+#[target_feature(enable = "avx2")]
+pub(super) fn pack_q4_0(q: &[i8; 32]) -> [u8; 16] {
+    let (lo, hi) = clamped_halves(q, 15);
+    let hi = _mm_slli_epi16::<4>(_mm_and_si128(hi, _mm_set1_epi8(0x0F)));
+    bytes16(_mm_or_si128(lo, hi))
+}
+
+/// [`super::pack_q5_0`]: the fifth bits by one byte mask (bit 4 of each level shifted to bit 7;
+/// the 16-bit shift carries no other bit there), the nibbles as `q4_0`'s, both halves masked.
+#[target_feature(enable = "avx2")]
+pub(super) fn pack_q5_0(q: &[i8; 32]) -> (u32, [u8; 16]) {
+    // SAFETY: `q` holds 32 bytes
+    let v = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
+    let v = _mm256_min_epi8(v, _mm256_set1_epi8(31));
+    let qh = _mm256_movemask_epi8(_mm256_slli_epi16::<3>(v)) as u32;
+    let (lo, hi) = clamped_halves(q, 31);
+    let m = _mm_set1_epi8(0x0F);
+    let low = _mm_or_si128(
+        _mm_and_si128(lo, m),
+        _mm_slli_epi16::<4>(_mm_and_si128(hi, m)),
+    );
+    (qh, bytes16(low))
 }
 
 /// `N` vectors, vector `i` holding value `i` of sub-blocks `first..first + 8` of `N` values each.
