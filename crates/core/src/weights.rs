@@ -304,16 +304,36 @@ impl Weights {
         Ok(Some((info.dtype, bytes)))
     }
 
-    /// The linear weight `name` `[out, in]` quantized by ISQ on the CPU straight from the
-    /// memory map's rows ([`Isq::quantize_stored`]: no f32 copy of the tensor), for the caller
-    /// to report ([`Isq::report_stored`]). `None` where ISQ takes its usual path or none (no
-    /// ISQ, a GPU, FP8, tensor parallelism, a GGUF source, rows no GGML type fits, a view loaded
-    /// dense).
-    pub fn isq_stored(
-        &self,
-        shape: &[usize],
-        name: &str,
-    ) -> Result<Option<StoredQuant>, LoadError> {
+    /// The linear weights `tensor` `[out, in_dim]` under each of `parts` (a view and its `out`),
+    /// quantized by ISQ on the CPU straight from the memory map's rows ([`Isq::quantize_stored`]:
+    /// no f32 copy of a tensor) and reported as the one projection `report_as`: each part's GGML
+    /// type and bytes, `None` for a part ISQ loads its usual way or not at all (no ISQ, a GPU,
+    /// FP8, tensor parallelism, a GGUF source, rows no GGML type fits, a view loaded dense).
+    #[allow(clippy::type_complexity)]
+    pub fn isq_streamed(
+        parts: &[(&Weights, usize)],
+        in_dim: usize,
+        tensor: &str,
+        report_as: &str,
+    ) -> Result<Vec<Option<(GgmlDType, std::borrow::Cow<'static, [u8]>)>>, LoadError> {
+        let done = parts
+            .iter()
+            .map(|(w, out)| w.isq_stored(&[*out, in_dim], tensor))
+            .collect::<Result<Vec<_>, _>>()?;
+        let quantized: Vec<&StoredQuant> = done.iter().flatten().collect();
+        if let Some(isq) = parts.first().and_then(|(w, _)| w.isq()) {
+            if !quantized.is_empty() {
+                isq.report_stored(report_as, &quantized);
+            }
+        }
+        Ok(done
+            .into_iter()
+            .map(|q| q.map(|q| (q.dtype, q.bytes.into())))
+            .collect())
+    }
+
+    /// [`Weights::isq_streamed`] of one tensor, unreported.
+    fn isq_stored(&self, shape: &[usize], name: &str) -> Result<Option<StoredQuant>, LoadError> {
         let (Some(isq), Source::Safetensors(st)) = (self.isq(), &self.inner.source) else {
             return Ok(None);
         };
@@ -355,13 +375,11 @@ impl Weights {
         if let Some(s) = self.stored_blocks(shape, name)? {
             return self.ggml_linear(Some(s), shape, name);
         }
-        let Some(q) = self.isq_stored(shape, name)? else {
+        let &[out, inp] = shape else {
             return Ok(None);
         };
-        if let Some(isq) = self.isq() {
-            isq.report_stored(&self.full(name), &[&q]);
-        }
-        self.ggml_linear(Some((q.dtype, q.bytes.into())), shape, name)
+        let streamed = Self::isq_streamed(&[(self, out)], inp, name, &self.full(name))?;
+        self.ggml_linear(streamed.into_iter().flatten().next(), shape, name)
     }
 
     fn ggml_linear(

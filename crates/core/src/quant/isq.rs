@@ -80,9 +80,9 @@ pub struct StoredQuant {
 pub struct Isq {
     format: IsqFormat,
     lm_head: bool,
-    report: Mutex<IsqReport>,
-    /// When each projection's quantization started and ended.
-    spans: Mutex<Vec<(Instant, Instant)>>,
+    /// The report so far (its `time` filled in by [`Isq::report`]), and when each projection's
+    /// quantization started and ended.
+    report: Mutex<(IsqReport, Vec<(Instant, Instant)>)>,
 }
 
 impl Isq {
@@ -91,11 +91,13 @@ impl Isq {
         Arc::new(Self {
             format,
             lm_head,
-            report: Mutex::new(IsqReport {
-                format: Some(format),
-                ..IsqReport::default()
-            }),
-            spans: Mutex::default(),
+            report: Mutex::new((
+                IsqReport {
+                    format: Some(format),
+                    ..IsqReport::default()
+                },
+                Vec::new(),
+            )),
         })
     }
 
@@ -130,11 +132,8 @@ impl Isq {
         weight.device().synchronize().map_err(err)?;
         let products = (self.format == IsqFormat::Fp8)
             .then(|| Fp8Linear::products(weight.device()).to_string());
-        self.spans
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((start, Instant::now()));
-        self.record(name, (before, after), fallback, products);
+        let span = (start, Instant::now());
+        self.record(name, (before, after), fallback, &[span], products);
         Ok(method)
     }
 
@@ -204,24 +203,22 @@ impl Isq {
         let before = parts.iter().map(|p| p.before).sum();
         let after = parts.iter().map(|p| p.bytes.len()).sum();
         let fallback = parts.iter().find_map(|p| p.fallback);
-        for p in parts {
-            self.spans
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(p.span);
-        }
-        self.record(name, (before, after), fallback, None);
+        let spans: Vec<_> = parts.iter().map(|p| p.span).collect();
+        self.record(name, (before, after), fallback, &spans, None);
     }
 
-    /// Adds one projection to the report.
+    /// Adds one projection to the report, quantized over `spans`.
     fn record(
         &self,
         name: &str,
         (before, after): (usize, usize),
         fallback: Option<&str>,
+        spans: &[(Instant, Instant)],
         products: Option<String>,
     ) {
-        let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        let (r, all) = &mut *guard;
+        all.extend_from_slice(spans);
         r.bytes_before += before;
         r.bytes_after += after;
         if fallback != Some("dense") {
@@ -242,14 +239,11 @@ impl Isq {
 
     /// What was done so far, the fallbacks in the model's order (layers may load side by side).
     pub fn report(&self) -> IsqReport {
-        let mut r = self
-            .report
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let guard = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = guard.0.clone();
         r.fallbacks
             .sort_by_cached_key(|(name, _)| natural_key(name));
-        r.time = covered(&self.spans.lock().unwrap_or_else(|p| p.into_inner()));
+        r.time = covered(&guard.1);
         r
     }
 }

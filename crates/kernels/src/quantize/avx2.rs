@@ -147,13 +147,19 @@ pub(super) fn casts(x: &[f32], id: f32, cast: Cast) -> [i8; 32] {
     out
 }
 
-/// Levels `q` clamped to `top` (a signed minimum, as the scalar `min`), low 16 and high 16.
+/// Levels `q` clamped to `top` (a signed minimum, as the scalar `min`).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn clamped_halves(q: &[i8; 32], top: i8) -> (__m128i, __m128i) {
+fn clamped(q: &[i8; 32], top: i8) -> __m256i {
     // SAFETY: `q` holds 32 bytes
     let v = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
-    let v = _mm256_min_epi8(v, _mm256_set1_epi8(top));
+    _mm256_min_epi8(v, _mm256_set1_epi8(top))
+}
+
+/// The low and high 16 bytes of `v`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn halves(v: __m256i) -> (__m128i, __m128i) {
     (_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v))
 }
 
@@ -170,7 +176,7 @@ fn bytes16(v: __m128i) -> [u8; 16] {
 /// up (a byte's shift drops the rest, as the scalar `u8` shift does).
 #[target_feature(enable = "avx2")]
 pub(super) fn pack_q4_0(q: &[i8; 32]) -> [u8; 16] {
-    let (lo, hi) = clamped_halves(q, 15);
+    let (lo, hi) = halves(clamped(q, 15));
     let hi = _mm_slli_epi16::<4>(_mm_and_si128(hi, _mm_set1_epi8(0x0F)));
     bytes16(_mm_or_si128(lo, hi))
 }
@@ -179,11 +185,9 @@ pub(super) fn pack_q4_0(q: &[i8; 32]) -> [u8; 16] {
 /// the 16-bit shift carries no other bit there), the nibbles as `q4_0`'s, both halves masked.
 #[target_feature(enable = "avx2")]
 pub(super) fn pack_q5_0(q: &[i8; 32]) -> (u32, [u8; 16]) {
-    // SAFETY: `q` holds 32 bytes
-    let v = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
-    let v = _mm256_min_epi8(v, _mm256_set1_epi8(31));
+    let v = clamped(q, 31);
     let qh = _mm256_movemask_epi8(_mm256_slli_epi16::<3>(v)) as u32;
-    let (lo, hi) = clamped_halves(q, 31);
+    let (lo, hi) = halves(v);
     let m = _mm_set1_epi8(0x0F);
     let low = _mm_or_si128(
         _mm_and_si128(lo, m),

@@ -305,22 +305,10 @@ impl Linear {
             .iter()
             .map(|(w, out)| w.stored_blocks(&[*out, in_dim], "weight"))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        if stored.iter().all(Option::is_none) {
+        if let (true, Some((first, _))) = (stored.iter().all(Option::is_none), parts.first()) {
             // ISQ on the CPU quantizes each part from the memory map
-            let streamed = parts
-                .iter()
-                .map(|(w, out)| w.isq_stored(&[*out, in_dim], "weight"))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            if let Some((first, isq)) = parts.first().and_then(|(w, _)| Some((w, w.isq()?))) {
-                let done: Vec<_> = streamed.iter().flatten().collect();
-                if !done.is_empty() {
-                    isq.report_stored(&first.name_of("weight (fused)"), &done);
-                }
-            }
-            stored = streamed
-                .into_iter()
-                .map(|q| q.map(|q| (q.dtype, Cow::Owned(q.bytes))))
-                .collect();
+            let fused = first.name_of("weight (fused)");
+            stored = Weights::isq_streamed(parts, in_dim, "weight", &fused)?;
         }
         if stored.iter().any(Option::is_some) {
             return Self::fuse_stored(parts, stored, in_dim, bias)?.with_lora(parts, in_dim);
