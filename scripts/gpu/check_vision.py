@@ -293,21 +293,9 @@ def part_vision(a, out: Path) -> None:
         del model
         torch.cuda.empty_cache()
 
-        # 64 concurrent: one distinct 512x512 image + 64 text tokens, 128 out
-        bodies = [("/v1/chat/completions", chat_body(m, png(512, 512, 1000 + i), words(64, 1000 + i),
-                                                     max_tokens=128, ignore_eos=True, temperature=0))
-                  for i in range(128)]
-        load(srv, bodies[:8], 8)  # warm-up
-        img_load = load(srv, bodies, 64)
-        n = img_load["prompt_tokens"]
+        rec.update(c64(srv, m))
+        n = rec["c64_image"]["prompt_tokens"]
         rng = random.Random(3)
-        text_bodies = [("/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
-                                            "max_tokens": 128, "ignore_eos": True, "temperature": 0})
-                       for _ in range(128)]
-        text_load = load(srv, text_bodies, 64)
-        rec["c64_image"] = img_load
-        rec["c64_text_same_len"] = text_load
-        rec["c64_image_vs_text"] = img_load["output_tok_s"] / text_load["output_tok_s"]
         emit(out, {**rec, "step": "c64"})
 
         # decode speed at batch 1: an image request against text-only of the same length
@@ -323,3 +311,39 @@ def part_vision(a, out: Path) -> None:
     finally:
         srv.stop()
     emit(out, rec)
+    # the 64-concurrent pair again with the earlier build, then with this one, on the same GPU
+    if os.environ.get("RSERVE_BASELINE_BINARY") and not quick:
+        for variant, binary in [("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"])),
+                                ("default-again", a.binary)]:
+            ab: dict = {"part": "vision-c64-ab", "model": name, "variant": variant}
+            try:
+                srv = Server(binary, str(path), a.port, out, "--max-model-len", "8192",
+                             "--gpu-memory-utilization", "0.6", tag=f"-vision-{variant}")
+            except Exception as e:
+                emit(out, {**ab, "error": repr(e)[-2000:]})
+                continue
+            try:
+                ab.update(c64(srv, srv.model_name()))
+            except Exception as e:
+                ab["error"] = repr(e)[-2000:]
+            finally:
+                srv.stop()
+            emit(out, ab)
+
+
+def c64(srv, m: str) -> dict:
+    """64 concurrent requests, one distinct 512x512 image + 64 text tokens each, 128 out, then the
+    same load as text-only prompts of the same length."""
+    bodies = [("/v1/chat/completions", chat_body(m, png(512, 512, 1000 + i), words(64, 1000 + i),
+                                                 max_tokens=128, ignore_eos=True, temperature=0))
+              for i in range(128)]
+    load(srv, bodies[:8], 8)  # warm-up
+    img_load = load(srv, bodies, 64)
+    n = img_load["prompt_tokens"]
+    rng = random.Random(3)
+    text_bodies = [("/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
+                                        "max_tokens": 128, "ignore_eos": True, "temperature": 0})
+                   for _ in range(128)]
+    text_load = load(srv, text_bodies, 64)
+    return {"c64_image": img_load, "c64_text_same_len": text_load,
+            "c64_image_vs_text": img_load["output_tok_s"] / text_load["output_tok_s"]}

@@ -1,6 +1,7 @@
-// Fused element-wise kernels of the decoder layer: SiLU-and-multiply, residual-add + RMSNorm, and
-// rotary embedding of the q and k heads of a fused qkv tensor, in place (alone or with the new
-// keys and values written into the paged cache). All compute in f32.
+// Fused element-wise kernels of the decoder layer and the vision towers: SiLU-and-multiply,
+// residual-add + RMSNorm, LayerNorm with or without the residual add, and rotary embedding of the
+// q and k heads of a fused qkv tensor, in place (alone or with the new keys and values written
+// into the paged cache). All compute in f32.
 #include "common.cuh"
 
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i]; gu: [tokens, 2 * I], out: [tokens, I]. When I is a
@@ -175,6 +176,91 @@ __device__ void add_rms_norm_impl(T* __restrict__ out, const T* __restrict__ x, 
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) qr[i] = fp8_byte(to_f32(norm[i]), s);
 }
 
+// One CTA per row: LayerNorm with weight and bias (the vision towers'). The statistics are f32,
+// from two passes over the row (its mean, then the squared deviations from it), and each output
+// is rounded once, as PyTorch's 16-bit LayerNorm computes. With ADD the row is x + res rounded to
+// T (as the element-wise add rounds) and out is [2, tokens, H]: the sums, then the normed rows;
+// without, out is [tokens, H] and res is not read.
+template <typename T, bool ADD>
+__device__ void layer_norm_impl(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ res,
+                                const T* __restrict__ w, const T* __restrict__ b, int tokens, int hidden,
+                                float eps) {
+  pdl_trigger();  // the next product may start streaming its weights
+  pdl_wait();     // x is the kernel before's output
+  __shared__ float partial[32];
+  const long row = blockIdx.x;
+  const T* xr = x + row * hidden;
+  T* sum = out + row * hidden;  // ADD only
+  T* norm = out + ((ADD ? (long)tokens : 0) + row) * hidden;
+  // the row's values, read back by the thread that wrote (ADD) or first read them
+  const T* src = ADD ? sum : xr;
+  constexpr int VN = Vec16<T>::N;
+  const bool vec = hidden % VN == 0 &&
+                   ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(x) |
+                     reinterpret_cast<uintptr_t>(ADD ? res : x) | reinterpret_cast<uintptr_t>(w) |
+                     reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+  float s1 = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float a[VN];
+      load16(xr + i, a);
+      if constexpr (ADD) {
+        float r[VN];
+        load16(res + i, r);
+        alignas(16) T s[VN];
+#pragma unroll
+        for (int e = 0; e < VN; ++e) {
+          s[e] = from_f32<T>(a[e] + r[e]);
+          a[e] = to_f32(s[e]);
+        }
+        *reinterpret_cast<uint4*>(sum + i) = *reinterpret_cast<const uint4*>(s);
+      }
+#pragma unroll
+      for (int e = 0; e < VN; ++e) s1 += a[e];
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      float v = to_f32(xr[i]);
+      if constexpr (ADD) {
+        const T s = from_f32<T>(v + to_f32(res[i]));
+        sum[i] = s;
+        v = to_f32(s);
+      }
+      s1 += v;
+    }
+  }
+  const float mean = block_reduce<false>(s1, partial) / hidden;
+  float s2 = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float a[VN];
+      load16_rw(src + i, a);
+#pragma unroll
+      for (int e = 0; e < VN; ++e) s2 += (a[e] - mean) * (a[e] - mean);
+    }
+  } else {
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const float d = to_f32(src[i]) - mean;
+      s2 += d * d;
+    }
+  }
+  const float inv = rsqrtf(block_reduce<false>(s2, partial) / hidden + eps);
+  if (vec) {
+    for (int i = threadIdx.x * VN; i < hidden; i += blockDim.x * VN) {
+      float a[VN], wv[VN], bv[VN];
+      load16_rw(src + i, a);
+      load16(w + i, wv);
+      load16(b + i, bv);
+#pragma unroll
+      for (int e = 0; e < VN; ++e) a[e] = (a[e] - mean) * inv * wv[e] + bv[e];
+      store16(norm + i, a);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    norm[i] = from_f32<T>((to_f32(src[i]) - mean) * inv * to_f32(w[i]) + to_f32(b[i]));
+}
+
 // Stores Vec16<T>::N floats into a cache row: rounded to T, then (FP8 caches) times `inv` and
 // rounded to E4M3, as the CPU path rounds.
 template <typename T, typename C> struct CacheStore {
@@ -334,6 +420,14 @@ struct QuickGelu {
   }                                                                                                \
   extern "C" __global__ void quick_gelu_##NAME(T* out, const T* x, long n) {                       \
     map_impl<T, T>(out, x, n, QuickGelu{});                                                        \
+  }                                                                                                \
+  extern "C" __global__ void layer_norm_##NAME(T* out, const T* x, const T* w, const T* b,         \
+                                               int tokens, int hidden, float eps) {                \
+    layer_norm_impl<T, false>(out, x, nullptr, w, b, tokens, hidden, eps);                         \
+  }                                                                                                \
+  extern "C" __global__ void add_layer_norm_##NAME(T* out, const T* x, const T* res, const T* w,   \
+                                                   const T* b, int tokens, int hidden, float eps) {\
+    layer_norm_impl<T, true>(out, x, res, w, b, tokens, hidden, eps);                              \
   }
 RSERVE_FOR_DTYPES(FUSED_OPS)
 #define ROTARY_CACHE(T, C, NAME)                                                                   \

@@ -80,6 +80,25 @@ fn cpu_rotary_matches_rope_thd() -> Result<()> {
 }
 
 #[test]
+fn layer_norm_rejects_bad_operands() -> Result<()> {
+    use rserve_kernels::layer_norm::{add_layer_norm, layer_norm};
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 8), DType::F32, &dev)?;
+    let w = Tensor::ones(8, DType::F32, &dev)?;
+    let b = Tensor::zeros(8, DType::F32, &dev)?;
+    let short = Tensor::ones(7, DType::F32, &dev)?;
+    assert!(layer_norm(&x, &short, &b, 1e-5).is_err());
+    assert!(layer_norm(&x, &w, &short, 1e-5).is_err());
+    assert!(layer_norm(&x, &w.to_dtype(DType::BF16)?, &b, 1e-5).is_err());
+    assert!(add_layer_norm(&x, &x.narrow(0, 0, 1)?, &w, &b, 1e-5).is_err());
+    assert!(add_layer_norm(&x, &x.to_dtype(DType::F16)?, &w, &b, 1e-5).is_err());
+    let x3 = Tensor::zeros((2, 3, 8), DType::F32, &dev)?;
+    assert!(add_layer_norm(&x3, &x3, &w, &b, 1e-5).is_err(), "rows only");
+    assert_eq!(layer_norm(&x3, &w, &b, 1e-5)?.dims(), &[2, 3, 8]);
+    Ok(())
+}
+
+#[test]
 fn rotary_rejects_bad_shapes() -> Result<()> {
     let dev = Device::Cpu;
     let (cos, sin) = tables(8, 8, DType::F32, &dev)?;
@@ -478,6 +497,73 @@ mod cuda {
                 assert!(es <= tol, "{dtype:?} sum: {es}");
                 assert!(en <= tol, "{dtype:?} norm: {en}");
             }
+        }
+        Ok(())
+    }
+
+    /// LayerNorm alone and after the residual add against candle's ops on the CPU (which take
+    /// the statistics as E[x^2] - mean^2 where the kernel takes two passes, so inputs with a
+    /// large mean against their spread are left out of the comparison).
+    #[test]
+    fn cuda_layer_norms_match_reference() -> Result<()> {
+        use rserve_kernels::layer_norm::{
+            add_layer_norm, add_layer_norm_reference, layer_norm, layer_norm_reference,
+        };
+        let dev = gpu();
+        let cpu = Device::Cpu;
+        for (dtype, tol) in CASES {
+            // rows of whole 16-byte vectors (one or several per thread), rows that are not, and
+            // the towers' widths (CLIP-L 1,024, Qwen2-VL 1,280)
+            for (t, hidden) in [
+                (1, 64),
+                (3, 1024),
+                (300, 1280),
+                (2, 100),
+                (2, 30),
+                (2, 16384),
+            ] {
+                let x = (Tensor::randn(0f32, 2., (t, hidden), &cpu)? + 0.5)?.to_dtype(dtype)?;
+                let r = Tensor::randn(0f32, 1., (t, hidden), &cpu)?.to_dtype(dtype)?;
+                let w = Tensor::randn(1f32, 0.1, hidden, &cpu)?.to_dtype(dtype)?;
+                let b = Tensor::randn(0f32, 0.1, hidden, &cpu)?.to_dtype(dtype)?;
+                let g = |v: &Tensor| v.to_device(&dev);
+                let c = |v: &Tensor| v.to_device(&cpu);
+                let want = layer_norm_reference(&x, &w, &b, 1e-6)?;
+                let got = layer_norm(&g(&x)?, &g(&w)?, &g(&b)?, 1e-6)?;
+                assert_eq!(got.dims(), &[t, hidden]);
+                let err = max_rel_err(&c(&got)?, &want)?;
+                assert!(err <= tol, "{dtype:?} {t}x{hidden} norm: {err}");
+                let (ws, wn) = add_layer_norm_reference(&x, &r, &w, &b, 1e-6)?;
+                let (gs, gn) = add_layer_norm(&g(&x)?, &g(&r)?, &g(&w)?, &g(&b)?, 1e-6)?;
+                assert!(gs.is_contiguous() && gn.is_contiguous());
+                let es = max_rel_err(&c(&gs)?, &ws)?;
+                let en = max_rel_err(&c(&gn)?, &wn)?;
+                assert!(es <= tol, "{dtype:?} {t}x{hidden} sum: {es}");
+                assert!(en <= tol, "{dtype:?} {t}x{hidden} add + norm: {en}");
+            }
+            // any rank, and a strided input made contiguous
+            let x = Tensor::randn(0f32, 1., (2, 3, 64), &cpu)?.to_dtype(dtype)?;
+            let (w, b) = (
+                Tensor::ones(64, dtype, &cpu)?,
+                Tensor::zeros(64, dtype, &cpu)?,
+            );
+            let want = layer_norm_reference(&x, &w, &b, 1e-5)?;
+            let got = layer_norm(
+                &x.to_device(&dev)?,
+                &w.to_device(&dev)?,
+                &b.to_device(&dev)?,
+                1e-5,
+            )?;
+            assert!(max_rel_err(&got.to_device(&cpu)?, &want)? <= tol);
+            let xt = x.reshape((6, 64))?.t()?.contiguous()?.t()?; // [6, 64] with strides (1, 6)
+            let want = layer_norm_reference(&xt, &w, &b, 1e-5)?;
+            let got = layer_norm(
+                &xt.to_device(&dev)?,
+                &w.to_device(&dev)?,
+                &b.to_device(&dev)?,
+                1e-5,
+            )?;
+            assert!(max_rel_err(&got.to_device(&cpu)?, &want)? <= tol);
         }
         Ok(())
     }

@@ -158,15 +158,26 @@ impl ClipVision {
         let bounds: Vec<usize> = (0..=images).map(|i| i * per).collect();
         let plan = SegmentPlan::new(&bounds, images * per, patches.device(), dtype, d / heads)?;
         let ctx = LayerCtx::default();
-        for b in &self.blocks {
-            let h = b.layer_norm1.forward(&x)?;
+        // each residual add is fused with the norm after it (layer_norm2, and the next block's
+        // layer_norm1)
+        let mut h = match self.blocks.first() {
+            Some(b) => b.layer_norm1.forward(&x)?,
+            None => return x.reshape((images, per, d)),
+        };
+        for (i, b) in self.blocks.iter().enumerate() {
             let qkv = b
                 .qkv
                 .forward(&h, &ctx)?
                 .reshape((images * per, 3 * heads, d / heads))?;
             let a = plan.attend(&qkv, heads)?;
-            x = (x + b.out_proj.forward(&a, &ctx)?)?;
-            x = (&x + b.mlp.forward(&b.layer_norm2.forward(&x)?, &ctx)?)?;
+            let (x1, h2) = b
+                .layer_norm2
+                .forward_add(&b.out_proj.forward(&a, &ctx)?, &x)?;
+            let m = b.mlp.forward(&h2, &ctx)?;
+            (x, h) = match self.blocks.get(i + 1) {
+                Some(nb) => nb.layer_norm1.forward_add(&m, &x1)?,
+                None => ((x1 + m)?, h2),
+            };
         }
         x.reshape((images, per, d))
     }

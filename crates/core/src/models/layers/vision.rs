@@ -73,16 +73,15 @@ impl LayerNorm {
         })
     }
 
-    /// Normalises over the last dimension.
+    /// Normalises over the last dimension (one kernel on GPUs).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::layer_norm(&x.contiguous()?, &self.weight, &self.bias, self.eps)
+        rserve_kernels::layer_norm::layer_norm(x, &self.weight, &self.bias, f64::from(self.eps))
     }
 
-    /// `(x + residual, norm(x + residual))`.
+    /// `(x + residual, norm(x + residual))` for `[tokens, hidden]` rows (one kernel on GPUs).
     pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
-        let sum = (x + residual)?;
-        let normed = self.forward(&sum)?;
-        Ok((sum, normed))
+        let eps = f64::from(self.eps);
+        rserve_kernels::layer_norm::add_layer_norm(x, residual, &self.weight, &self.bias, eps)
     }
 }
 
