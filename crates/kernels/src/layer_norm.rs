@@ -144,7 +144,7 @@ mod cuda {
         let wv = view::<T>(w.0, w.1, "weight")?;
         let bv = view::<T>(b.0, b.1, "bias")?;
         let res = op.residual.map(|r| r.storage_and_layout());
-        let (parts, shape) = match op.residual {
+        let (parts, shape) = match res {
             Some(_) => (2, Shape::from((2, t, h))),
             None => (1, Shape::from((t, h))),
         };

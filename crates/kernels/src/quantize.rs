@@ -218,19 +218,22 @@ fn q4_0_block(x: &[f32], out: &mut [u8]) {
     let d = signed_max(x) / -8.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
-    let q = casts(x, id, Cast::Offset(8.5));
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: the host has AVX2 (checked above).
-        out[2..18].copy_from_slice(&unsafe { avx2::pack_q4_0(&q) });
-        return;
-    }
-    out[2..18].copy_from_slice(&pack_q4_0(&q));
+    out[2..18].copy_from_slice(&pack_q4_0(&casts(x, id, Cast::Offset(8.5))));
 }
 
 /// `q4_0`'s 16 bytes of levels: level `j` (clamped to 15 as ggml's `MIN(15, ...)`) in the low
-/// nibble of byte `j`, level `16 + j` in its high nibble.
+/// nibble of byte `j`, level `16 + j` in its high nibble. On AVX2 hosts 16 at a time, the same
+/// bytes.
 fn pack_q4_0(q: &[i8; 32]) -> [u8; 16] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        return unsafe { avx2::pack_q4_0(q) };
+    }
+    pack_q4_0_scalar(q)
+}
+
+fn pack_q4_0_scalar(q: &[i8; 32]) -> [u8; 16] {
     let mut out = [0u8; 16];
     for (j, o) in out.iter_mut().enumerate() {
         let q0 = q[j].min(15) as u8;
@@ -244,23 +247,23 @@ fn q5_0_block(x: &[f32], out: &mut [u8]) {
     let d = signed_max(x) / -16.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     put_f16(&mut out[..2], d);
-    let q = casts(x, id, Cast::Offset(16.5));
-    #[cfg(target_arch = "x86_64")]
-    let (qh, low) = if has_avx2() {
-        // SAFETY: the host has AVX2 (checked above).
-        unsafe { avx2::pack_q5_0(&q) }
-    } else {
-        pack_q5_0(&q)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let (qh, low) = pack_q5_0(&q);
+    let (qh, low) = pack_q5_0(&casts(x, id, Cast::Offset(16.5)));
     out[2..6].copy_from_slice(&qh.to_le_bytes());
     out[6..22].copy_from_slice(&low);
 }
 
 /// `q5_0`'s fifth bits (bit `j` of level `j`, clamped to 31) and 16 bytes of low nibbles, laid
-/// out as `q4_0`'s.
+/// out as `q4_0`'s. On AVX2 hosts 32 at a time, the same bits.
 fn pack_q5_0(q: &[i8; 32]) -> (u32, [u8; 16]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the host has AVX2 (checked above).
+        return unsafe { avx2::pack_q5_0(q) };
+    }
+    pack_q5_0_scalar(q)
+}
+
+fn pack_q5_0_scalar(q: &[i8; 32]) -> (u32, [u8; 16]) {
     let mut low = [0u8; 16];
     let mut qh = 0u32;
     for (j, o) in low.iter_mut().enumerate() {
@@ -519,9 +522,17 @@ mod tests {
                 (s >> 56) as i8
             });
             // SAFETY: AVX2 checked above
-            assert_eq!(unsafe { avx2::pack_q4_0(&q) }, pack_q4_0(&q), "{q:?}");
+            assert_eq!(
+                unsafe { avx2::pack_q4_0(&q) },
+                pack_q4_0_scalar(&q),
+                "{q:?}"
+            );
             // SAFETY: AVX2 checked above
-            assert_eq!(unsafe { avx2::pack_q5_0(&q) }, pack_q5_0(&q), "{q:?}");
+            assert_eq!(
+                unsafe { avx2::pack_q5_0(&q) },
+                pack_q5_0_scalar(&q),
+                "{q:?}"
+            );
         }
     }
 
