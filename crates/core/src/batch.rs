@@ -17,6 +17,9 @@ pub struct ForwardBatch {
     pub attn: Arc<AttentionMetadata>,
     /// The adapter slot of each token left to the gathered LoRA kernels (`None`: none is).
     pub adapter_slots: Option<Tensor>, // [num_tokens] u32
+    /// How many leading adapter slots hold every row's adapter (0: not known, all of them):
+    /// products that read every slot's `A` rows read only these.
+    pub adapter_slots_covered: usize,
     /// Runs of prompt rows sharing an adapter, multiplied as a whole (empty without adapters).
     pub adapter_runs: Vec<LoraRun>,
     /// Image features written over placeholder rows: (first row, `[rows, hidden]`).
@@ -34,6 +37,7 @@ impl ForwardBatch {
                 slots: self.adapter_slots.as_ref(),
                 runs: &self.adapter_runs,
             },
+            lora_slots_covered: self.adapter_slots_covered,
         }
     }
 }
@@ -44,4 +48,7 @@ impl ForwardBatch {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LayerCtx<'a> {
     pub lora: LoraRows<'a>,
+    /// The leading adapter slots that hold every row's adapter (0: all); see
+    /// [`ForwardBatch::adapter_slots_covered`].
+    pub lora_slots_covered: usize,
 }

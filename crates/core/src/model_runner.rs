@@ -20,8 +20,9 @@ use crate::multimodal::ImageInput;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
-use graphs::{DecodeGraphs, GraphPlan};
+use graphs::{lora_graph_set, DecodeGraphs, GraphPlan};
 use rserve_kernels::lora::{min_run, split_runs, NO_ADAPTER};
+use rserve_kernels::lora_gemv::slots_covered;
 use rserve_kernels::AttentionMetadata;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -86,6 +87,7 @@ impl HostBatch {
         let rows = self.logits_indices.len();
         // prompt chunks of one adapter go to the run products, the rest to the gathered kernels
         let mut slots = self.adapter_slots;
+        let adapter_slots_covered = slots_covered(&slots);
         let adapter_runs = split_runs(&mut slots, min_run());
         let adapter_slots = if slots.iter().all(|&s| s == NO_ADAPTER) {
             None
@@ -116,6 +118,7 @@ impl HostBatch {
                 device,
             )?),
             adapter_slots,
+            adapter_slots_covered,
             adapter_runs,
             image_rows: Vec::new(),
             mrope_positions,
@@ -127,12 +130,12 @@ impl HostBatch {
 #[derive(Debug)]
 pub enum PreparedStep {
     Eager(ForwardBatch),
-    /// Replay the graph of `bucket` (rows past `rows` are padding), of the set of steps with
-    /// adapter rows when `lora`.
+    /// Replay the graph of `bucket` (rows past `rows` are padding), of LoRA graph set `lora`
+    /// (steps with adapter rows) or of the plain set.
     Graph {
         bucket: usize,
         rows: usize,
-        lora: bool,
+        lora: Option<usize>,
     },
 }
 
@@ -154,8 +157,11 @@ pub struct ModelRunner {
     kv: KvCache,
     device: Device,
     graphs: Option<DecodeGraphs>,
-    /// The decode graphs of steps with adapter rows (a model with LoRA slots).
-    lora_graphs: Option<DecodeGraphs>,
+    /// The decode graphs of steps with adapter rows (a model with LoRA slots), one set for each
+    /// number of leading slots its products cover, ascending.
+    lora_graphs: Vec<DecodeGraphs>,
+    /// The slots each of `lora_graphs` covers.
+    lora_covers: Vec<usize>,
     /// Encoder outputs of images whose tokens are not all computed yet (a prompt chunk may end
     /// inside an image): `[num_tokens, hidden]` by sequence and image.
     encoder_cache: HashMap<(SeqId, usize), Tensor>,
@@ -178,24 +184,30 @@ pub trait Followers: Send {
 }
 
 impl ModelRunner {
-    /// A runner; `graphs` plans the decode graphs (`None`: every step runs eagerly). Graphs are
-    /// used on CUDA devices only.
+    /// A runner; `graphs` plans the decode graphs (`None`: every step runs eagerly), with a set
+    /// of LoRA graphs for each of `lora_covers` (slot counts, ascending, the last all the
+    /// slots; empty without adapters: see [`graphs::lora_graph_covers`]). Graphs are used on
+    /// CUDA devices only.
     pub fn new(
         model: Box<dyn Model>,
         kv: KvCache,
         device: Device,
         graphs: Option<GraphPlan>,
-        lora: bool,
+        lora_covers: Vec<usize>,
     ) -> Self {
         let plan = graphs.filter(|_| device.is_cuda());
         let vocab = model.config().vocab_size;
-        let lora_graphs = plan
-            .clone()
-            .filter(|_| lora)
-            .map(|p| DecodeGraphs::new(p, vocab, true));
+        let lora_graphs = match &plan {
+            Some(p) => lora_covers
+                .iter()
+                .map(|&c| DecodeGraphs::new(p.clone(), vocab, Some(c)))
+                .collect(),
+            None => Vec::new(),
+        };
         Self {
-            graphs: plan.map(|p| DecodeGraphs::new(p, vocab, false)),
+            graphs: plan.map(|p| DecodeGraphs::new(p, vocab, None)),
             lora_graphs,
+            lora_covers,
             model,
             kv,
             device,
@@ -218,21 +230,23 @@ impl ModelRunner {
             f.capture()?;
         }
         let mut n = 0;
-        for g in [self.graphs.as_mut(), self.lora_graphs.as_mut()]
-            .into_iter()
-            .flatten()
-        {
+        // one logits buffer for every set: steps run one at a time
+        let mut logits: Option<Tensor> = None;
+        for g in self.graphs.iter_mut().chain(self.lora_graphs.iter_mut()) {
+            match &logits {
+                Some(l) => g.share_logits(l),
+                None => logits = Some(g.logits(&self.device)?),
+            }
             n += g.capture_all(self.model.as_ref(), &self.kv, &self.device)?;
         }
         Ok(n)
     }
 
-    /// The graph set of steps with (`lora`) or without adapter rows.
-    fn graph_set(&mut self, lora: bool) -> Option<&mut DecodeGraphs> {
-        if lora {
-            self.lora_graphs.as_mut()
-        } else {
-            self.graphs.as_mut()
+    /// The graph set of steps without adapter rows (`None`) or LoRA set `lora`.
+    fn graph_set(&mut self, lora: Option<usize>) -> Option<&mut DecodeGraphs> {
+        match lora {
+            Some(i) => self.lora_graphs.get_mut(i),
+            None => self.graphs.as_mut(),
         }
     }
 
@@ -415,10 +429,18 @@ impl ModelRunner {
         host: HostBatch,
         image_rows: Vec<(usize, Tensor)>,
     ) -> Result<PreparedStep> {
-        let lora = !host.adapter_slots.is_empty();
+        // a step with adapter rows runs in the smallest LoRA set that covers their slots
+        let lora = (!host.adapter_slots.is_empty())
+            .then(|| lora_graph_set(&self.lora_covers, slots_covered(&host.adapter_slots)));
         let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
         let device = self.device.clone();
-        if let Some(g) = self.graph_set(lora) {
+        let set = match lora {
+            Some(Some(i)) => self.graph_set(Some(i)),
+            Some(None) => None,
+            None => self.graph_set(None),
+        };
+        let lora = lora.flatten();
+        if let Some(g) = set {
             if let Some(bucket) = g.bucket_for(&host) {
                 let n = host.seq_lens.len();
                 g.write_inputs(bucket, &host, num_blocks, bs, &device)?;
@@ -529,14 +551,10 @@ impl ModelRunner {
     pub fn token_ids(&self, step: &PreparedStep) -> Result<Tensor> {
         match step {
             PreparedStep::Eager(batch) => Ok(batch.input_ids.clone()),
-            PreparedStep::Graph { bucket, lora, .. } => {
-                if *lora {
-                    &self.lora_graphs
-                } else {
-                    &self.graphs
-                }
+            PreparedStep::Graph { bucket, lora, .. } => match lora {
+                Some(i) => self.lora_graphs.get(*i),
+                None => self.graphs.as_ref(),
             }
-            .as_ref()
             .and_then(|g| g.input_ids(*bucket))
             .ok_or_else(|| candle_core::Error::Msg(format!("no graph bucket {bucket}"))),
         }
@@ -578,10 +596,9 @@ impl ModelRunner {
             }
             PreparedStep::Eager(batch) => self.model.forward(batch, &self.kv),
             PreparedStep::Graph { bucket, rows, lora } => {
-                let g = if *lora {
-                    self.lora_graphs.as_mut()
-                } else {
-                    self.graphs.as_mut()
+                let g = match lora {
+                    Some(i) => self.lora_graphs.get_mut(*i),
+                    None => self.graphs.as_mut(),
                 };
                 let g = g.ok_or_else(|| {
                     candle_core::Error::Msg("a graph step without decode graphs".into())
@@ -597,7 +614,7 @@ impl Drop for ModelRunner {
         // graphs hold work of the model's collectives: they go before the model (and its
         // communicator), and the other ranks before rank 0's communicator
         self.graphs.take();
-        self.lora_graphs.take();
+        self.lora_graphs.clear();
         self.followers.take();
     }
 }
@@ -652,6 +669,7 @@ pub fn profile_forward(
             device,
         )?),
         adapter_slots: None,
+        adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         image_rows: Vec::new(),
         mrope_positions: None,

@@ -188,6 +188,7 @@ fn the_model_runs_from_input_embeddings_as_from_token_ids() {
             .unwrap(),
         ),
         adapter_slots: None,
+        adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         image_rows: Vec::new(),
         mrope_positions: None,

@@ -40,6 +40,7 @@ fn batch(ids: &[u32], start: usize, dev: &Device) -> candle_core::Result<Forward
             dev,
         )?),
         adapter_slots: None,
+        adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         image_rows: Vec::new(),
         mrope_positions: None,
@@ -295,7 +296,7 @@ mod cuda {
             kv,
             dev.clone(),
             Some(GraphPlan::new(4, 64, BLOCK)),
-            false,
+            Vec::new(),
         );
         assert!(runner.capture_graphs().expect("captures") > 0);
         let n = PROMPT.len();

@@ -93,7 +93,10 @@ __device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __re
   const int tiles = (width + blockDim.x - 1) / blockDim.x;
   const long t = blockIdx.x / tiles;
   const int o = (int)(blockIdx.x - t * tiles) * blockDim.x + threadIdx.x;
-  const uint32_t s = slots[t];
+  uint32_t s = slots[t];
+  // with u in the row, a slot past the row's last one (the product covered fewer slots) has
+  // no u there: the row is left as a base row rather than read past its end
+  if (part == nullptr && s != kNoAdapter && (long)n + ((long)s + 1) * pr > ldy) s = kNoAdapter;
   const T* yr = y + t * ldy;
   T* orow = out + t * width;
   if (s == kNoAdapter) {

@@ -396,9 +396,10 @@ pub(crate) mod cuda {
         /// `chunks` partial sums in `[chunks, t, parts * r]` f32 (rows with an adapter written).
         Partials(&'a CudaSlice<f32>, usize),
         /// In `y`'s own row past its `n` outputs: `y` is the product over a weight stored above
-        /// its adapters' `A` rows, `[t, n + slots * parts * r]`, slot `s`'s `u` at columns
-        /// `n + s * parts * r ..`.
-        InRow,
+        /// the `A` rows of its adapters' first `covered` slots, `[t, n + covered * parts * r]`,
+        /// slot `s`'s `u` at columns `n + s * parts * r ..` (rows of a slot past them are left
+        /// as base rows).
+        InRow { covered: usize },
     }
 
     /// The expand of the BGMV form: adds each row's `B_s u` (`u` from `shrunk`) to `y`'s `n`
@@ -420,7 +421,7 @@ pub(crate) mod cuda {
         let pr = parts.len() * r;
         let fits = match shrunk {
             Shrunk::Partials(part, chunks) => ldy == n && part.len() >= chunks * t * pr,
-            Shrunk::InRow => ldy == n + num_slots * pr,
+            Shrunk::InRow { covered } => covered <= num_slots && ldy == n + covered * pr,
         };
         if !fits || !y.is_contiguous() || !b.is_contiguous() {
             candle_core::bail!(
@@ -431,7 +432,7 @@ pub(crate) mod cuda {
         }
         let (part, chunks) = match shrunk {
             Shrunk::Partials(part, chunks) => (Some(part), chunks),
-            Shrunk::InRow => (None, 0),
+            Shrunk::InRow { .. } => (None, 0),
         };
         let stream = dev.cuda_stream();
         let width = if glu { n / 2 } else { n };
@@ -500,9 +501,9 @@ pub(crate) mod cuda {
         // SAFETY: `lora_expand[_glu]_<dtype>(out, y, ldy, part, b, slots, tokens, n, r, pr,
         // chunks, e0, e1)` (csrc/lora.cu): y [t, ldy] contiguous, out y itself (written in place,
         // the caller's product, ldy = n) or a fresh [t, width]; part holds the partials written
-        // before on this stream (length checked), or is null with ldy = n + S * pr (u in the
-        // row, checked); b [S, n, r] contiguous; slots [t] u32 (each < S or
-        // NO_ADAPTER); e0 <= e1 <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked
+        // before on this stream (length checked), or is null with ldy = n + C * pr, C <= S
+        // (u in the row, checked; the kernel treats a slot >= C as NO_ADAPTER); b [S, n, r]
+        // contiguous; slots [t] u32 (each < S or NO_ADAPTER); e0 <= e1 <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked
         // by the stack); one CTA per (token, tile of EXPAND_THREADS columns).
         let threads = EXPAND_THREADS as u32;
         unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;

@@ -17,7 +17,7 @@
 //! [`crate::lora::lora_add`], which is also the reference.
 
 use crate::gemv::GEMV_MAX_ROWS;
-use crate::lora::{LoraRows, LoraStack};
+use crate::lora::{LoraRows, LoraStack, NO_ADAPTER};
 use candle_core::{DType, Result, Tensor};
 
 /// Whether decode rows of an adapted dense projection take the two launches: yes, unless
@@ -75,15 +75,19 @@ pub fn stacked_applies(w: &Tensor, slot_rows: usize) -> bool {
 
 /// `x W^T` plus each row's LoRA term (with `glu`, `silu(g) * v` as [`linear_rows_lora`]) for a
 /// weight stored above its adapters' `A` rows: `w_ext` `[n + slots * parts * rank, k]`, its first
-/// `n` rows `W`, the rest `stack.a` (`[slots, parts * rank, k]`, the same memory). `None` where
-/// it does not apply: not CUDA, no rows or more than [`STACKED_MAX_ROWS`], `w_ext` not of
-/// that shape in `x`'s dtype, a gate-up stack without two equal parts.
+/// `n` rows `W`, the rest `stack.a` (`[slots, parts * rank, k]`, the same memory). The product
+/// reads the `A` rows of the first `covered` slots only ([`slots_covered`]; 0 or more than the
+/// slots: all), so idle slots past the rows' cost nothing; a row whose slot is not covered
+/// gets no term. `None` where it does not apply: not CUDA, no rows or more than
+/// [`STACKED_MAX_ROWS`], `w_ext` not of that shape in `x`'s dtype, a gate-up stack without two
+/// equal parts.
 pub fn linear_rows_lora_stacked(
     x: &Tensor,
     w_ext: &Tensor,
     stack: &LoraStack<'_>,
     slots: &Tensor,
     glu: bool,
+    covered: usize,
 ) -> Result<Option<Tensor>> {
     let (m, k) = x.dims2()?;
     let Ok((num_slots, r, ak, n)) = stack.dims() else {
@@ -106,10 +110,29 @@ pub fn linear_rows_lora_stacked(
     }
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = x.device() {
-        let y = crate::linear_rows(x, w_ext)?;
-        return cuda::expand_in_row(dev, &y, stack, slots, glu, r).map(Some);
+        let covered = if covered == 0 || covered > num_slots {
+            num_slots
+        } else {
+            covered
+        };
+        // the weight and the covered slots' rows: a prefix of w_ext, no copy
+        let w = w_ext.narrow(0, 0, n + covered * parts.len() * r)?;
+        let y = crate::linear_rows(x, &w)?;
+        return cuda::expand_in_row(dev, &y, stack, slots, glu, r, covered).map(Some);
     }
+    let _ = covered; // CUDA only
     Ok(None)
+}
+
+/// How many leading device slots hold the adapters of rows with these slots (one past the
+/// highest; [`NO_ADAPTER`] rows need none): what [`linear_rows_lora_stacked`] must cover.
+pub fn slots_covered(slots: &[u32]) -> usize {
+    slots
+        .iter()
+        .filter(|&&s| s != NO_ADAPTER)
+        .map(|&s| s as usize + 1)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Whether prompt runs take [`linear_rows_lora_runs`]: yes, unless `RSERVE_LORA_TERMS_FIRST=0`
@@ -222,9 +245,10 @@ mod cuda {
         slots: &Tensor,
         glu: bool,
         r: usize,
+        covered: usize,
     ) -> Result<Tensor> {
         let (b, slots) = (stack.b.contiguous()?, slots.contiguous()?);
-        let u = crate::lora::cuda::Shrunk::InRow;
+        let u = crate::lora::cuda::Shrunk::InRow { covered };
         let p = stack.parts;
         match y.dtype() {
             DType::BF16 => {

@@ -155,6 +155,15 @@ fn runs_of_one_adapter_are_split_from_the_gathered_rows() {
 }
 
 #[test]
+fn the_slots_a_step_covers_end_past_its_highest() {
+    use rserve_kernels::lora_gemv::slots_covered;
+    assert_eq!(slots_covered(&[]), 0);
+    assert_eq!(slots_covered(&[NO_ADAPTER, NO_ADAPTER]), 0);
+    assert_eq!(slots_covered(&[0, NO_ADAPTER]), 1);
+    assert_eq!(slots_covered(&[3, NO_ADAPTER, 0, 7, 1]), 8);
+}
+
+#[test]
 fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
     let c = case_with(chunked_slots(3), 24, &[16, 16], 4, 3)?;
     let stack = LoraStack {
@@ -390,7 +399,9 @@ mod cuda {
     /// (with and without adapters), plain and gate-up; past its rows it does not apply.
     #[test]
     fn the_stacked_product_matches_the_composed_one() -> Result<()> {
-        use rserve_kernels::lora_gemv::{linear_rows_lora_stacked, STACKED_MAX_ROWS};
+        use rserve_kernels::lora_gemv::{
+            linear_rows_lora_stacked, slots_covered, STACKED_MAX_ROWS,
+        };
         let dev = Device::new_cuda(0).expect("a CUDA device");
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for (k, parts, r, s, glu) in [
@@ -413,27 +424,66 @@ mod cuda {
                         parts,
                     };
                     let slots = Tensor::new(c.slots.as_slice(), &dev)?;
-                    let got = linear_rows_lora_stacked(&d.x, &w_ext, &stacked, &slots, glu)?
-                        .expect("the stacked product applies");
                     let rows = LoraRows {
                         slots: Some(&slots),
                         runs: &[],
                     };
                     let stack = d.stack(parts);
                     let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
-                    let got = host(&got)?;
-                    let diff = max_diff(&got, &want);
-                    assert!(
-                        diff <= tol,
-                        "{dtype:?} m{m} k{k} {parts:?} r{r} glu {glu}: {diff} > {tol}"
-                    );
+                    // every slot (0), exactly the slots the rows use, more than there are
+                    let used = slots_covered(&c.slots);
+                    for covered in [0, used, s + 1] {
+                        let got =
+                            linear_rows_lora_stacked(&d.x, &w_ext, &stacked, &slots, glu, covered)?
+                                .expect("the stacked product applies");
+                        let diff = max_diff(&host(&got)?, &want);
+                        assert!(
+                            diff <= tol,
+                            "{dtype:?} m{m} k{k} {parts:?} r{r} glu {glu} covering {covered}: \
+                             {diff} > {tol}"
+                        );
+                    }
+                    // rows of slots past the covered ones are base rows
+                    if used > 1 {
+                        let base: Vec<u32> = c
+                            .slots
+                            .iter()
+                            .map(|&v| {
+                                if v == NO_ADAPTER || v + 1 >= used as u32 {
+                                    NO_ADAPTER
+                                } else {
+                                    v
+                                }
+                            })
+                            .collect();
+                        let base = Tensor::new(base.as_slice(), &dev)?;
+                        let rows = LoraRows {
+                            slots: Some(&base),
+                            runs: &[],
+                        };
+                        let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
+                        let got = linear_rows_lora_stacked(
+                            &d.x,
+                            &w_ext,
+                            &stacked,
+                            &slots,
+                            glu,
+                            used - 1,
+                        )?
+                        .expect("the stacked product applies");
+                        let diff = max_diff(&host(&got)?, &want);
+                        assert!(
+                            diff <= tol,
+                            "{dtype:?} m{m} uncovered slots: {diff} > {tol}"
+                        );
+                    }
                 }
                 let c = case(STACKED_MAX_ROWS + 1, k, parts, r, s)?;
                 let d = OnDevice::new(&c, dtype, &dev)?;
                 let w_ext = Tensor::cat(&[&w, &d.a.reshape((s * pr, k))?], 0)?;
                 let slots = Tensor::new(c.slots.as_slice(), &dev)?;
                 let stack = d.stack(parts);
-                assert!(linear_rows_lora_stacked(&d.x, &w_ext, &stack, &slots, glu)?.is_none());
+                assert!(linear_rows_lora_stacked(&d.x, &w_ext, &stack, &slots, glu, 0)?.is_none());
             }
         }
         Ok(())

@@ -28,7 +28,7 @@ pub use crate::engine_types::{
 use crate::kv_cache::KvCache;
 use crate::loader::{load_model_with, LoadOptions, LoadedModel};
 use crate::lora::{BaseShape, LoraRegistry, LoraSlots, ResolvedLora, SlotTable};
-use crate::model_runner::graphs::GraphPlan;
+use crate::model_runner::graphs::{lora_graph_covers, GraphPlan};
 use crate::model_runner::ModelRunner;
 use crate::output::OutputProcessor;
 use crate::request::{EngineRequest, RequestId};
@@ -290,10 +290,12 @@ impl Engine {
         if let Some(g) = &group {
             g.allocate(num_blocks, cfg.block_size, kv_dtype, graphs.clone())?;
         }
-        let has_lora = lora.is_some();
+        let lora_covers = lora.as_ref().map_or_else(Vec::new, |(_, slots)| {
+            lora_graph_covers(slots.num_slots(), slots.any_stacked())
+        });
         let followers = group.map(|g| -> Box<dyn crate::model_runner::Followers> { g });
-        let runner =
-            ModelRunner::new(loaded.model, kv, device, graphs, has_lora).with_followers(followers);
+        let runner = ModelRunner::new(loaded.model, kv, device, graphs, lora_covers)
+            .with_followers(followers);
         let engine = Engine {
             output: OutputProcessor::new(info.tokenizer.clone(), stats.clone()),
             info: info.clone(),

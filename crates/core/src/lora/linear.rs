@@ -50,7 +50,9 @@ impl LoraLinear {
             return Ok(Some(y));
         }
         match &self.slots.stacked {
-            Some(w_ext) => linear_rows_lora_stacked(x, w_ext, &stack, slots, glu),
+            Some(w_ext) => {
+                linear_rows_lora_stacked(x, w_ext, &stack, slots, glu, ctx.lora_slots_covered)
+            }
             None => Ok(None),
         }
     }

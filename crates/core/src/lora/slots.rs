@@ -184,6 +184,14 @@ impl LoraSlots {
         })
     }
 
+    /// Whether any projection stores its slots' `A` below its weight (its decode products then
+    /// read the `A` rows of every slot they cover).
+    pub fn any_stacked(&self) -> bool {
+        self.projections
+            .lock()
+            .is_ok_and(|ps| ps.values().any(|p| p.stacked.is_some()))
+    }
+
     /// The projections registered so far.
     pub fn num_projections(&self) -> usize {
         self.projections.lock().map_or(0, |ps| ps.len())

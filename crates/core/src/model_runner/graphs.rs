@@ -8,9 +8,12 @@
 //! serves every context length. Logits land in a buffer shared by all buckets, of which the step's
 //! rows are returned.
 //!
-//! With LoRA adapters a second set of graphs runs the steps that have adapter rows: each of its
+//! With LoRA adapters other sets of graphs run the steps that have adapter rows: each of their
 //! buckets also owns the rows' adapter slots (padding and base rows [`NO_ADAPTER`]), which the
-//! captured LoRA kernels read on the device.
+//! captured LoRA kernels read on the device. Where products read every slot's `A` rows at once
+//! (a weight stored above them), a set is captured for each of a few slot counts
+//! ([`lora_graph_covers`]) and a step takes the smallest that covers its adapters' slots, so
+//! idle slots cost a decode step nothing. All sets share one logits buffer.
 //!
 //! Every bucket's graph is captured when the engine starts ([`DecodeGraphs::capture_all`], the
 //! largest first, on inert inputs), so no step pays for a capture; a bucket not captured then is
@@ -90,6 +93,30 @@ pub fn padded_rows(host: &HostBatch, size: usize) -> (Vec<u32>, Vec<u32>, Vec<i6
     )
 }
 
+/// The slot counts LoRA decode graphs are captured for, ascending, the last all `num_slots`:
+/// with `narrowed` (products that read every covered slot's `A` rows) also an eighth, a quarter
+/// and half of them, where that is at least 8 slots; otherwise only all of them.
+pub fn lora_graph_covers(num_slots: usize, narrowed: bool) -> Vec<usize> {
+    let mut v: Vec<usize> = if narrowed {
+        [8, 4, 2]
+            .iter()
+            .map(|d| num_slots.div_ceil(*d))
+            .filter(|&c| c >= 8 && c < num_slots)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    v.push(num_slots);
+    v.dedup();
+    v
+}
+
+/// The set among `covers` (ascending) for a step whose adapters need the first `needed` slots:
+/// the smallest that covers them.
+pub fn lora_graph_set(covers: &[usize], needed: usize) -> Option<usize> {
+    covers.iter().position(|&c| c >= needed)
+}
+
 /// One bucket's input tensors, the batch over them, and its graph once captured.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Bucket {
@@ -107,7 +134,7 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn new(size: usize, plan: &GraphPlan, lora: bool, device: &Device) -> Result<Self> {
+    fn new(size: usize, plan: &GraphPlan, lora: Option<usize>, device: &Device) -> Result<Self> {
         let w = plan.max_blocks;
         let input_ids = Tensor::zeros(size, DType::U32, device)?;
         let positions = Tensor::zeros(size, DType::U32, device)?;
@@ -135,10 +162,9 @@ impl Bucket {
             Tensor::new(rows.as_slice(), device)?,
             plan.max_context,
         )?;
-        let adapter_slots = if lora {
-            Some(Tensor::from_vec(vec![NO_ADAPTER; size], size, device)?)
-        } else {
-            None
+        let adapter_slots = match lora {
+            Some(_) => Some(Tensor::from_vec(vec![NO_ADAPTER; size], size, device)?),
+            None => None,
         };
         let batch = ForwardBatch {
             input_ids: input_ids.clone(),
@@ -146,6 +172,7 @@ impl Bucket {
             logits_indices: Tensor::new(rows.as_slice(), device)?,
             attn: Arc::new(attn),
             adapter_slots: adapter_slots.clone(),
+            adapter_slots_covered: lora.unwrap_or(0),
             adapter_runs: Vec::new(),
             image_rows: Vec::new(),
             mrope_positions: None,
@@ -169,8 +196,8 @@ impl Bucket {
 pub struct DecodeGraphs {
     plan: GraphPlan,
     vocab: usize,
-    /// Graphs of steps with adapter rows.
-    lora: bool,
+    /// Graphs of steps with adapter rows: how many leading slots their products cover.
+    lora: Option<usize>,
     buckets: Vec<Option<Bucket>>,
     /// Buckets whose capture failed (they run eagerly).
     failed: Vec<bool>,
@@ -179,8 +206,9 @@ pub struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// The graphs of `plan` for a vocabulary of `vocab`; with `lora`, of steps with adapter rows.
-    pub fn new(plan: GraphPlan, vocab: usize, lora: bool) -> Self {
+    /// The graphs of `plan` for a vocabulary of `vocab`; with `lora`, of steps with adapter rows
+    /// whose adapters lie in that many leading slots.
+    pub fn new(plan: GraphPlan, vocab: usize, lora: Option<usize>) -> Self {
         let n = plan.buckets.len();
         Self {
             plan,
@@ -239,8 +267,14 @@ impl DecodeGraphs {
             .map(|bucket| bucket.input_ids.clone())
     }
 
+    /// Has every graph of this set write into `logits`, the buffer of another set of the same
+    /// plan (steps run one at a time, and each step's logits are read before the next runs).
+    pub fn share_logits(&mut self, logits: &Tensor) {
+        self.logits = Some(logits.clone());
+    }
+
     /// The logits buffer every graph writes, `[largest bucket, vocab]` f32.
-    fn logits(&mut self, device: &Device) -> Result<Tensor> {
+    pub fn logits(&mut self, device: &Device) -> Result<Tensor> {
         if let Some(l) = &self.logits {
             return Ok(l.clone());
         }
@@ -418,6 +452,23 @@ mod tests {
             images: Vec::new(),
             mrope: Vec::new(),
         }
+    }
+
+    #[test]
+    fn lora_graph_sets_cover_fractions_of_the_slots_where_products_read_them_all() {
+        assert_eq!(lora_graph_covers(64, true), vec![8, 16, 32, 64]);
+        assert_eq!(lora_graph_covers(64, false), vec![64]);
+        assert_eq!(lora_graph_covers(1024, true), vec![128, 256, 512, 1024]);
+        assert_eq!(lora_graph_covers(16, true), vec![8, 16]);
+        assert_eq!(lora_graph_covers(9, true), vec![9]);
+        assert_eq!(lora_graph_covers(1, true), vec![1]);
+        let covers = lora_graph_covers(64, true);
+        assert_eq!(lora_graph_set(&covers, 0), Some(0));
+        assert_eq!(lora_graph_set(&covers, 8), Some(0));
+        assert_eq!(lora_graph_set(&covers, 9), Some(1));
+        assert_eq!(lora_graph_set(&covers, 64), Some(3));
+        assert_eq!(lora_graph_set(&covers, 65), None);
+        assert_eq!(lora_graph_set(&[], 1), None);
     }
 
     #[test]

@@ -433,7 +433,11 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, group: &Group, id: usize) 
                         // FP8 cache reads them)
                         kv.set_scales(&model.kv_cache_scales());
                         rank = Rank::Running(Box::new(ModelRunner::new(
-                            model, kv, device, graphs, false,
+                            model,
+                            kv,
+                            device,
+                            graphs,
+                            Vec::new(),
                         )));
                         let _ = reply.send(Ok(()));
                     }
