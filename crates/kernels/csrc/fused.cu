@@ -190,6 +190,7 @@ __device__ void layer_norm_impl(T* __restrict__ out, const T* __restrict__ x, co
   __shared__ float partial[32];
   const long row = blockIdx.x;
   const T* xr = x + row * hidden;
+  const T* rr = ADD ? res + row * hidden : nullptr;
   T* sum = out + row * hidden;  // ADD only
   T* norm = out + ((ADD ? (long)tokens : 0) + row) * hidden;
   // the row's values, read back by the thread that wrote (ADD) or first read them
@@ -206,7 +207,7 @@ __device__ void layer_norm_impl(T* __restrict__ out, const T* __restrict__ x, co
       load16(xr + i, a);
       if constexpr (ADD) {
         float r[VN];
-        load16(res + i, r);
+        load16(rr + i, r);
         alignas(16) T s[VN];
 #pragma unroll
         for (int e = 0; e < VN; ++e) {
@@ -222,7 +223,7 @@ __device__ void layer_norm_impl(T* __restrict__ out, const T* __restrict__ x, co
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
       float v = to_f32(xr[i]);
       if constexpr (ADD) {
-        const T s = from_f32<T>(v + to_f32(res[i]));
+        const T s = from_f32<T>(v + to_f32(rr[i]));
         sum[i] = s;
         v = to_f32(s);
       }
