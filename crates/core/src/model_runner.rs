@@ -81,13 +81,13 @@ impl HostBatch {
             && self.logits_indices.iter().zip(0u32..).all(|(&i, j)| i == j)
     }
 
-    /// Uploads the arrays as a [`ForwardBatch`] on `device`.
-    fn upload(self, device: &Device) -> Result<ForwardBatch> {
+    /// Uploads the arrays as a [`ForwardBatch`] on `device`; its adapters lie in the first
+    /// `adapter_slots_covered` slots ([`slots_covered`] of `adapter_slots`).
+    fn upload(self, adapter_slots_covered: usize, device: &Device) -> Result<ForwardBatch> {
         let t = self.input_ids.len();
         let rows = self.logits_indices.len();
         // prompt chunks of one adapter go to the run products, the rest to the gathered kernels
         let mut slots = self.adapter_slots;
-        let adapter_slots_covered = slots_covered(&slots);
         let adapter_runs = split_runs(&mut slots, min_run());
         let adapter_slots = if slots.iter().all(|&s| s == NO_ADAPTER) {
             None
@@ -248,6 +248,21 @@ impl ModelRunner {
             Some(i) => self.lora_graphs.get_mut(i),
             None => self.graphs.as_mut(),
         }
+    }
+
+    /// The graph set a step runs in, with its index for [`PreparedStep::Graph`]: the plain set,
+    /// or for a step with adapter rows the smallest LoRA set that covers its `covered` slots;
+    /// `None` where there is none (the step runs eagerly).
+    fn graph_set_for(
+        &mut self,
+        lora_rows: bool,
+        covered: usize,
+    ) -> Option<(Option<usize>, &mut DecodeGraphs)> {
+        let set = match lora_rows {
+            true => Some(lora_graph_set(&self.lora_covers, covered)?),
+            false => None,
+        };
+        self.graph_set(set).map(|g| (set, g))
     }
 
     pub fn model(&self) -> &dyn Model {
@@ -429,18 +444,11 @@ impl ModelRunner {
         host: HostBatch,
         image_rows: Vec<(usize, Tensor)>,
     ) -> Result<PreparedStep> {
-        // a step with adapter rows runs in the smallest LoRA set that covers their slots
-        let lora = (!host.adapter_slots.is_empty())
-            .then(|| lora_graph_set(&self.lora_covers, slots_covered(&host.adapter_slots)));
+        let covered = slots_covered(&host.adapter_slots);
         let (num_blocks, bs) = (self.kv.num_blocks, self.kv.block_size);
         let device = self.device.clone();
-        let set = match lora {
-            Some(Some(i)) => self.graph_set(Some(i)),
-            Some(None) => None,
-            None => self.graph_set(None),
-        };
-        let lora = lora.flatten();
-        if let Some(g) = set {
+        let lora_rows = !host.adapter_slots.is_empty();
+        if let Some((lora, g)) = self.graph_set_for(lora_rows, covered) {
             if let Some(bucket) = g.bucket_for(&host) {
                 let n = host.seq_lens.len();
                 g.write_inputs(bucket, &host, num_blocks, bs, &device)?;
@@ -451,7 +459,7 @@ impl ModelRunner {
                 });
             }
         }
-        let mut batch = host.upload(&self.device)?;
+        let mut batch = host.upload(covered, &self.device)?;
         batch.image_rows = image_rows;
         Ok(PreparedStep::Eager(batch))
     }

@@ -154,26 +154,26 @@ mod cuda {
             let suffix = dtype_suffix(T::DTYPE)?;
             let stream = dev.cuda_stream();
             let cfg = norm_launch::<T>(t, h);
-            match &res {
-                Some((rs, rl)) => {
-                    let rv = view::<T>(cuda_storage(rs, "residual")?, rl, "residual")?;
-                    let func = function(&dev, &format!("add_layer_norm_{suffix}"))?;
-                    let mut l = Dependent::new(&stream, &func);
-                    l.buf_mut(&mut out).buf(&xv).buf(&rv).buf(&wv).buf(&bv);
-                    l.val(t as i32).val(h as i32).val(op.eps);
-                    // SAFETY: matches `add_layer_norm_<dtype>` in csrc/fused.cu (which waits for
-                    // the kernel before it at entry); x and the residual are [t, h], w and b [h].
-                    unsafe { l.launch(cfg) }?;
-                }
-                None => {
-                    let func = function(&dev, &format!("layer_norm_{suffix}"))?;
-                    let mut l = Dependent::new(&stream, &func);
-                    l.buf_mut(&mut out).buf(&xv).buf(&wv).buf(&bv);
-                    l.val(t as i32).val(h as i32).val(op.eps);
-                    // SAFETY: matches `layer_norm_<dtype>` in csrc/fused.cu, as above.
-                    unsafe { l.launch(cfg) }?;
-                }
+            let rv = match &res {
+                Some((rs, rl)) => Some(view::<T>(cuda_storage(rs, "residual")?, rl, "residual")?),
+                None => None,
+            };
+            let name = if rv.is_some() {
+                "add_layer_norm"
+            } else {
+                "layer_norm"
+            };
+            let func = function(&dev, &format!("{name}_{suffix}"))?;
+            let mut l = Dependent::new(&stream, &func);
+            l.buf_mut(&mut out).buf(&xv);
+            if let Some(rv) = &rv {
+                l.buf(rv);
             }
+            l.buf(&wv).buf(&bv).val(t as i32).val(h as i32).val(op.eps);
+            // SAFETY: matches `[add_]layer_norm_<dtype>(out, x, [residual,] w, b, tokens, hidden,
+            // eps)` in csrc/fused.cu (which waits for the kernel before it at entry); x and the
+            // residual are [t, h], w and b [h], out [2, t, h] with the residual, else [t, h].
+            unsafe { l.launch(cfg) }?;
         }
         Ok((T::wrap_cuda_slice(out, dev), shape))
     }

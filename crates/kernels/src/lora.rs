@@ -503,8 +503,9 @@ pub(crate) mod cuda {
         // the caller's product, ldy = n) or a fresh [t, width]; part holds the partials written
         // before on this stream (length checked), or is null with ldy = n + C * pr, C <= S
         // (u in the row, checked; the kernel treats a slot >= C as NO_ADAPTER); b [S, n, r]
-        // contiguous; slots [t] u32 (each < S or NO_ADAPTER); e0 <= e1 <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked
-        // by the stack); one CTA per (token, tile of EXPAND_THREADS columns).
+        // contiguous; slots [t] u32 (each < S or NO_ADAPTER); e0 <= e1 <= n the parts' ends;
+        // pr <= kMaxPr (rank <= MAX_RANK, checked by the stack); one CTA per (token, tile of
+        // EXPAND_THREADS columns).
         let threads = EXPAND_THREADS as u32;
         unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;
         drop((_o, _y, _b, _p, _s));

@@ -97,18 +97,13 @@ pub fn padded_rows(host: &HostBatch, size: usize) -> (Vec<u32>, Vec<u32>, Vec<i6
 /// with `narrowed` (products that read every covered slot's `A` rows) also an eighth, a quarter
 /// and half of them, where that is at least 8 slots; otherwise only all of them.
 pub fn lora_graph_covers(num_slots: usize, narrowed: bool) -> Vec<usize> {
-    let mut v: Vec<usize> = if narrowed {
-        [8, 4, 2]
-            .iter()
-            .map(|d| num_slots.div_ceil(*d))
-            .filter(|&c| c >= 8 && c < num_slots)
-            .collect()
-    } else {
-        Vec::new()
-    };
-    v.push(num_slots);
-    v.dedup();
-    v
+    let fractions: &[usize] = if narrowed { &[8, 4, 2] } else { &[] };
+    fractions
+        .iter()
+        .map(|d| num_slots.div_ceil(*d))
+        .filter(|&c| c >= 8 && c < num_slots)
+        .chain([num_slots])
+        .collect()
 }
 
 /// The set among `covers` (ascending) for a step whose adapters need the first `needed` slots:
