@@ -12,7 +12,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::ggml::BlockWeight;
 use rserve_kernels::quantize::BlockType;
-use std::time::Instant;
+mod common;
+use common::time;
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 6144, 4096),
@@ -21,24 +22,6 @@ const SHAPES: [(&str, usize, usize); 4] = [
     ("down", 4096, 14336),
 ];
 const LAYERS: f64 = 32.0;
-
-/// Mean seconds of `f` over enough calls to take ~0.2 s, after two warm-up calls.
-fn time(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    f()?;
-    dev.synchronize()?;
-    let t0 = Instant::now();
-    f()?;
-    dev.synchronize()?;
-    let one = t0.elapsed().as_secs_f64().max(1e-6);
-    let iters = ((0.2 / one) as usize).clamp(3, 200);
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    dev.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() / iters as f64)
-}
 
 /// `q4k`, `q8_0`, ... as the `--isq` names are written.
 fn format(name: &str) -> Option<BlockType> {

@@ -59,6 +59,46 @@ pub struct LoraRun {
     pub slot: u32,
 }
 
+/// How a step's prompt runs get their LoRA terms on CUDA: a cuBLAS shrink and an expand per
+/// part for each run in turn (`runs`), the same products in two grouped cuBLAS calls
+/// (`grouped`), or the first for a few runs and the second for many (`auto`, the default).
+/// `RSERVE_LORA_PROMPT_TERMS` names one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptTerms {
+    Auto = 1,
+    Runs = 2,
+    Grouped = 3,
+}
+
+static PROMPT_TERMS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The form prompt runs take: [`set_prompt_terms`]'s, else `RSERVE_LORA_PROMPT_TERMS`'s.
+pub fn prompt_terms() -> PromptTerms {
+    use std::sync::atomic::Ordering;
+    match PROMPT_TERMS.load(Ordering::Relaxed) {
+        1 => PromptTerms::Auto,
+        2 => PromptTerms::Runs,
+        3 => PromptTerms::Grouped,
+        _ => {
+            let mode = match std::env::var("RSERVE_LORA_PROMPT_TERMS")
+                .as_deref()
+                .map(str::trim)
+            {
+                Ok("runs") => PromptTerms::Runs,
+                Ok("grouped") => PromptTerms::Grouped,
+                _ => PromptTerms::Auto,
+            };
+            PROMPT_TERMS.store(mode as u8, Ordering::Relaxed);
+            mode
+        }
+    }
+}
+
+/// Picks the form prompt runs take from now on, in this process (tests, benchmarks).
+pub fn set_prompt_terms(mode: PromptTerms) {
+    PROMPT_TERMS.store(mode as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Which adapter each row of a step uses.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LoraRows<'a> {

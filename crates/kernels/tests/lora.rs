@@ -546,6 +546,88 @@ mod cuda {
         Ok(())
     }
 
+    /// Runs of `lens` rows, slots cycling over `num_slots`, each after `gap` base rows: the
+    /// slots of every row and the runs.
+    fn many_runs(lens: &[usize], num_slots: u32, gap: usize) -> (Vec<u32>, Vec<LoraRun>) {
+        let (mut slots, mut runs) = (Vec::new(), Vec::new());
+        for (i, &len) in lens.iter().enumerate() {
+            slots.extend(std::iter::repeat_n(NO_ADAPTER, gap));
+            let slot = i as u32 % num_slots;
+            runs.push(LoraRun {
+                start: slots.len(),
+                len,
+                slot,
+            });
+            slots.extend(std::iter::repeat_n(slot, len));
+        }
+        (slots, runs)
+    }
+
+    /// Each form of the prompt runs' terms (cuBLAS run by run, grouped, either by the run
+    /// count; 16-bit, ranks of 16 to 64): a few runs and seventy, runs of 16 to 200 rows, parts
+    /// of uneven widths, added into `y` in place and written under the product, against the
+    /// row-by-row f32 reference.
+    #[test]
+    fn every_form_of_the_prompt_runs_matches_the_reference() -> Result<()> {
+        use rserve_kernels::lora::{set_prompt_terms, PromptTerms};
+        for mode in [PromptTerms::Grouped, PromptTerms::Runs, PromptTerms::Auto] {
+            set_prompt_terms(mode);
+            prompt_runs_match_the_reference(mode)?;
+        }
+        Ok(())
+    }
+
+    fn prompt_runs_match_the_reference(mode: rserve_kernels::lora::PromptTerms) -> Result<()> {
+        use rserve_kernels::lora_gemv::linear_rows_lora_runs;
+        let dev = Device::new_cuda(0).expect("a CUDA device");
+        let short: Vec<usize> = (0..70).map(|i| 16 + (i * 7) % 90).collect();
+        let long = [16, 64, 65, 130, 200, 17, 64, 100];
+        for (k, parts, r, lens) in [
+            (4096, &[4096, 1024, 1024][..], 16, &long[..]),
+            (256, &[200, 56][..], 32, &short[..]),
+            (512, &[96][..], 64, &short[..20]),
+            (14336, &[4096][..], 16, &long[..3]),
+        ] {
+            let (slots, runs) = many_runs(lens, 4, 3);
+            let c = case_with(slots, k, parts, r, 4)?;
+            for dtype in [DType::BF16, DType::F16] {
+                let d = OnDevice::new(&c, dtype, &dev)?;
+                let stack = d.stack(&c.parts);
+                let rows = LoraRows {
+                    slots: None,
+                    runs: &runs,
+                };
+                let tol = tolerance(dtype, &d.want);
+                let got = host(&lora_add(&d.y.copy()?, &d.x, &stack, &rows)?)?;
+                let diff = max_diff(&got, &d.want);
+                assert!(
+                    diff <= tol,
+                    "{mode:?} {dtype:?} k{k} {parts:?} r{r} added: {diff} > {tol}"
+                );
+                let n: usize = parts.iter().sum();
+                let w = weight(n, k, dtype, &dev)?;
+                let product = rserve_kernels::linear_rows(&d.x, &w)?;
+                let want = naive(&Case {
+                    x: d.x.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+                    y: product.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
+                    a: d.a.to_device(&Device::Cpu)?,
+                    b: d.b.to_device(&Device::Cpu)?,
+                    parts: c.parts.clone(),
+                    slots: c.slots.clone(),
+                })?;
+                let got = linear_rows_lora_runs(&d.x, &w, &stack, &rows, false)?
+                    .expect("the terms-first product applies");
+                let tol = tolerance(dtype, &want);
+                let diff = max_diff(&host(&got)?, &want);
+                assert!(
+                    diff <= tol,
+                    "{mode:?} {dtype:?} k{k} {parts:?} r{r} first: {diff} > {tol}"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Prompt chunks through cuBLAS runs beside gathered decode rows, plain and fused gate-up
     /// (whose kernel also writes the rows without an adapter).
     #[test]
