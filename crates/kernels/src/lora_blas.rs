@@ -178,22 +178,28 @@ impl Gemm {
     unsafe fn grouped(&self, problems: &[Problem]) -> Result<()> {
         use candle_core::cuda_backend::WrapErr;
         let count = problems.len();
-        let field = |f: &dyn Fn(&Problem) -> usize| -> Result<Vec<i32>> {
-            problems.iter().map(|p| int(f(p))).collect()
-        };
-        let (m, n, k) = (
-            field(&|p| p.mnk.0)?,
-            field(&|p| p.mnk.1)?,
-            field(&|p| p.mnk.2)?,
-        );
-        let (lda, ldb, ldc) = (field(&|p| p.a.1)?, field(&|p| p.b.1)?, field(&|p| p.c.1)?);
+        // sizes and leading dimensions: m, n, k, lda, ldb, ldc, one entry per problem each
+        let mut dims: [Vec<i32>; 6] = Default::default();
+        for p in problems {
+            for (d, v) in dims
+                .iter_mut()
+                .zip([p.mnk.0, p.mnk.1, p.mnk.2, p.a.1, p.b.1, p.c.1])
+            {
+                d.push(int(v)?);
+            }
+        }
         let alpha = vec![1f32; count];
         let beta: Vec<f32> = problems.iter().map(|p| p.beta).collect();
         let (ta, tb) = (vec![CUBLAS_OP_T; count], vec![CUBLAS_OP_N; count]);
         let sizes = vec![1i32; count];
-        let mut ptrs: Vec<u64> = problems.iter().map(|p| p.a.0 as u64).collect();
-        ptrs.extend(problems.iter().map(|p| p.b.0 as u64));
-        ptrs.extend(problems.iter().map(|p| p.c.0 as u64));
+        // the address arrays of A, B and C one after another
+        let ptrs: Vec<u64> = (0..3)
+            .flat_map(|i| {
+                problems
+                    .iter()
+                    .map(move |p| [p.a.0, p.b.0, p.c.0][i] as u64)
+            })
+            .collect();
         let stream = self.dev.cuda_stream();
         let table = stream.clone_htod(&ptrs).w()?;
         let (base, _t) = table.device_ptr(&stream);
@@ -206,20 +212,20 @@ impl Gemm {
                 self.handle,
                 ta.as_ptr(),
                 tb.as_ptr(),
-                m.as_ptr(),
-                n.as_ptr(),
-                k.as_ptr(),
+                dims[0].as_ptr(),
+                dims[1].as_ptr(),
+                dims[2].as_ptr(),
                 alpha.as_ptr().cast(),
                 at(0),
                 self.ty,
-                lda.as_ptr(),
+                dims[3].as_ptr(),
                 at(1),
                 self.ty,
-                ldb.as_ptr(),
+                dims[4].as_ptr(),
                 beta.as_ptr().cast(),
                 at(2) as *const *mut c_void,
                 self.ty,
-                ldc.as_ptr(),
+                dims[5].as_ptr(),
                 int(count)?,
                 sizes.as_ptr(),
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
