@@ -38,6 +38,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -749,6 +750,35 @@ def bench_mix(a, srv: Server, names: list[str], conc: int, prompts: int, inp: in
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+STEP_LINE = re.compile(
+    r"step \d+: (\d+) seqs, (\d+) tokens, (\d+) decode rows; ([\d.]+) ms since the last step, "
+    r"([\d.]+) ms issue, ([\d.]+) ms wait, ([\d.]+) ms after")
+
+
+def step_summary(text: str) -> dict:
+    """The engine's per-step trace lines (`rserve_core::engine=trace`) summed by kind: steps with
+    prompt rows and decode-only steps, their count, mean tokens and mean wall time (the time since
+    the step before plus its issue, wait and after), and the prompt steps' mean host issue time."""
+    kinds: dict = {"prompt": [], "decode": []}
+    for m in STEP_LINE.finditer(text):
+        _, tokens, decodes, since, issue, wait, after = (float(g) for g in m.groups())
+        kinds["prompt" if tokens > decodes else "decode"].append(
+            (tokens, since + issue + wait + after, issue))
+    res: dict = {}
+    for kind, rows in kinds.items():
+        if rows:
+            res[f"{kind}_steps"] = len(rows)
+            res[f"{kind}_tokens_mean"] = round(sum(r[0] for r in rows) / len(rows), 1)
+            res[f"{kind}_wall_ms_mean"] = round(sum(r[1] for r in rows) / len(rows), 3)
+            res[f"{kind}_wall_s"] = round(sum(r[1] for r in rows) / 1e3, 3)
+            res[f"{kind}_issue_ms_mean"] = round(sum(r[2] for r in rows) / len(rows), 3)
+    full = [r for r in kinds["prompt"] if r[0] >= 8000]
+    if full:
+        res["full_prompt_steps"] = len(full)
+        res["full_prompt_wall_ms_mean"] = round(sum(r[1] for r in full) / len(full), 3)
+    return res
+
+
 def part_lora(a, out: Path) -> None:
     """Multi-adapter serving on the 8B shape: 64 concurrent 1024 in / 256 out over 1, 8 and 64
     rank-16 adapters (all seven projections) against the base in the same server; batch-1 decode
@@ -761,7 +791,8 @@ def part_lora(a, out: Path) -> None:
     empty set is the default server again), e.g. `RSERVE_LORA_SHRINK_CHUNK=512;;RSERVE_LORA_SHRINK_CHUNK=512`
     for the default and the earlier shrink alternating. `RSERVE_BASELINE_BINARY=path` in a set
     serves that variant with another build; set in the environment, it adds one such server last
-    (as the vision check takes it)."""
+    (as the vision check takes it). RSERVE_LORA_TRACE=1 logs every engine step and records each
+    mix's steps summed by kind (`step_summary`)."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -786,8 +817,10 @@ def part_lora(a, out: Path) -> None:
         rec: dict = {"part": "lora", "model": kind, "isq": isq or "none", "env": more}
         more = dict(more)
         binary = more.pop("RSERVE_BASELINE_BINARY", a.binary)
+        trace = os.environ.get("RSERVE_LORA_TRACE") == "1"
         env = {"RSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1",
-               "RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info", **more}
+               "RUST_LOG": f"warn,rserve_core::engine={'trace' if trace else 'debug'},rserve_core::model_runner=info",
+               **more}
         if gathered_only:
             env["RSERVE_LORA_MIN_RUN"] = "0"
             rec["prompt_rows"] = "gathered kernels only"
@@ -812,9 +845,15 @@ def part_lora(a, out: Path) -> None:
             lines = srv.log_path.read_text().splitlines()
             rec["startup"] = [ln.strip()[-300:] for ln in lines if "LoRA" in ln or "rserve: serving" in ln][-3:]
             base = srv.model_name()
-            runs = {"base": bench_mix(a, srv, [base], 64, 128, 1024, 256)}
+            mixes = {"base": [base]}
             for c in counts[:1] if gathered_only else counts:
-                runs[f"{c}-adapters"] = bench_mix(a, srv, [f"a{i}" for i in range(c)], 64, 128, 1024, 256)
+                mixes[f"{c}-adapters"] = [f"a{i}" for i in range(c)]
+            runs = {}
+            for k, names in mixes.items():
+                at = len(srv.log_path.read_text())
+                runs[k] = bench_mix(a, srv, names, 64, 128, 1024, 256)
+                if trace:
+                    rec[f"c64_{k}_steps"] = step_summary(srv.log_path.read_text()[at:])
             for k, r in runs.items():
                 rec[f"c64_{k}_output_tok_s"] = r["output_throughput"]
                 rec[f"c64_{k}_tpot_ms"] = r["tpot_ms"]["median"]

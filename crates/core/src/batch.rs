@@ -22,6 +22,10 @@ pub struct ForwardBatch {
     pub adapter_slots_covered: usize,
     /// Runs of prompt rows sharing an adapter, multiplied as a whole (empty without adapters).
     pub adapter_runs: Vec<LoraRun>,
+    /// In a step with runs, the rows of `adapter_slots` that have an adapter and their slots
+    /// (`[rows]` u32 each, [`rserve_kernels::lora::listed_rows`]): the gathered kernels launch
+    /// over these only.
+    pub adapter_listed: Option<(Tensor, Tensor)>,
     /// Image features written over placeholder rows: (first row, `[rows, hidden]`).
     pub image_rows: Vec<(usize, Tensor)>,
     /// The (temporal, height, width) rotary positions of every token, when a row of the step
@@ -36,6 +40,10 @@ impl ForwardBatch {
             lora: LoraRows {
                 slots: self.adapter_slots.as_ref(),
                 runs: &self.adapter_runs,
+                listed: self
+                    .adapter_listed
+                    .as_ref()
+                    .map(|(rows, slots)| (rows, slots)),
             },
             lora_slots_covered: self.adapter_slots_covered,
         }

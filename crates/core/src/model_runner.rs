@@ -21,7 +21,7 @@ use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
 use graphs::{lora_graph_set, DecodeGraphs, GraphPlan};
-use rserve_kernels::lora::{min_run, split_runs, NO_ADAPTER};
+use rserve_kernels::lora::{list_gathered_rows, listed_rows, min_run, split_runs, NO_ADAPTER};
 use rserve_kernels::lora_gemv::slots_covered;
 use rserve_kernels::AttentionMetadata;
 use std::collections::HashMap;
@@ -89,10 +89,22 @@ impl HostBatch {
         // prompt chunks of one adapter go to the run products, the rest to the gathered kernels
         let mut slots = self.adapter_slots;
         let adapter_runs = split_runs(&mut slots, min_run());
-        let adapter_slots = if slots.iter().all(|&s| s == NO_ADAPTER) {
-            None
+        let (adapter_slots, adapter_listed) = if slots.iter().all(|&s| s == NO_ADAPTER) {
+            (None, None)
         } else {
-            Some(Tensor::from_vec(slots, t, device)?)
+            // beside runs the gathered rows are a few decode rows: their kernels launch over
+            // those rows only
+            let listed = if adapter_runs.is_empty() || !list_gathered_rows() {
+                None
+            } else {
+                let (rows, listed) = listed_rows(&slots);
+                let n = rows.len();
+                Some((
+                    Tensor::from_vec(rows, n, device)?,
+                    Tensor::from_vec(listed, n, device)?,
+                ))
+            };
+            (Some(Tensor::from_vec(slots, t, device)?), listed)
         };
         let mrope_positions = if self.mrope.is_empty() {
             None
@@ -120,6 +132,7 @@ impl HostBatch {
             adapter_slots,
             adapter_slots_covered,
             adapter_runs,
+            adapter_listed,
             image_rows: Vec::new(),
             mrope_positions,
         })
@@ -679,6 +692,7 @@ pub fn profile_forward(
         adapter_slots: None,
         adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
+        adapter_listed: None,
         image_rows: Vec::new(),
         mrope_positions: None,
     };

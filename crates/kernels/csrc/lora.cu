@@ -15,14 +15,17 @@ constexpr uint32_t kNoAdapter = 0xffffffffu;
 // Most values of u one row has (3 parts of rank 512), kept in shared memory by the expand.
 constexpr int kMaxPr = 1536;
 
-// part[c, t, j] = A[slots[t], j, c * chunk ..] . x[t, same] in f32, one warp per (token,
+// part[c, t, j] = A[slots[t], j, c * chunk ..] . x[row(t), same] in f32, one warp per (token,
 // output, chunk); part: [chunks, tokens, pr]; rows without an adapter write nothing (the expand
-// does not read them). x: [tokens, k] rows ldx apart. Warps are numbered token-major, then
-// output, then chunk, so neighbouring warps read neighbouring parts of one row of A.
+// does not read them). x: rows ldx apart; row(t) = rows[t] where `rows` is given (the step's
+// rows left to these kernels, the others skipped without a launch), else t. Warps are numbered
+// token-major, then output, then chunk, so neighbouring warps read neighbouring parts of one row
+// of A.
 template <typename T>
 __device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__ x, long ldx,
                                  const T* __restrict__ a, const uint32_t* __restrict__ slots,
-                                 int tokens, int pr, int k, int chunk) {
+                                 const uint32_t* __restrict__ rows, int tokens, int pr, int k,
+                                 int chunk) {
   pdl_trigger();  // the next kernel may launch (it waits for this one)
   pdl_wait();
   const int chunks = (k + chunk - 1) / chunk;
@@ -36,7 +39,7 @@ __device__ void lora_shrink_impl(float* __restrict__ part, const T* __restrict__
   const uint32_t s = slots[t];
   if (s == kNoAdapter) return;
   const int k0 = c * chunk, k1 = min(k, k0 + chunk);
-  const T* xr = x + t * ldx;
+  const T* xr = x + (rows != nullptr ? (long)rows[t] : t) * ldx;
   const T* ar = a + ((size_t)s * pr + j) * k;
   constexpr int VN = Vec16<T>::N;
   float acc = 0.f;
@@ -76,7 +79,8 @@ __device__ __forceinline__ float lora_dot(const float* ut, const T* br, int r, b
 // One CTA per (token, tile of blockDim.x output columns). The CTA adds the shrink's partials of
 // its token into u (shared memory), or, with part null, reads u from y's row itself (the product
 // over a weight stored above its adapters' A rows: y [tokens, ldy], u of slot s at columns
-// n + s * pr ..), then each thread writes one output (y's rows ldy apart, ldy = n otherwise):
+// n + s * pr ..), then each thread writes one output (y's rows ldy apart, ldy = n otherwise).
+// Token t is row rows[t] of y and out where `rows` is given (as in the shrink), else row t:
 //   kGlu = false: out[t, o] = y[t, o] + u_{p(o)} . B[s, o]  (out may be y: rows without an
 //                 adapter are then left alone), out [tokens, n];
 //   kGlu = true:  with g = y[t, o] + u_0 . B[s, o] and v = y[t, h + o] + u_1 . B[s, h + o], each
@@ -85,7 +89,8 @@ __device__ __forceinline__ float lora_dot(const float* ut, const T* br, int r, b
 template <typename T, bool kGlu>
 __device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __restrict__ part,
                                  const T* __restrict__ b, const uint32_t* __restrict__ slots,
-                                 int tokens, int n, int r, int pr, int chunks, int e0, int e1) {
+                                 const uint32_t* __restrict__ rows, int tokens, int n, int r,
+                                 int pr, int chunks, int e0, int e1) {
   pdl_trigger();  // the next kernel may launch (it waits for this one)
   pdl_wait();
   __shared__ float u[kMaxPr];
@@ -97,8 +102,9 @@ __device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __re
   // with u in the row, a slot past the row's last one (the product covered fewer slots) has
   // no u there: the row is left as a base row rather than read past its end
   if (part == nullptr && s != kNoAdapter && (long)n + ((long)s + 1) * pr > ldy) s = kNoAdapter;
-  const T* yr = y + t * ldy;
-  T* orow = out + t * width;
+  const long row = rows != nullptr ? (long)rows[t] : t;
+  const T* yr = y + row * ldy;
+  T* orow = out + row * width;
   if (s == kNoAdapter) {
     if (o >= width) return;
     if constexpr (kGlu) {
@@ -135,20 +141,24 @@ __device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __re
 
 #define RSERVE_LORA(T, S)                                                                          \
   extern "C" __global__ void lora_shrink_##S(float* part, const T* x, long ldx, const T* a,      \
-                                             const uint32_t* slots, int tokens, int pr, int k,   \
-                                             int chunk) {                                        \
-    lora_shrink_impl<T>(part, x, ldx, a, slots, tokens, pr, k, chunk);                           \
+                                             const uint32_t* slots, const uint32_t* rows,        \
+                                             int tokens, int pr, int k, int chunk) {             \
+    lora_shrink_impl<T>(part, x, ldx, a, slots, rows, tokens, pr, k, chunk);                     \
   }                                                                                                \
   extern "C" __global__ void lora_expand_##S(T* out, const T* y, long ldy, const float* part,   \
-                                             const T* b, const uint32_t* slots, int tokens,      \
-                                             int n, int r, int pr, int chunks, int e0, int e1) { \
-    lora_expand_impl<T, false>(out, y, ldy, part, b, slots, tokens, n, r, pr, chunks, e0, e1);   \
+                                             const T* b, const uint32_t* slots,                  \
+                                             const uint32_t* rows, int tokens, int n, int r,     \
+                                             int pr, int chunks, int e0, int e1) {               \
+    lora_expand_impl<T, false>(out, y, ldy, part, b, slots, rows, tokens, n, r, pr, chunks, e0,  \
+                               e1);                                                              \
   }                                                                                                \
   extern "C" __global__ void lora_expand_glu_##S(T* out, const T* y, long ldy,                   \
                                                  const float* part, const T* b,                  \
-                                                 const uint32_t* slots, int tokens, int n,       \
-                                                 int r, int pr, int chunks, int e0, int e1) {    \
-    lora_expand_impl<T, true>(out, y, ldy, part, b, slots, tokens, n, r, pr, chunks, e0, e1);    \
+                                                 const uint32_t* slots, const uint32_t* rows,    \
+                                                 int tokens, int n, int r, int pr, int chunks,   \
+                                                 int e0, int e1) {                               \
+    lora_expand_impl<T, true>(out, y, ldy, part, b, slots, rows, tokens, n, r, pr, chunks, e0,   \
+                              e1);                                                               \
   }
 RSERVE_FOR_DTYPES(RSERVE_LORA)
 #undef RSERVE_LORA

@@ -108,6 +108,28 @@ pub struct LoraRows<'a> {
     pub slots: Option<&'a Tensor>,
     /// Runs of rows sharing an adapter, in row order, not overlapping (host data).
     pub runs: &'a [LoraRun],
+    /// The rows of `slots` that have an adapter, as `[rows]` u32 row indices and their `[rows]`
+    /// u32 slots on the step's device ([`listed_rows`]). Where given (a step with runs, whose
+    /// gathered rows are a few decode rows among thousands), the gathered kernels launch over
+    /// these rows only instead of over every row of the step.
+    pub listed: Option<(&'a Tensor, &'a Tensor)>,
+}
+
+/// The rows of `slots` that have an adapter and their slots, in row order: what
+/// [`LoraRows::listed`] holds on the device.
+pub fn listed_rows(slots: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    (0u32..)
+        .zip(slots)
+        .filter(|&(_, &s)| s != NO_ADAPTER)
+        .map(|(row, &s)| (row, s))
+        .unzip()
+}
+
+/// Whether a step with runs lists its gathered rows ([`LoraRows::listed`]); on unless
+/// `RSERVE_LORA_LISTED_ROWS=0` (the gathered kernels then cover every row, for comparisons).
+pub fn list_gathered_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_LORA_LISTED_ROWS").map_or(true, |v| v.trim() != "0"))
 }
 
 impl LoraRows<'_> {
@@ -351,12 +373,14 @@ pub(crate) mod cuda {
         if !rows.runs.is_empty() {
             crate::lora_blas::runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
         }
-        gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.slots, glu, dims)
+        gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows, glu, dims)
     }
 
-    /// The BGMV kernels over the rows of `slots`: the shrink writes split-K partials, the expand
-    /// adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor). Without
-    /// `slots` no row is left to them: `y` as it is (or, `glu`, `silu(g) * v`).
+    /// The BGMV kernels over the rows of `rows.slots`: the shrink writes split-K partials, the
+    /// expand adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor).
+    /// Without `slots` no row is left to them: `y` as it is (or, `glu`, `silu(g) * v`). With
+    /// `rows.listed` the launches cover the listed rows only (with `glu`, `silu(g) * v` of every
+    /// row first, then the listed rows written over).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gathered<T: KernelElem>(
         dev: &CudaDevice,
@@ -364,19 +388,41 @@ pub(crate) mod cuda {
         x: &Tensor,
         (a, b): (&Tensor, &Tensor),
         parts: &[usize],
-        slots: Option<&Tensor>,
+        rows: &LoraRows<'_>,
         glu: bool,
         (r, k, _): (usize, usize, usize),
     ) -> Result<Tensor> {
-        let Some(slots) = slots else {
-            return if glu {
+        let none_left = || {
+            if glu {
                 crate::silu_and_mul(y)
             } else {
                 Ok(y.clone())
-            };
+            }
         };
-        let slots = slots.contiguous()?;
-        let t = x.dim(0)?;
+        let Some(slots) = rows.slots else {
+            return none_left();
+        };
+        let (slots, list) = match rows.listed {
+            Some((list, listed)) => {
+                if list.dims1()? != listed.dims1()? || list.dtype() != DType::U32 {
+                    candle_core::bail!(
+                        "lora: listed rows {:?} and slots {:?}",
+                        list.shape(),
+                        listed.shape()
+                    );
+                }
+                (listed.contiguous()?, Some(list.contiguous()?))
+            }
+            None => (slots.contiguous()?, None),
+        };
+        // the tokens the launches cover: the listed rows, else every row
+        let t = slots.dim(0)?;
+        if t == 0 {
+            return none_left();
+        }
+        if t > x.dim(0)? {
+            candle_core::bail!("lora: {t} listed rows in a step of {} rows", x.dim(0)?);
+        }
         let pr = parts.len() * r;
         let chunk = shrink_chunk();
         let chunks = k.div_ceil(chunk);
@@ -384,6 +430,19 @@ pub(crate) mod cuda {
         let sfx = dtype_suffix(T::DTYPE)?;
         // SAFETY: the expand reads the partials of adapter rows only, all written by the shrink.
         let mut part = unsafe { dev.alloc::<f32>(chunks * t * pr) }?;
+        // the listed rows' device address (0: token t is row t), held until both launches
+        let list_guard = list.as_ref().map(|l| l.storage_and_layout());
+        let list_view = match &list_guard {
+            Some((g, l)) => Some(view::<u32>(cuda_storage(g, "lora rows")?, l, "lora rows")?),
+            None => None,
+        };
+        let (list_ptr, _l) = match &list_view {
+            Some(v) => {
+                let (p, g) = v.device_ptr(&stream);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
         {
             let (xg, xl) = x.storage_and_layout();
             let (ag, al) = a.storage_and_layout();
@@ -397,6 +456,7 @@ pub(crate) mod cuda {
             let (mut sp, _s) = sv.device_ptr(&stream);
             let (mut ldx, mut ti, mut pri, mut ki) = (k as i64, t as i32, pr as i32, k as i32);
             let mut ci = chunk as i32;
+            let mut lp = list_ptr;
             let shrink = function(dev, &format!("lora_shrink_{sfx}"))?;
             let mut params = [
                 (&raw mut pp).cast::<c_void>(),
@@ -404,30 +464,47 @@ pub(crate) mod cuda {
                 (&raw mut ldx).cast::<c_void>(),
                 (&raw mut ap).cast::<c_void>(),
                 (&raw mut sp).cast::<c_void>(),
+                (&raw mut lp).cast::<c_void>(),
                 (&raw mut ti).cast::<c_void>(),
                 (&raw mut pri).cast::<c_void>(),
                 (&raw mut ki).cast::<c_void>(),
                 (&raw mut ci).cast::<c_void>(),
             ];
             let grid = (t * pr * chunks).div_ceil(SHRINK_WARPS);
-            // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, tokens, pr, k, chunk)`
-            // (csrc/lora.cu): part [chunks, t, pr] f32, x [t, k] contiguous (ldx = k), a
-            // [S, pr, k] and slots [t] u32 (each < S or NO_ADAPTER, as the layer's slots are)
-            // contiguous; chunks = ceil(k / chunk); one warp per (token, output, chunk of k),
-            // warps past the last exit; the kernel waits before it reads.
+            // SAFETY: `lora_shrink_<dtype>(part, x, ldx, a, slots, rows, tokens, pr, k, chunk)`
+            // (csrc/lora.cu): part [chunks, t, pr] f32, x [rows of the step, k] contiguous
+            // (ldx = k), a [S, pr, k] and slots [t] u32 (each < S or NO_ADAPTER, as the layer's
+            // slots are) contiguous; rows 0 or [t] u32 row indices of x (`listed_rows` of the
+            // step's slots, no more of them than x has rows, checked); chunks = ceil(k / chunk);
+            // one warp per (token, output, chunk of k), warps past the last exit; the kernel
+            // waits before it reads.
             let threads = (SHRINK_WARPS * 32) as u32;
             unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         }
+        let out = match list {
+            Some(_) if glu => Out::Over(crate::silu_and_mul(y)?),
+            Some(_) => Out::Over(y.clone()),
+            None => Out::Rows,
+        };
         expand::<T>(
             dev,
             y,
             Shrunk::Partials(&part, chunks),
             b,
             parts,
-            &slots,
+            (&slots, list_ptr),
+            out,
             glu,
             r,
         )
+    }
+
+    /// Where the expand writes: over every row (in place into `y`, or, `glu` or `u` in the row, a
+    /// new tensor), or over the listed rows of a tensor that already holds every row's output
+    /// (`y` itself, or `silu(g) * v` of every row).
+    pub(crate) enum Out {
+        Rows,
+        Over(Tensor),
     }
 
     /// Where the expand finds each row's `u`.
@@ -444,7 +521,10 @@ pub(crate) mod cuda {
 
     /// The expand of the BGMV form: adds each row's `B_s u` (`u` from `shrunk`) to `y`'s `n`
     /// outputs, in place where `y` is `[t, n]` (or, `glu`, writes `silu(g) * v` into a new
-    /// `[t, n / 2]`; with `u` in the row, the plain form into a new `[t, n]` too).
+    /// `[t, n / 2]`; with `u` in the row, the plain form into a new `[t, n]` too). `slots`: one
+    /// per token the launch covers, with the device address of those tokens' row indices (`0`:
+    /// token `i` is row `i`, every row covered); `out` ([`Out::Over`] with a row list) the tensor
+    /// the listed rows are written into, which holds every other row's output already.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn expand<T: KernelElem>(
         dev: &CudaDevice,
@@ -452,20 +532,35 @@ pub(crate) mod cuda {
         shrunk: Shrunk<'_>,
         b: &Tensor,
         parts: &[usize],
-        slots: &Tensor,
+        (slots, list_ptr): (&Tensor, u64),
+        out: Out,
         glu: bool,
         r: usize,
     ) -> Result<Tensor> {
-        let (t, ldy) = y.dims2()?;
+        let (rows, ldy) = y.dims2()?;
         let (num_slots, n, _) = b.dims3()?;
         let pr = parts.len() * r;
+        let width = if glu { n / 2 } else { n };
+        // the tokens the launch covers
+        let t = slots.dim(0)?;
         let fits = match shrunk {
             Shrunk::Partials(part, chunks) => ldy == n && part.len() >= chunks * t * pr,
             Shrunk::InRow { covered } => covered <= num_slots && ldy == n + covered * pr,
         };
-        if !fits || !y.is_contiguous() || !b.is_contiguous() {
+        let listed_fits = match (&out, list_ptr) {
+            (Out::Rows, 0) => t == rows,
+            (Out::Over(o), p) => {
+                p != 0
+                    && t <= rows
+                    && o.dims2()? == (rows, width)
+                    && o.dtype() == y.dtype()
+                    && o.is_contiguous()
+            }
+            (Out::Rows, _) => false,
+        };
+        if !fits || !listed_fits || !y.is_contiguous() || !b.is_contiguous() {
             candle_core::bail!(
-                "lora expand: y {:?} does not fit B {:?} and its u",
+                "lora expand: y {:?} does not fit B {:?}, its u and {t} rows",
                 y.shape(),
                 b.shape()
             );
@@ -475,13 +570,20 @@ pub(crate) mod cuda {
             Shrunk::InRow { .. } => (None, 0),
         };
         let stream = dev.cuda_stream();
-        let width = if glu { n / 2 } else { n };
         // SAFETY: with glu or u in the row every element of the new output is written by the
         // expand (rows without an adapter copied).
-        let mut fresh = if glu || part.is_none() {
-            Some(unsafe { dev.alloc::<T>(t * width) }?)
+        let mut fresh = if matches!(out, Out::Rows) && (glu || part.is_none()) {
+            Some(unsafe { dev.alloc::<T>(rows * width) }?)
         } else {
             None
+        };
+        let over = match &out {
+            Out::Over(o) => Some(o.storage_and_layout()),
+            Out::Rows => None,
+        };
+        let over_view = match &over {
+            Some((g, l)) => Some(view::<T>(cuda_storage(g, "lora out")?, l, "lora out")?),
+            None => None,
         };
         let (yg, yl) = y.storage_and_layout();
         let (bg, bl) = b.storage_and_layout();
@@ -499,13 +601,20 @@ pub(crate) mod cuda {
         let mut ldyi = ldy as i64;
         let (mut sp, _s) = sv.device_ptr(&stream);
         let (mut yp, _y) = yv.device_ptr(&stream);
-        let (mut op, _o) = match fresh.as_mut() {
-            Some(f) => {
+        let (mut op, _o) = match (fresh.as_mut(), &over_view) {
+            (Some(f), _) => {
                 let (p, g) = f.device_ptr_mut(&stream);
                 (p, Some(g))
             }
-            None => (yp, None),
+            // the listed rows written over a tensor this expand owns a clone of (y or the
+            // SiLU-and-multiply the caller made for it)
+            (None, Some(v)) => {
+                let (p, g) = v.device_ptr(&stream);
+                (p, Some(g))
+            }
+            (None, None) => (yp, None),
         };
+        let mut lp = list_ptr;
         let (mut bp, _b) = bv.device_ptr(&stream);
         let mut ends = [n as i32; 2];
         let mut col = 0;
@@ -529,6 +638,7 @@ pub(crate) mod cuda {
             (&raw mut pp).cast::<c_void>(),
             (&raw mut bp).cast::<c_void>(),
             (&raw mut sp).cast::<c_void>(),
+            (&raw mut lp).cast::<c_void>(),
             (&raw mut ti).cast::<c_void>(),
             (&raw mut ni).cast::<c_void>(),
             (&raw mut ri).cast::<c_void>(),
@@ -538,20 +648,24 @@ pub(crate) mod cuda {
             (&raw mut e1).cast::<c_void>(),
         ];
         let grid = t * width.div_ceil(EXPAND_THREADS);
-        // SAFETY: `lora_expand[_glu]_<dtype>(out, y, ldy, part, b, slots, tokens, n, r, pr,
-        // chunks, e0, e1)` (csrc/lora.cu): y [t, ldy] contiguous, out y itself (written in place,
-        // the caller's product, ldy = n) or a fresh [t, width]; part holds the partials written
-        // before on this stream (length checked), or is null with ldy = n + C * pr, C <= S
-        // (u in the row, checked; the kernel treats a slot >= C as NO_ADAPTER); b [S, n, r]
-        // contiguous; slots [t] u32 (each < S or NO_ADAPTER); e0 <= e1 <= n the parts' ends;
-        // pr <= kMaxPr (rank <= MAX_RANK, checked by the stack); one CTA per (token, tile of
-        // EXPAND_THREADS columns).
+        // SAFETY: `lora_expand[_glu]_<dtype>(out, y, ldy, part, b, slots, rows, tokens, n, r,
+        // pr, chunks, e0, e1)` (csrc/lora.cu): y [rows, ldy] contiguous; out y itself (written in
+        // place, the caller's product, ldy = n), a fresh [rows, width] or the caller's
+        // [rows, width] (checked) of which only the listed rows are written; rows 0 (t = rows) or
+        // [t] u32 row indices below rows (`listed_rows` of the step's slots); part holds the
+        // partials of the t tokens written before on this stream (length checked), or is null
+        // with ldy = n + C * pr, C <= S (u in the row, checked; the kernel treats a slot >= C as
+        // NO_ADAPTER); b [S, n, r] contiguous; slots [t] u32 (each < S or NO_ADAPTER); e0 <= e1
+        // <= n the parts' ends; pr <= kMaxPr (rank <= MAX_RANK, checked by the stack); one CTA
+        // per (token, tile of EXPAND_THREADS columns).
         let threads = EXPAND_THREADS as u32;
         unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;
         drop((_o, _y, _b, _p, _s));
-        match fresh {
-            Some(f) => Ok(tensor_from_slice(f, dev, (t, width))),
-            None => Ok(y.clone()),
+        drop(over);
+        match (fresh, out) {
+            (Some(f), _) => Ok(tensor_from_slice(f, dev, (rows, width))),
+            (None, Out::Over(o)) => Ok(o),
+            (None, Out::Rows) => Ok(y.clone()),
         }
     }
 }

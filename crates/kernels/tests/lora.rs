@@ -3,13 +3,14 @@
 //! three-part and two-part projections, rows without an adapter, ranks that are and are not
 //! multiples of the kernels' vectors, and the fused gate-up's SiLU-and-multiply; the two-launch
 //! decode product and the product over a weight stored above its adapters' `A` rows
-//! (`lora_gemv`) against the product and the term composed.
+//! (`lora_gemv`) against the product and the term composed; a step's gathered rows listed (the
+//! kernels launched over them only) against the same rows unlisted.
 #![allow(clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::lora::{
-    lora_add, lora_add_reference, lora_add_silu_glu, split_runs, LoraRows, LoraRun, LoraStack,
-    MIN_RUN, NO_ADAPTER,
+    listed_rows, lora_add, lora_add_reference, lora_add_silu_glu, split_runs, LoraRows, LoraRun,
+    LoraStack, MIN_RUN, NO_ADAPTER,
 };
 
 struct Case {
@@ -124,6 +125,7 @@ fn the_reference_adds_each_rows_adapter() -> Result<()> {
         let rows = LoraRows {
             slots: Some(&slots),
             runs: &[],
+            listed: None,
         };
         let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
         assert!(max_diff(&got, &naive(&c)?) < 1e-4);
@@ -164,6 +166,16 @@ fn the_slots_a_step_covers_end_past_its_highest() {
 }
 
 #[test]
+fn listed_rows_are_the_rows_with_an_adapter_in_order() {
+    assert_eq!(listed_rows(&[]), (vec![], vec![]));
+    assert_eq!(listed_rows(&[NO_ADAPTER, NO_ADAPTER]), (vec![], vec![]));
+    assert_eq!(
+        listed_rows(&[NO_ADAPTER, 3, 0, NO_ADAPTER, 3]),
+        (vec![1, 2, 4], vec![3, 0, 3])
+    );
+}
+
+#[test]
 fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
     let c = case_with(chunked_slots(3), 24, &[16, 16], 4, 3)?;
     let stack = LoraStack {
@@ -178,6 +190,7 @@ fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
     let rows = LoraRows {
         slots: Some(&slots),
         runs: &runs,
+        listed: None,
     };
     let want = naive(&c)?;
     let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
@@ -195,6 +208,7 @@ fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
     let rows = LoraRows {
         slots: None,
         runs: &bad,
+        listed: None,
     };
     assert!(lora_add(&c.y, &c.x, &stack, &rows).is_err());
     Ok(())
@@ -246,6 +260,7 @@ mod cuda {
                 let rows = LoraRows {
                     slots: Some(&slots),
                     runs: &[],
+                    listed: None,
                 };
                 let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;
                 let tol = tolerance(dtype, want);
@@ -373,6 +388,7 @@ mod cuda {
                         let rows = LoraRows {
                             slots: Some(&slots),
                             runs: &[],
+                            listed: None,
                         };
                         let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                         let got = host(&got)?;
@@ -427,6 +443,7 @@ mod cuda {
                     let rows = LoraRows {
                         slots: Some(&slots),
                         runs: &[],
+                        listed: None,
                     };
                     let stack = d.stack(parts);
                     let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
@@ -460,6 +477,7 @@ mod cuda {
                         let rows = LoraRows {
                             slots: Some(&base),
                             runs: &[],
+                            listed: None,
                         };
                         let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                         let got = linear_rows_lora_stacked(
@@ -511,18 +529,30 @@ mod cuda {
                 let mut gathered = c.slots.clone();
                 let runs = split_runs(&mut gathered, MIN_RUN);
                 let slots = Tensor::new(gathered.as_slice(), &dev)?;
+                let (list, listed) = listed_rows(&gathered);
+                assert!(!list.is_empty());
+                let (list, listed) = (Tensor::new(list, &dev)?, Tensor::new(listed, &dev)?);
                 for rows in [
                     LoraRows {
                         slots: Some(&slots),
                         runs: &runs,
+                        listed: None,
+                    },
+                    // the gathered kernels over the listed rows only
+                    LoraRows {
+                        slots: Some(&slots),
+                        runs: &runs,
+                        listed: Some((&list, &listed)),
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[..1],
+                        listed: None,
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[1..],
+                        listed: None,
                     },
                 ] {
                     let got = linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?
@@ -531,14 +561,16 @@ mod cuda {
                     let diff = max_diff(&host(&got)?, &want);
                     assert!(
                         diff <= tol,
-                        "{dtype:?} k{k} {parts:?} r{r} glu {glu} runs {}: {diff} > {tol}",
-                        rows.runs.len()
+                        "{dtype:?} k{k} {parts:?} r{r} glu {glu} runs {} listed {}: {diff} > {tol}",
+                        rows.runs.len(),
+                        rows.listed.is_some()
                     );
                 }
                 // without runs it is the other forms' to take
                 let rows = LoraRows {
                     slots: Some(&slots),
                     runs: &[],
+                    listed: None,
                 };
                 assert!(linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?.is_none());
             }
@@ -596,6 +628,7 @@ mod cuda {
                 let rows = LoraRows {
                     slots: None,
                     runs: &runs,
+                    listed: None,
                 };
                 let tol = tolerance(dtype, &d.want);
                 let got = host(&lora_add(&d.y.copy()?, &d.x, &stack, &rows)?)?;
@@ -651,10 +684,12 @@ mod cuda {
                     LoraRows {
                         slots: Some(&slots),
                         runs: &runs,
+                        listed: None,
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[..1],
+                        listed: None,
                     },
                 ] {
                     let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;

@@ -169,6 +169,7 @@ impl Bucket {
             adapter_slots: adapter_slots.clone(),
             adapter_slots_covered: lora.unwrap_or(0),
             adapter_runs: Vec::new(),
+            adapter_listed: None,
             image_rows: Vec::new(),
             mrope_positions: None,
         };
