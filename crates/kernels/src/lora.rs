@@ -481,10 +481,10 @@ pub(crate) mod cuda {
             let threads = (SHRINK_WARPS * 32) as u32;
             unsafe { launch_dependent(&shrink, &stream, grid as u32, threads, &mut params) }?;
         }
-        let out = match list {
-            Some(_) if glu => Out::Over(crate::silu_and_mul(y)?),
-            Some(_) => Out::Over(y.clone()),
-            None => Out::Rows,
+        // a listed gate-up's rows outside the list still need their SiLU-and-multiply
+        let over = match list {
+            Some(_) if glu => Some(crate::silu_and_mul(y)?),
+            _ => None,
         };
         expand::<T>(
             dev,
@@ -493,18 +493,10 @@ pub(crate) mod cuda {
             b,
             parts,
             (&slots, list_ptr),
-            out,
+            over,
             glu,
             r,
         )
-    }
-
-    /// Where the expand writes: over every row (in place into `y`, or, `glu` or `u` in the row, a
-    /// new tensor), or over the listed rows of a tensor that already holds every row's output
-    /// (`y` itself, or `silu(g) * v` of every row).
-    pub(crate) enum Out {
-        Rows,
-        Over(Tensor),
     }
 
     /// Where the expand finds each row's `u`.
@@ -523,8 +515,9 @@ pub(crate) mod cuda {
     /// outputs, in place where `y` is `[t, n]` (or, `glu`, writes `silu(g) * v` into a new
     /// `[t, n / 2]`; with `u` in the row, the plain form into a new `[t, n]` too). `slots`: one
     /// per token the launch covers, with the device address of those tokens' row indices (`0`:
-    /// token `i` is row `i`, every row covered); `out` ([`Out::Over`] with a row list) the tensor
-    /// the listed rows are written into, which holds every other row's output already.
+    /// token `i` is row `i`, every row covered); `over`, with a row list where the output is not
+    /// `y` in place, the tensor the listed rows are written into, which holds every other row's
+    /// output already.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn expand<T: KernelElem>(
         dev: &CudaDevice,
@@ -533,7 +526,7 @@ pub(crate) mod cuda {
         b: &Tensor,
         parts: &[usize],
         (slots, list_ptr): (&Tensor, u64),
-        out: Out,
+        over: Option<Tensor>,
         glu: bool,
         r: usize,
     ) -> Result<Tensor> {
@@ -547,18 +540,19 @@ pub(crate) mod cuda {
             Shrunk::Partials(part, chunks) => ldy == n && part.len() >= chunks * t * pr,
             Shrunk::InRow { covered } => covered <= num_slots && ldy == n + covered * pr,
         };
-        let listed_fits = match (&out, list_ptr) {
-            (Out::Rows, 0) => t == rows,
-            (Out::Over(o), p) => {
-                p != 0
-                    && t <= rows
-                    && o.dims2()? == (rows, width)
-                    && o.dtype() == y.dtype()
-                    && o.is_contiguous()
-            }
-            (Out::Rows, _) => false,
+        // a new output (glu, or u in the row) has every row written: by this launch, or, with a
+        // row list, before it (`over`); the plain form with partials adds into y in place
+        let new_output = glu || matches!(shrunk, Shrunk::InRow { .. });
+        let rows_fit = if list_ptr == 0 {
+            t == rows && over.is_none()
+        } else {
+            t <= rows && (over.is_some() || !new_output)
         };
-        if !fits || !listed_fits || !y.is_contiguous() || !b.is_contiguous() {
+        let over_fits = match &over {
+            Some(o) => o.dims2()? == (rows, width) && o.dtype() == y.dtype() && o.is_contiguous(),
+            None => true,
+        };
+        if !fits || !rows_fit || !over_fits || !y.is_contiguous() || !b.is_contiguous() {
             candle_core::bail!(
                 "lora expand: y {:?} does not fit B {:?}, its u and {t} rows",
                 y.shape(),
@@ -572,16 +566,13 @@ pub(crate) mod cuda {
         let stream = dev.cuda_stream();
         // SAFETY: with glu or u in the row every element of the new output is written by the
         // expand (rows without an adapter copied).
-        let mut fresh = if matches!(out, Out::Rows) && (glu || part.is_none()) {
+        let mut fresh = if new_output && over.is_none() {
             Some(unsafe { dev.alloc::<T>(rows * width) }?)
         } else {
             None
         };
-        let over = match &out {
-            Out::Over(o) => Some(o.storage_and_layout()),
-            Out::Rows => None,
-        };
-        let over_view = match &over {
+        let over_guard = over.as_ref().map(|o| o.storage_and_layout());
+        let over_view = match &over_guard {
             Some((g, l)) => Some(view::<T>(cuda_storage(g, "lora out")?, l, "lora out")?),
             None => None,
         };
@@ -606,8 +597,7 @@ pub(crate) mod cuda {
                 let (p, g) = f.device_ptr_mut(&stream);
                 (p, Some(g))
             }
-            // the listed rows written over a tensor this expand owns a clone of (y or the
-            // SiLU-and-multiply the caller made for it)
+            // the listed rows written over the caller's SiLU-and-multiply
             (None, Some(v)) => {
                 let (p, g) = v.device_ptr(&stream);
                 (p, Some(g))
@@ -661,11 +651,11 @@ pub(crate) mod cuda {
         let threads = EXPAND_THREADS as u32;
         unsafe { launch_dependent(&expand, &stream, grid as u32, threads, &mut params) }?;
         drop((_o, _y, _b, _p, _s));
-        drop(over);
-        match (fresh, out) {
+        drop(over_guard);
+        match (fresh, over) {
             (Some(f), _) => Ok(tensor_from_slice(f, dev, (rows, width))),
-            (None, Out::Over(o)) => Ok(o),
-            (None, Out::Rows) => Ok(y.clone()),
+            (None, Some(o)) => Ok(o),
+            (None, None) => Ok(y.clone()),
         }
     }
 }

@@ -227,7 +227,6 @@ mod cuda {
         cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
     };
     use crate::gemv::{gemv_launch_shape, GEMV_ROWS_PER_CTA};
-    use crate::lora::cuda::Out;
     use crate::lora::{LoraRows, LoraStack};
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
@@ -252,30 +251,14 @@ mod cuda {
         let u = crate::lora::cuda::Shrunk::InRow { covered };
         let p = stack.parts;
         match y.dtype() {
-            DType::BF16 => crate::lora::cuda::expand::<half::bf16>(
-                dev,
-                y,
-                u,
-                &b,
-                p,
-                (&slots, 0),
-                Out::Rows,
-                glu,
-                r,
-            ),
-            DType::F16 => crate::lora::cuda::expand::<half::f16>(
-                dev,
-                y,
-                u,
-                &b,
-                p,
-                (&slots, 0),
-                Out::Rows,
-                glu,
-                r,
-            ),
+            DType::BF16 => {
+                crate::lora::cuda::expand::<half::bf16>(dev, y, u, &b, p, (&slots, 0), None, glu, r)
+            }
+            DType::F16 => {
+                crate::lora::cuda::expand::<half::f16>(dev, y, u, &b, p, (&slots, 0), None, glu, r)
+            }
             DType::F32 => {
-                crate::lora::cuda::expand::<f32>(dev, y, u, &b, p, (&slots, 0), Out::Rows, glu, r)
+                crate::lora::cuda::expand::<f32>(dev, y, u, &b, p, (&slots, 0), None, glu, r)
             }
             dt => candle_core::bail!("lora stacked product: unsupported dtype {dt:?}"),
         }
@@ -395,6 +378,6 @@ mod cuda {
         }
         let y = tensor_from_slice(y, dev, (m, n));
         let u = crate::lora::cuda::Shrunk::Partials(&u, 1);
-        crate::lora::cuda::expand::<T>(dev, &y, u, &b, stack.parts, (&slots, 0), Out::Rows, glu, r)
+        crate::lora::cuda::expand::<T>(dev, &y, u, &b, stack.parts, (&slots, 0), None, glu, r)
     }
 }
