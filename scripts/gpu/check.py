@@ -791,8 +791,9 @@ def part_lora(a, out: Path) -> None:
     empty set is the default server again), e.g. `RSERVE_LORA_SHRINK_CHUNK=512;;RSERVE_LORA_SHRINK_CHUNK=512`
     for the default and the earlier shrink alternating. `RSERVE_BASELINE_BINARY=path` in a set
     serves that variant with another build; set in the environment, it adds one such server last
-    (as the vision check takes it). RSERVE_LORA_TRACE=1 logs every engine step and records each
-    mix's steps summed by kind (`step_summary`)."""
+    (as the vision check takes it); RSERVE_LORA_AB_QUICK=1 leaves batch 1 and the runtime loads
+    to the default server. RSERVE_LORA_TRACE=1 logs every engine step and records each mix's
+    steps summed by kind (`step_summary`)."""
     kind = a.big.split(",")[0]
     root = Path(a.scratch)
     _, path = fresh_checkpoint(kind, root)
@@ -869,7 +870,9 @@ def part_lora(a, out: Path) -> None:
             rec["greedy"] = [{"model": m, "text": d["choices"][0]["text"],
                               "logprobs": d["choices"][0]["logprobs"]["token_logprobs"]}
                              for m, d in zip(names, done)]
-            if not gathered_only:
+            # RSERVE_LORA_AB_QUICK=1: the environment variants measure the mixes only
+            quick = bool(more) and os.environ.get("RSERVE_LORA_AB_QUICK") == "1"
+            if not gathered_only and not quick:
                 b1b = bench_mix(a, srv, [base], 1, 4, 512, 256)
                 b1l = bench_mix(a, srv, ["a0"], 1, 4, 512, 256)
                 rec["b1_base_tok_s"] = 1000.0 / b1b["tpot_ms"]["median"]
