@@ -693,11 +693,15 @@ mod cuda {
                         all.clone(),
                     ));
                 }
+                // the switches this process may have been given
+                let on = |name| std::env::var(name).map_or(true, |v| v.trim() != "0");
                 for (rows, covered) in cases {
                     let one_pass = glu_runs_apply(&rows, r);
                     assert_eq!(
                         one_pass,
-                        r <= GLU_RUNS_MAX_RANK && (rows.slots.is_none() || rows.listed.is_some()),
+                        on("RSERVE_LORA_GLU_RUNS")
+                            && r <= GLU_RUNS_MAX_RANK
+                            && (rows.slots.is_none() || rows.listed.is_some()),
                         "r{r} slots {} listed {}",
                         rows.slots.is_some(),
                         rows.listed.is_some()
@@ -722,8 +726,10 @@ mod cuda {
                         rows.listed.is_some()
                     );
                     // the dense base leaves the one-pass gate-ups to the base product and it
-                    let dense = linear_rows_lora_runs(&d.x, &w, &stack, &rows, true)?;
-                    assert_eq!(dense.is_none(), one_pass, "{dtype:?} r{r}");
+                    if on("RSERVE_LORA_TERMS_FIRST") {
+                        let dense = linear_rows_lora_runs(&d.x, &w, &stack, &rows, true)?;
+                        assert_eq!(dense.is_none(), one_pass, "{dtype:?} r{r}");
+                    }
                 }
             }
         }
