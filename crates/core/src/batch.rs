@@ -26,10 +26,6 @@ pub struct ForwardBatch {
     /// (`[rows]` u32 each, [`rserve_kernels::lora::listed_rows`]): the gathered kernels launch
     /// over these only.
     pub adapter_listed: Option<(Tensor, Tensor)>,
-    /// In a step with runs, each run row's slot (`[num_tokens]` u32,
-    /// [`rserve_kernels::lora::run_slots`]): a gate-up adds its runs' terms in its
-    /// SiLU-and-multiply pass.
-    pub adapter_run_slots: Option<Tensor>,
     /// Image features written over placeholder rows: (first row, `[rows, hidden]`).
     pub image_rows: Vec<(usize, Tensor)>,
     /// The (temporal, height, width) rotary positions of every token, when a row of the step
@@ -48,7 +44,6 @@ impl ForwardBatch {
                     .adapter_listed
                     .as_ref()
                     .map(|(rows, slots)| (rows, slots)),
-                run_slots: self.adapter_run_slots.as_ref(),
             },
             lora_slots_covered: self.adapter_slots_covered,
         }

@@ -21,9 +21,7 @@ use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::sequence::{SeqId, PENDING_TOKEN};
 use candle_core::{Device, Result, Tensor};
 use graphs::{lora_graph_set, DecodeGraphs, GraphPlan};
-use rserve_kernels::lora::{
-    list_gathered_rows, listed_rows, min_run, run_slots, split_runs, NO_ADAPTER,
-};
+use rserve_kernels::lora::{list_gathered_rows, listed_rows, min_run, split_runs, NO_ADAPTER};
 use rserve_kernels::lora_gemv::slots_covered;
 use rserve_kernels::AttentionMetadata;
 use std::collections::HashMap;
@@ -108,11 +106,6 @@ impl HostBatch {
             };
             (Some(Tensor::from_vec(slots, t, device)?), listed)
         };
-        let adapter_run_slots = if adapter_runs.is_empty() || !device.is_cuda() {
-            None
-        } else {
-            Some(Tensor::from_vec(run_slots(&adapter_runs, t), t, device)?)
-        };
         let mrope_positions = if self.mrope.is_empty() {
             None
         } else {
@@ -140,7 +133,6 @@ impl HostBatch {
             adapter_slots_covered,
             adapter_runs,
             adapter_listed,
-            adapter_run_slots,
             image_rows: Vec::new(),
             mrope_positions,
         })
@@ -701,7 +693,6 @@ pub fn profile_forward(
         adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         adapter_listed: None,
-        adapter_run_slots: None,
         image_rows: Vec::new(),
         mrope_positions: None,
     };

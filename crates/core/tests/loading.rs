@@ -191,7 +191,6 @@ fn the_model_runs_from_input_embeddings_as_from_token_ids() {
         adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         adapter_listed: None,
-        adapter_run_slots: None,
         image_rows: Vec::new(),
         mrope_positions: None,
     };

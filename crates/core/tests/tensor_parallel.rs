@@ -43,7 +43,6 @@ fn batch(ids: &[u32], start: usize, dev: &Device) -> candle_core::Result<Forward
         adapter_slots_covered: 0,
         adapter_runs: Vec::new(),
         adapter_listed: None,
-        adapter_run_slots: None,
         image_rows: Vec::new(),
         mrope_positions: None,
     })

@@ -139,89 +139,6 @@ __device__ void lora_expand_impl(T* out, const T* y, long ldy, const float* __re
   }
 }
 
-// A fused gate-up's SiLU-and-multiply with its prompt runs' LoRA terms, in one pass over the
-// product: out[t, o] = silu(g) * v for every row t of y [tokens, 2h] (rows 2h apart) and o < h.
-// A row of a run (run_slots[t] = its slot s) has g = y[t, o] + u_0 . B[s, o] and v = y[t, h + o] +
-// u_1 . B[s, h + o], each rounded to T as lora_expand_glu rounds them, u the row's shrink output
-// (u [tokens, 2r] in T, written by cuBLAS for run rows only); any other row has g and v as y holds
-// them (rows left to the gathered kernels are written over afterwards; a slot past the stack's
-// num_slots counts as none). This replaces writing the terms into a product-sized tensor that the
-// product then reads back. r <= R.
-// One CTA per (tile of blockDim.x columns, block of kGluRows rows), the column tile fastest; a
-// thread owns one column and keeps its two rows of B (2R values) in registers while consecutive
-// rows share a slot; the block's u rows and slots are staged in shared memory, and y is read four
-// rows at a time.
-constexpr int kGluRows = 32;
-
-template <typename T, int R>
-__device__ void lora_glu_runs_impl(T* __restrict__ out, const T* __restrict__ y,
-                                   const T* __restrict__ u, const T* __restrict__ b,
-                                   const uint32_t* __restrict__ run_slots, int num_slots,
-                                   int tokens, int h, int r) {
-  pdl_trigger();  // the down product may start streaming its weights
-  pdl_wait();
-  __shared__ float us[kGluRows][2 * R];
-  __shared__ uint32_t ss[kGluRows];
-  const int tiles = (h + blockDim.x - 1) / blockDim.x;
-  const long t0 = (long)(blockIdx.x / tiles) * kGluRows;
-  const int c = (int)(blockIdx.x % tiles) * blockDim.x + threadIdx.x;
-  const int rows = (int)min((long)kGluRows, (long)tokens - t0);
-  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-    const uint32_t s = run_slots[t0 + i];
-    ss[i] = s < (uint32_t)num_slots ? s : kNoAdapter;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < rows * 2 * R; i += blockDim.x) {
-    const int tr = i / (2 * R), j = i % (2 * R), q = j % R;
-    us[tr][j] = q < r && ss[tr] != kNoAdapter
-                    ? to_f32(u[(t0 + tr) * 2 * r + (j / R) * r + q])
-                    : 0.f;
-  }
-  __syncthreads();
-  if (c >= h) return;
-  const long n = 2L * h;
-  float bg[R], bv[R];
-  uint32_t cur = kNoAdapter;
-  for (int tr0 = 0; tr0 < rows; tr0 += 4) {
-    float g[4], v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (tr0 + e < rows) {
-        const T* yr = y + (t0 + tr0 + e) * n;
-        g[e] = to_f32(yr[c]);
-        v[e] = to_f32(yr[h + c]);
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tr = tr0 + e;
-      if (tr >= rows) break;
-      const uint32_t s = ss[tr];
-      float ge = g[e], ve = v[e];
-      if (s != kNoAdapter) {
-        if (s != cur) {
-          const T* bs = b + (size_t)s * n * r;
-#pragma unroll
-          for (int q = 0; q < R; ++q) {
-            bg[q] = q < r ? to_f32(bs[(size_t)c * r + q]) : 0.f;
-            bv[q] = q < r ? to_f32(bs[(size_t)(h + c) * r + q]) : 0.f;
-          }
-          cur = s;
-        }
-        float dg = 0.f, dv = 0.f;
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-          dg += us[tr][q] * bg[q];
-          dv += us[tr][R + q] * bv[q];
-        }
-        ge = to_f32(from_f32<T>(ge + dg));
-        ve = to_f32(from_f32<T>(ve + dv));
-      }
-      out[(t0 + tr) * h + c] = from_f32<T>(ge / (1.f + __expf(-ge)) * ve);
-    }
-  }
-}
-
 #define RSERVE_LORA(T, S)                                                                          \
   extern "C" __global__ void lora_shrink_##S(float* part, const T* x, long ldx, const T* a,      \
                                              const uint32_t* slots, const uint32_t* rows,        \
@@ -242,16 +159,6 @@ __device__ void lora_glu_runs_impl(T* __restrict__ out, const T* __restrict__ y,
                                                  int e0, int e1) {                               \
     lora_expand_impl<T, true>(out, y, ldy, part, b, slots, rows, tokens, n, r, pr, chunks, e0,   \
                               e1);                                                               \
-  }                                                                                                \
-  extern "C" __global__ void lora_glu_runs16_##S(T* out, const T* y, const T* u, const T* b,      \
-                                                 const uint32_t* run_slots, int num_slots,       \
-                                                 int tokens, int h, int r) {                     \
-    lora_glu_runs_impl<T, 16>(out, y, u, b, run_slots, num_slots, tokens, h, r);                \
-  }                                                                                                \
-  extern "C" __global__ void lora_glu_runs32_##S(T* out, const T* y, const T* u, const T* b,      \
-                                                 const uint32_t* run_slots, int num_slots,       \
-                                                 int tokens, int h, int r) {                     \
-    lora_glu_runs_impl<T, 32>(out, y, u, b, run_slots, num_slots, tokens, h, r);                \
   }
 RSERVE_FOR_DTYPES(RSERVE_LORA)
 #undef RSERVE_LORA

@@ -4,9 +4,8 @@
 //! grouped cuBLAS calls; beside the base product alone (a gate-up's with its SiLU-and-multiply,
 //! as its LoRA forms end in one). The last two columns put 56 decode rows of distinct adapters
 //! in front of the runs (a 64-concurrent step's shape), their gathered kernels launched over
-//! every row of the step or over those rows only (`LoraRows::listed`), and the latter with the
-//! gate-up's runs' terms added in its SiLU-and-multiply pass (`LoraRows::run_slots`; the other
-//! projections as before). The last lines add the shapes up to a step of the 32-layer model.
+//! every row of the step or over those rows only (`LoraRows::listed`). The last lines add the
+//! shapes up to a step of the 32-layer model.
 //!
 //!     cargo run --release --features cuda -p rserve-kernels --example lora_gpu_bench
 //!
@@ -15,8 +14,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use rserve_kernels::lora::{
-    listed_rows, lora_add_silu_glu, run_slots, set_prompt_terms, LoraRows, LoraRun, LoraStack,
-    PromptTerms, NO_ADAPTER,
+    listed_rows, set_prompt_terms, LoraRows, LoraRun, LoraStack, PromptTerms, NO_ADAPTER,
 };
 use rserve_kernels::lora_gemv::linear_rows_lora_runs;
 mod common;
@@ -51,8 +49,8 @@ fn main() -> Result<()> {
     let rnd = |shape: &[usize], std: f32| -> Result<Tensor> {
         Tensor::randn(0f32, std, shape, &dev)?.to_dtype(DType::BF16)
     };
-    println!("| shape | runs | base product us | run by run us | grouped us | + {DECODE_ROWS} decode rows, every row launched us | the same, decode rows listed us | the same, gate-up in one pass us |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| shape | runs | base product us | run by run us | grouped us | + {DECODE_ROWS} decode rows, every row launched us | the same, decode rows listed us |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for &count in &run_counts {
         let len = rows / count;
         let runs: Vec<LoraRun> = (0..count)
@@ -66,7 +64,6 @@ fn main() -> Result<()> {
             slots: None,
             runs: &runs,
             listed: None,
-            run_slots: None,
         };
         // the mixed step: decode rows of distinct slots, then the runs over the rest
         let mixed_len = (rows - DECODE_ROWS) / count;
@@ -86,28 +83,19 @@ fn main() -> Result<()> {
         let list = Tensor::from_vec(list, n_listed, &dev)?;
         let listed = Tensor::from_vec(listed, n_listed, &dev)?;
         let slots = Tensor::from_vec(slots, rows, &dev)?;
-        let mixed_run_slots = Tensor::from_vec(run_slots(&mixed_runs, rows), rows, &dev)?;
         let mixed = [
             LoraRows {
                 slots: Some(&slots),
                 runs: &mixed_runs,
                 listed: None,
-                run_slots: None,
             },
             LoraRows {
                 slots: Some(&slots),
                 runs: &mixed_runs,
                 listed: Some((&list, &listed)),
-                run_slots: None,
-            },
-            LoraRows {
-                slots: Some(&slots),
-                runs: &mixed_runs,
-                listed: Some((&list, &listed)),
-                run_slots: Some(&mixed_run_slots),
             },
         ];
-        let mut step = [0f64; 6];
+        let mut step = [0f64; 5];
         for (name, parts, k, glu) in SHAPES {
             let n: usize = parts.iter().sum();
             let x = rnd(&[rows, k], 1.0)?;
@@ -137,29 +125,29 @@ fn main() -> Result<()> {
             }
             set_prompt_terms(PromptTerms::Auto);
             for rows in &mixed {
-                // as the LoRA linear takes it: a gate-up the dense form leaves alone gets the
-                // base product, then its terms in the SiLU-and-multiply pass
                 t.push(time(&dev, || {
-                    match linear_rows_lora_runs(&x, &w, &stack, rows, glu)? {
-                        Some(y) => drop(y),
-                        None => {
-                            let y = rserve_kernels::linear_rows(&x, &w)?;
-                            drop(lora_add_silu_glu(&y, &x, &stack, rows)?);
-                        }
-                    }
-                    Ok(())
+                    linear_rows_lora_runs(&x, &w, &stack, rows, glu).map(drop)
                 })?);
             }
-            let cols: Vec<String> = t.iter().map(|v| format!("{:.1}", v * 1e6)).collect();
-            println!("| {name} {n}x{k} | {count} | {} |", cols.join(" | "));
+            println!(
+                "| {name} {n}x{k} | {count} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                t[0] * 1e6,
+                t[1] * 1e6,
+                t[2] * 1e6,
+                t[3] * 1e6,
+                t[4] * 1e6
+            );
             for (s, v) in step.iter_mut().zip(&t) {
                 *s += v * LAYERS;
             }
         }
-        let cols: Vec<String> = step.iter().map(|v| format!("{:.2}", v * 1e3)).collect();
         println!(
-            "| a step of {LAYERS} layers (ms) | {count} | {} |",
-            cols.join(" | ")
+            "| a step of {LAYERS} layers (ms) | {count} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            step[0] * 1e3,
+            step[1] * 1e3,
+            step[2] * 1e3,
+            step[3] * 1e3,
+            step[4] * 1e3
         );
     }
     Ok(())

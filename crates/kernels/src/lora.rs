@@ -113,39 +113,6 @@ pub struct LoraRows<'a> {
     /// gathered rows are a few decode rows among thousands), the gathered kernels launch over
     /// these rows only instead of over every row of the step.
     pub listed: Option<(&'a Tensor, &'a Tensor)>,
-    /// `[tokens]` u32 on the step's device in a step with runs: each run row's slot,
-    /// [`NO_ADAPTER`] elsewhere ([`run_slots`]). With it a gate-up's runs get their terms inside
-    /// the SiLU-and-multiply pass ([`glu_runs_apply`]).
-    pub run_slots: Option<&'a Tensor>,
-}
-
-/// Each row's slot where it lies in one of `runs`, [`NO_ADAPTER`] elsewhere: what
-/// [`LoraRows::run_slots`] holds on the device.
-pub fn run_slots(runs: &[LoraRun], tokens: usize) -> Vec<u32> {
-    let mut slots = vec![NO_ADAPTER; tokens];
-    for run in runs {
-        if let Some(rows) = slots.get_mut(run.start..run.start + run.len) {
-            rows.fill(run.slot);
-        }
-    }
-    slots
-}
-
-/// Ranks up to this take the gate-up's one-pass form ([`glu_runs_apply`]); larger ones the
-/// terms written into the product.
-pub const GLU_RUNS_MAX_RANK: usize = 32;
-
-/// Whether a gate-up's prompt runs get their terms inside the SiLU-and-multiply pass (CUDA, a
-/// rank up to [`GLU_RUNS_MAX_RANK`], the run slots uploaded, and any gathered rows listed): the
-/// product is then written once, without the terms, and read once by that pass. On unless
-/// `RSERVE_LORA_GLU_RUNS=0` (the terms then go into the product as for the other projections).
-pub fn glu_runs_apply(rows: &LoraRows<'_>, rank: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| crate::switch_on("RSERVE_LORA_GLU_RUNS"));
-    on && !rows.runs.is_empty()
-        && rows.run_slots.is_some()
-        && (rows.slots.is_none() || rows.listed.is_some())
-        && (1..=GLU_RUNS_MAX_RANK).contains(&rank)
 }
 
 /// The rows of `slots` that have an adapter and their slots, in row order: what
@@ -403,106 +370,17 @@ pub(crate) mod cuda {
         let x = x.contiguous()?;
         let y = y.contiguous()?;
         let (a, b) = (stack.a.contiguous()?, stack.b.contiguous()?);
-        if glu && super::glu_runs_apply(rows, dims.0) {
-            let out = glu_runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows, dims)?;
-            let done = (true, Some(out));
-            return gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows, done, dims);
-        }
         if !rows.runs.is_empty() {
             crate::lora_blas::runs::<T>(dev, &y, &x, (&a, &b), stack.parts, rows.runs, dims)?;
         }
-        gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows, (glu, None), dims)
-    }
-
-    const GLU_THREADS: usize = 256;
-    /// Rows per CTA of `lora_glu_runs` (`kGluRows` in csrc/lora.cu).
-    const GLU_ROWS: usize = 32;
-
-    /// A gate-up's `silu(g) * v` `[t, h]` of its product `y` `[t, 2h]` (no terms in it), with
-    /// the runs' terms added in the same pass: each run's `u` by cuBLAS into a `[t, 2r]`
-    /// scratch, then one kernel over every row (rows outside runs get `silu(g) * v` of `y`).
-    /// The caller has checked [`super::glu_runs_apply`].
-    pub(crate) fn glu_runs<T: KernelElem>(
-        dev: &CudaDevice,
-        y: &Tensor,
-        x: &Tensor,
-        (a, b): (&Tensor, &Tensor),
-        parts: &[usize],
-        rows: &LoraRows<'_>,
-        (r, k, n): (usize, usize, usize),
-    ) -> Result<Tensor> {
-        let t = x.dim(0)?;
-        let h = n / 2;
-        let Some(run_slots) = rows.run_slots else {
-            candle_core::bail!("lora: the gate-up's one-pass form needs the run slots");
-        };
-        let run_slots = run_slots.contiguous()?;
-        if run_slots.dims1()? != t
-            || run_slots.dtype() != DType::U32
-            || y.dims2()? != (t, n)
-            || parts != [h, h]
-            || r > super::GLU_RUNS_MAX_RANK
-        {
-            candle_core::bail!(
-                "lora: gate-up y {:?}, run slots {:?} and parts {parts:?} do not fit",
-                y.shape(),
-                run_slots.shape()
-            );
-        }
-        let u = crate::lora_blas::run_shrinks::<T>(dev, x, a, parts, rows.runs, (r, k, n))?;
-        let stream = dev.cuda_stream();
-        // SAFETY: the kernel writes every element of out.
-        let mut out = unsafe { dev.alloc::<T>(t * h) }?;
-        {
-            let (yg, yl) = y.storage_and_layout();
-            let (bg, bl) = b.storage_and_layout();
-            let (sg, sl) = run_slots.storage_and_layout();
-            let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
-            let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
-            let sv = view::<u32>(cuda_storage(&sg, "lora run slots")?, sl, "lora run slots")?;
-            let (mut op, _o) = out.device_ptr_mut(&stream);
-            let (mut yp, _y) = yv.device_ptr(&stream);
-            let (mut up, _u) = u.device_ptr(&stream);
-            let (mut bp, _b) = bv.device_ptr(&stream);
-            let (mut sp, _s) = sv.device_ptr(&stream);
-            let num_slots = b.dim(0)?;
-            let (mut si, mut ti, mut hi, mut ri) = (num_slots as i32, t as i32, h as i32, r as i32);
-            let mut params = [
-                (&raw mut op).cast::<c_void>(),
-                (&raw mut yp).cast::<c_void>(),
-                (&raw mut up).cast::<c_void>(),
-                (&raw mut bp).cast::<c_void>(),
-                (&raw mut sp).cast::<c_void>(),
-                (&raw mut si).cast::<c_void>(),
-                (&raw mut ti).cast::<c_void>(),
-                (&raw mut hi).cast::<c_void>(),
-                (&raw mut ri).cast::<c_void>(),
-            ];
-            let bound = if r <= 16 { 16 } else { 32 };
-            let name = format!("lora_glu_runs{bound}_{}", dtype_suffix(T::DTYPE)?);
-            let func = function(dev, &name)?;
-            let grid = t.div_ceil(GLU_ROWS) * h.div_ceil(GLU_THREADS);
-            // SAFETY: `lora_glu_runs<R>_<dtype>(out, y, u, b, run_slots, num_slots, tokens, h,
-            // r)` (csrc/lora.cu): out a fresh [t, h]; y [t, 2h] contiguous (checked); u [t, 2r],
-            // every run row written by the shrinks before it on this stream (a row the run slots
-            // mark outside the runs reads the scratch's unwritten values, inside it); b
-            // [S, 2h, r] contiguous, S = num_slots (slots at or past it count as none in the
-            // kernel); run_slots [t] u32 (checked); r <= R (checked); one CTA per (tile of
-            // GLU_THREADS columns, GLU_ROWS rows).
-            unsafe {
-                launch_dependent(&func, &stream, grid as u32, GLU_THREADS as u32, &mut params)
-            }?;
-        }
-        Ok(tensor_from_slice(out, dev, (t, h)))
+        gathered::<T>(dev, &y, &x, (&a, &b), stack.parts, rows, glu, dims)
     }
 
     /// The BGMV kernels over the rows of `rows.slots`: the shrink writes split-K partials, the
     /// expand adds them and writes `y` in place (or, `glu`, `silu(g) * v` into a new tensor).
     /// Without `slots` no row is left to them: `y` as it is (or, `glu`, `silu(g) * v`). With
     /// `rows.listed` the launches cover the listed rows only (with `glu`, `silu(g) * v` of every
-    /// row first, then the listed rows written over). `glu_done`, with `glu`: the caller's
-    /// `[t, h]` output of every row these kernels leave alone (the runs' one-pass form), used
-    /// instead of `silu(g) * v` of `y`; it needs the rows listed where any are left.
+    /// row first, then the listed rows written over).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gathered<T: KernelElem>(
         dev: &CudaDevice,
@@ -511,19 +389,18 @@ pub(crate) mod cuda {
         (a, b): (&Tensor, &Tensor),
         parts: &[usize],
         rows: &LoraRows<'_>,
-        (glu, glu_done): (bool, Option<Tensor>),
+        glu: bool,
         (r, k, _): (usize, usize, usize),
     ) -> Result<Tensor> {
-        if glu_done.is_some() && (!glu || (rows.slots.is_some() && rows.listed.is_none())) {
-            candle_core::bail!("lora: a gate-up's output is written over listed rows only");
-        }
-        let rest = |done: Option<Tensor>| match done {
-            Some(d) => Ok(d),
-            None => crate::silu_and_mul(y),
+        let none_left = || {
+            if glu {
+                crate::silu_and_mul(y)
+            } else {
+                Ok(y.clone())
+            }
         };
-        let none_left = |done: Option<Tensor>| if glu { rest(done) } else { Ok(y.clone()) };
         let Some(slots) = rows.slots else {
-            return none_left(glu_done);
+            return none_left();
         };
         let (slots, list) = match rows.listed {
             Some((list, listed)) => {
@@ -541,7 +418,7 @@ pub(crate) mod cuda {
         // the tokens the launches cover: the listed rows, else every row
         let t = slots.dim(0)?;
         if t == 0 {
-            return none_left(glu_done);
+            return none_left();
         }
         if t > x.dim(0)? {
             candle_core::bail!("lora: {t} listed rows in a step of {} rows", x.dim(0)?);
@@ -606,7 +483,7 @@ pub(crate) mod cuda {
         }
         // a listed gate-up's rows outside the list still need their SiLU-and-multiply
         let over = match list {
-            Some(_) if glu => Some(rest(glu_done)?),
+            Some(_) if glu => Some(crate::silu_and_mul(y)?),
             _ => None,
         };
         expand::<T>(

@@ -7,7 +7,7 @@
 use crate::cuda::{cuda_storage, view, KernelElem};
 use crate::lora::{prompt_terms, LoraRun, PromptTerms};
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result, Tensor};
 use std::ffi::c_void;
@@ -314,71 +314,11 @@ pub(crate) fn runs<T: KernelElem>(
     Ok(())
 }
 
-/// Each run's `u = x_run A_s^T` at its rows of a new `[t, pr]` (rows outside runs are not
-/// written): a cuBLAS product per run, or one grouped call for many runs (as [`terms`] chooses).
-pub(crate) fn run_shrinks<T: KernelElem>(
-    dev: &CudaDevice,
-    x: &Tensor,
-    a: &Tensor,
-    parts: &[usize],
-    runs: &[LoraRun],
-    (r, k, n): (usize, usize, usize),
-) -> Result<CudaSlice<T>> {
-    let t = x.dim(0)?;
-    let pr = parts.len() * r;
-    let stream = dev.cuda_stream();
-    // SAFETY: the run rows are written by the shrinks below; the caller reads no other row.
-    let mut u = unsafe { dev.alloc::<T>(t * pr) }?;
-    let (xg, xl) = x.storage_and_layout();
-    let (ag, al) = a.storage_and_layout();
-    let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
-    let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
-    let (xp, _x) = xv.device_ptr(&stream);
-    let (ap, _a) = av.device_ptr(&stream);
-    let (up, _u) = u.device_ptr_mut(&stream);
-    // B and y are not touched by the shrinks
-    let ops = Operands {
-        x: xp,
-        a: ap,
-        b: 0,
-        y: 0,
-    };
-    let g = Gemm::new::<T>(dev)?;
-    let shrinks: Vec<Problem> = runs
-        .iter()
-        .map(|run| {
-            let u_run = up + (run.start * pr) as u64 * g.size;
-            g.run_problems(run, parts, (r, k, n), &ops, u_run, 0.).0
-        })
-        .collect();
-    if grouped(runs.len()) {
-        // SAFETY: each shrink reads its run's rows of x and its slot of A and writes its rows of
-        // u, all inside their buffers (runs checked by the caller) on the handle's stream.
-        unsafe { g.grouped(&shrinks) }?;
-    } else {
-        for p in &shrinks {
-            // SAFETY: as above.
-            unsafe { g.tn(p.mnk, p.a, p.b, p.c, p.beta) }?;
-        }
-    }
-    drop((_x, _a, _u));
-    Ok(u)
-}
-
 /// Runs a step takes one by one under [`PromptTerms::Auto`]; more go through the grouped calls.
 /// On an H200 (8,192 rows, the 8B shapes, 32 layers) the terms cost a step the same in either
 /// form at 8 runs; at 64 runs of 128 rows 31 ms grouped against 174 ms one by one; at one run
 /// the single products take 10 ms less (`examples/lora_gpu_bench.rs`).
 const RUNS_ONE_BY_ONE: usize = 8;
-
-/// Whether `runs` runs go through the grouped calls ([`PromptTerms`]).
-fn grouped(runs: usize) -> bool {
-    match prompt_terms() {
-        PromptTerms::Auto => runs > RUNS_ONE_BY_ONE,
-        PromptTerms::Grouped => runs > 1,
-        PromptTerms::Runs => false,
-    }
-}
 
 /// Each run's terms into its rows of `y` (`ops.y`, `[t, n]`), added (`add`) or written: a
 /// cuBLAS shrink into a scratch and an expand per part, for each run in turn or for all runs in
@@ -396,7 +336,11 @@ unsafe fn terms<T: KernelElem>(
     add: bool,
 ) -> Result<()> {
     let pr = parts.len() * r;
-    let grouped = grouped(runs.len());
+    let grouped = match prompt_terms() {
+        PromptTerms::Auto => runs.len() > RUNS_ONE_BY_ONE,
+        PromptTerms::Grouped => runs.len() > 1,
+        PromptTerms::Runs => false,
+    };
     let rows = if grouped {
         t
     } else {

@@ -146,8 +146,7 @@ fn terms_first() -> bool {
 /// the runs' terms go into the output first and the product adds onto them in its epilogue
 /// (`lora_blas`), then the gathered rows' terms as [`crate::lora::lora_add`] adds them. `None`
 /// where it does not apply: not CUDA, no runs, `W` not a contiguous `[n, k]` weight in `x`'s
-/// dtype (16-bit or f32), the stack not fitting it, a gate-up stack without two equal parts, a
-/// gate-up whose runs take the one-pass form ([`crate::lora::glu_runs_apply`]).
+/// dtype (16-bit or f32), the stack not fitting it, a gate-up stack without two equal parts.
 pub fn linear_rows_lora_runs(
     x: &Tensor,
     w: &Tensor,
@@ -183,10 +182,7 @@ pub fn linear_rows_lora_runs(
         && w.is_contiguous()
         && ak == k
         && r > 0
-        && (!glu || (parts.len() == 2 && parts[0] == parts[1]))
-        // a gate-up whose runs' terms go into its SiLU-and-multiply pass takes the base product
-        // alone (lora_add_silu_glu)
-        && !(glu && crate::lora::glu_runs_apply(rows, r));
+        && (!glu || (parts.len() == 2 && parts[0] == parts[1]));
     if !applies {
         return Ok(None);
     }
@@ -299,7 +295,7 @@ mod cuda {
         let p = stack.parts;
         let y =
             crate::lora_blas::product_over_terms::<T>(dev, &x, w, (&a, &b), p, rows.runs, dims)?;
-        crate::lora::cuda::gathered::<T>(dev, &y, &x, (&a, &b), p, rows, (glu, None), dims)
+        crate::lora::cuda::gathered::<T>(dev, &y, &x, (&a, &b), p, rows, glu, dims)
     }
 
     pub fn run(

@@ -126,7 +126,6 @@ fn the_reference_adds_each_rows_adapter() -> Result<()> {
             slots: Some(&slots),
             runs: &[],
             listed: None,
-            run_slots: None,
         };
         let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
         assert!(max_diff(&got, &naive(&c)?) < 1e-4);
@@ -177,26 +176,6 @@ fn listed_rows_are_the_rows_with_an_adapter_in_order() {
 }
 
 #[test]
-fn run_slots_mark_the_rows_of_each_run() {
-    use rserve_kernels::lora::run_slots;
-    let run = |start, len, slot| LoraRun { start, len, slot };
-    assert_eq!(run_slots(&[], 3), vec![NO_ADAPTER; 3]);
-    assert_eq!(
-        run_slots(&[run(1, 2, 5), run(4, 1, 0)], 6),
-        vec![NO_ADAPTER, 5, 5, NO_ADAPTER, 0, NO_ADAPTER]
-    );
-    // the runs of split_runs, marked back, are the rows they took out
-    let mut gathered = chunked_slots(4);
-    let all = gathered.clone();
-    let runs = split_runs(&mut gathered, MIN_RUN);
-    let marked = run_slots(&runs, all.len());
-    for ((&a, &g), &m) in all.iter().zip(&gathered).zip(&marked) {
-        assert_eq!(if m == NO_ADAPTER { g } else { m }, a);
-        assert!(m == NO_ADAPTER || g == NO_ADAPTER);
-    }
-}
-
-#[test]
 fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
     let c = case_with(chunked_slots(3), 24, &[16, 16], 4, 3)?;
     let stack = LoraStack {
@@ -212,7 +191,6 @@ fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
         slots: Some(&slots),
         runs: &runs,
         listed: None,
-        run_slots: None,
     };
     let want = naive(&c)?;
     let got = lora_add(&c.y, &c.x, &stack, &rows)?.to_vec2::<f32>()?;
@@ -231,7 +209,6 @@ fn runs_and_gathered_rows_add_the_same_terms() -> Result<()> {
         slots: None,
         runs: &bad,
         listed: None,
-        run_slots: None,
     };
     assert!(lora_add(&c.y, &c.x, &stack, &rows).is_err());
     Ok(())
@@ -284,7 +261,6 @@ mod cuda {
                     slots: Some(&slots),
                     runs: &[],
                     listed: None,
-                    run_slots: None,
                 };
                 let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;
                 let tol = tolerance(dtype, want);
@@ -413,7 +389,6 @@ mod cuda {
                             slots: Some(&slots),
                             runs: &[],
                             listed: None,
-                            run_slots: None,
                         };
                         let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                         let got = host(&got)?;
@@ -469,7 +444,6 @@ mod cuda {
                         slots: Some(&slots),
                         runs: &[],
                         listed: None,
-                        run_slots: None,
                     };
                     let stack = d.stack(parts);
                     let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
@@ -504,7 +478,6 @@ mod cuda {
                             slots: Some(&base),
                             runs: &[],
                             listed: None,
-                            run_slots: None,
                         };
                         let (want, tol) = composed(&d.x, &w, &stack, &rows, glu, dtype)?;
                         let got = linear_rows_lora_stacked(
@@ -564,26 +537,22 @@ mod cuda {
                         slots: Some(&slots),
                         runs: &runs,
                         listed: None,
-                        run_slots: None,
                     },
                     // the gathered kernels over the listed rows only
                     LoraRows {
                         slots: Some(&slots),
                         runs: &runs,
                         listed: Some((&list, &listed)),
-                        run_slots: None,
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[..1],
                         listed: None,
-                        run_slots: None,
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[1..],
                         listed: None,
-                        run_slots: None,
                     },
                 ] {
                     let got = linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?
@@ -602,135 +571,8 @@ mod cuda {
                     slots: Some(&slots),
                     runs: &[],
                     listed: None,
-                    run_slots: None,
                 };
                 assert!(linear_rows_lora_runs(&d.x, &w, &stack, &rows, glu)?.is_none());
-            }
-        }
-        Ok(())
-    }
-
-    /// A gate-up whose runs get their terms in the SiLU-and-multiply pass (the run slots given,
-    /// ranks up to 32, gathered rows listed or none): a few runs beside listed decode rows, one
-    /// run alone, and twenty short runs between base rows, against the row-by-row f32
-    /// reference. The dense terms-first form leaves these gate-ups to it; without the run slots,
-    /// or past rank 32, the terms go into the product as before and match too.
-    #[test]
-    fn the_gate_ups_one_pass_form_matches_the_reference() -> Result<()> {
-        use rserve_kernels::lora::{glu_runs_apply, run_slots, GLU_RUNS_MAX_RANK};
-        use rserve_kernels::lora_gemv::linear_rows_lora_runs;
-        let dev = Device::new_cuda(0).expect("a CUDA device");
-        let short: Vec<usize> = (0..20).map(|i| 16 + (i * 7) % 90).collect();
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for (k, h, r, many) in [
-                (64, 48, 8, false),
-                (4096, 1024, 16, false),
-                (72, 40, 3, true),
-                (256, 300, 32, true),
-                (128, 64, 17, false),
-                (128, 64, 64, false),
-            ] {
-                let parts = [h, h];
-                let (all, runs, gathered) = if many {
-                    let (all, runs) = many_runs(&short, 4, 3);
-                    let none = vec![NO_ADAPTER; all.len()];
-                    (all, runs, none)
-                } else {
-                    let all = chunked_slots(4);
-                    let mut gathered = all.clone();
-                    let runs = split_runs(&mut gathered, MIN_RUN);
-                    (all, runs, gathered)
-                };
-                let t = all.len();
-                let c = case_with(all.clone(), k, &parts, r, 4)?;
-                let d = OnDevice::new(&c, dtype, &dev)?;
-                let stack = d.stack(&c.parts);
-                let w = weight(2 * h, k, dtype, &dev)?;
-                let slots = Tensor::new(gathered.as_slice(), &dev)?;
-                let (list, listed) = listed_rows(&gathered);
-                let any_gathered = !list.is_empty();
-                let (list, listed) = (Tensor::new(list, &dev)?, Tensor::new(listed, &dev)?);
-                let first = &runs[..1];
-                let first_slots = Tensor::new(run_slots(first, t), &dev)?;
-                let every_slots = Tensor::new(run_slots(&runs, t), &dev)?;
-                let mut cases = vec![(
-                    LoraRows {
-                        slots: None,
-                        runs: first,
-                        listed: None,
-                        run_slots: Some(&first_slots),
-                    },
-                    run_slots(first, t),
-                )];
-                if any_gathered {
-                    cases.push((
-                        LoraRows {
-                            slots: Some(&slots),
-                            runs: &runs,
-                            listed: Some((&list, &listed)),
-                            run_slots: Some(&every_slots),
-                        },
-                        all.clone(),
-                    ));
-                    // the gathered rows not listed: the one-pass form does not apply
-                    cases.push((
-                        LoraRows {
-                            slots: Some(&slots),
-                            runs: &runs,
-                            listed: None,
-                            run_slots: Some(&every_slots),
-                        },
-                        all.clone(),
-                    ));
-                } else {
-                    cases.push((
-                        LoraRows {
-                            slots: None,
-                            runs: &runs,
-                            listed: None,
-                            run_slots: Some(&every_slots),
-                        },
-                        all.clone(),
-                    ));
-                }
-                // the switches this process may have been given
-                let on = |name| std::env::var(name).map_or(true, |v| v.trim() != "0");
-                for (rows, covered) in cases {
-                    let one_pass = glu_runs_apply(&rows, r);
-                    assert_eq!(
-                        one_pass,
-                        on("RSERVE_LORA_GLU_RUNS")
-                            && r <= GLU_RUNS_MAX_RANK
-                            && (rows.slots.is_none() || rows.listed.is_some()),
-                        "r{r} slots {} listed {}",
-                        rows.slots.is_some(),
-                        rows.listed.is_some()
-                    );
-                    let want = naive(&Case {
-                        x: d.x.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
-                        y: d.y.to_dtype(DType::F32)?.to_device(&Device::Cpu)?,
-                        a: d.a.to_device(&Device::Cpu)?,
-                        b: d.b.to_device(&Device::Cpu)?,
-                        parts: c.parts.clone(),
-                        slots: covered,
-                    })?;
-                    let want: Vec<Vec<f32>> = want.iter().map(|row| silu_mul(row)).collect();
-                    let tol = tolerance(dtype, &want) * 2.;
-                    let got = host(&lora_add_silu_glu(&d.y.copy()?, &d.x, &stack, &rows)?)?;
-                    let diff = max_diff(&got, &want);
-                    assert!(
-                        diff <= tol,
-                        "{dtype:?} k{k} h{h} r{r} runs {} listed {} one pass {one_pass}: \
-                         {diff} > {tol}",
-                        rows.runs.len(),
-                        rows.listed.is_some()
-                    );
-                    // the dense base leaves the one-pass gate-ups to the base product and it
-                    if on("RSERVE_LORA_TERMS_FIRST") {
-                        let dense = linear_rows_lora_runs(&d.x, &w, &stack, &rows, true)?;
-                        assert_eq!(dense.is_none(), one_pass, "{dtype:?} r{r}");
-                    }
-                }
             }
         }
         Ok(())
@@ -787,7 +629,6 @@ mod cuda {
                     slots: None,
                     runs: &runs,
                     listed: None,
-                    run_slots: None,
                 };
                 let tol = tolerance(dtype, &d.want);
                 let got = host(&lora_add(&d.y.copy()?, &d.x, &stack, &rows)?)?;
@@ -844,13 +685,11 @@ mod cuda {
                         slots: Some(&slots),
                         runs: &runs,
                         listed: None,
-                        run_slots: None,
                     },
                     LoraRows {
                         slots: None,
                         runs: &runs[..1],
                         listed: None,
-                        run_slots: None,
                     },
                 ] {
                     let got = host(&lora_add(&y.copy()?, x, &stack, &rows)?)?;

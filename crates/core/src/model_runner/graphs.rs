@@ -170,7 +170,6 @@ impl Bucket {
             adapter_slots_covered: lora.unwrap_or(0),
             adapter_runs: Vec::new(),
             adapter_listed: None,
-            adapter_run_slots: None,
             image_rows: Vec::new(),
             mrope_positions: None,
         };
