@@ -92,9 +92,9 @@ impl HostBatch {
         let (adapter_slots, adapter_listed) = if slots.iter().all(|&s| s == NO_ADAPTER) {
             (None, None)
         } else {
-            // beside runs the gathered rows are a few decode rows: their kernels launch over
-            // those rows only
-            let listed = if adapter_runs.is_empty() || !list_gathered_rows() {
+            // beside runs the gathered rows are a few decode rows: the CUDA kernels launch over
+            // those rows only (the CPU path groups rows by slot and has no use for the list)
+            let listed = if adapter_runs.is_empty() || !device.is_cuda() || !list_gathered_rows() {
                 None
             } else {
                 let (rows, listed) = listed_rows(&slots);

@@ -129,25 +129,16 @@ fn main() -> Result<()> {
                     linear_rows_lora_runs(&x, &w, &stack, rows, glu).map(drop)
                 })?);
             }
-            println!(
-                "| {name} {n}x{k} | {count} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
-                t[0] * 1e6,
-                t[1] * 1e6,
-                t[2] * 1e6,
-                t[3] * 1e6,
-                t[4] * 1e6
-            );
+            let cols: Vec<String> = t.iter().map(|v| format!("{:.1}", v * 1e6)).collect();
+            println!("| {name} {n}x{k} | {count} | {} |", cols.join(" | "));
             for (s, v) in step.iter_mut().zip(&t) {
                 *s += v * LAYERS;
             }
         }
+        let cols: Vec<String> = step.iter().map(|v| format!("{:.2}", v * 1e3)).collect();
         println!(
-            "| a step of {LAYERS} layers (ms) | {count} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            step[0] * 1e3,
-            step[1] * 1e3,
-            step[2] * 1e3,
-            step[3] * 1e3,
-            step[4] * 1e3
+            "| a step of {LAYERS} layers (ms) | {count} | {} |",
+            cols.join(" | ")
         );
     }
     Ok(())
