@@ -9,6 +9,7 @@ import base64
 import http.server
 import json
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -252,6 +253,36 @@ def test_text_only_chat_on_a_vision_model(vclient):
         extra_body=EXTRA,
     )
     assert token_ids(r.choices[0].logprobs) == case["tokens"]
+
+
+def _bench_serve(vl, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(binary_path()), "bench", "serve", "--base-url", f"{vl.url}/v1", "--model", "tiny-vl", "--json", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_bench_serve_sends_random_images(vl):
+    """`rserve bench serve --dataset-name random-mm` (vLLM's dataset): chat requests of random
+    images and words; the prompt tokens are the server's count, image tokens included."""
+    mm = ["--dataset-name", "random-mm", "--num-prompts", "3", "--max-concurrency", "2",
+          "--random-input-len", "6", "--random-output-len", "4",
+          "--random-mm-base-items-per-request", "2", "--random-mm-bucket-config", "{(56, 56, 1): 1.0}"]
+    r = _bench_serve(vl, *mm)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["successful"], rep["failed"], rep["dataset"]) == (3, 0, "random-mm")
+    # two 56x56 images are 2 x 4 merged tokens, beside the words and the chat template
+    assert rep["prompt_tokens_mean"] > 6 + 8
+    assert rep["output_throughput"] > 0
+    # the same length as token ids, the text-only load the image one is compared with
+    n = round(rep["prompt_tokens_mean"])
+    r = _bench_serve(vl, "--num-prompts", "2", "--random-input-len", str(n), "--random-output-len", "4")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert (rep["successful"], rep["prompt_tokens_mean"]) == (2, n)
+    bad = _bench_serve(vl, *mm[:-1], "{(56, 56, 8): 1.0}")
+    assert bad.returncode != 0 and "only images" in bad.stderr
 
 
 LLAVA_GOLDEN = json.loads((REPO_ROOT / "tests" / "fixtures" / "goldens" / "llava.json").read_text())

@@ -6,18 +6,24 @@ transformers on the same GPU.
   /tokenize, pixels from transformers' processor) against transformers bf16.
 - TTFT of one 1024x1024 image + 32 text tokens (rserve streamed; transformers: processor + generate
   of one token), and the encoder's share (the same prompt length as text only).
-- 64 concurrent requests, one distinct 512x512 image + 64 text tokens each, 128 out: output tok/s
+- 64 concurrent requests, one distinct 512x512 image + 64 words each, 128 out: output tok/s
   next to the same load as text-only prompts of the same length.
 - decode speed of one request with an image against text-only at the same length.
 - `rserve bench vision` (host and encoder time, the encoder's breakdown) with the segment attention
   kernel, without it, and with an earlier build named by RSERVE_BASELINE_BINARY.
 RSERVE_VISION_QUICK=1 stops after rserve's TTFT (no transformers TTFT, load or decode steps).
+RSERVE_VISION_C64_ONLY=1: the encoder benchmark (this build), the 64-concurrent load and the
+decode step only.
+RSERVE_VISION_C64_CLIENTS picks the load's client per round (`rserve`, the default: `rserve bench
+serve` with vLLM's `random-mm` dataset; `python`: this script's threads), e.g. `rserve,python`.
+RSERVE_VISION_TRACE=1 logs every engine step and sums each load's steps by kind.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import random
 import struct
 import time
@@ -183,12 +189,12 @@ def part_vision(a, out: Path) -> None:
 
     root = Path(a.scratch)
     root.mkdir(parents=True, exist_ok=True)
-    import os
-
     arch = os.environ.get("RSERVE_VISION_ARCH", "qwen2.5-vl")
     name = f"{arch}-7b"
     model, path, made = make_vl(root, arch)
     log(f"{name}: made and saved in {made:.1f}s")
+    trace_env = ({"RUST_LOG": "warn,rserve_core::engine=trace"}
+                 if os.environ.get("RSERVE_VISION_TRACE") == "1" else None)
     # the cost of an image alone: host decode + preprocessing, the encoder (with a breakdown); the
     # same with the encoders' attention through candle ops, and with RSERVE_BASELINE_BINARY (an
     # earlier build) when it is set
@@ -196,8 +202,9 @@ def part_vision(a, out: Path) -> None:
 
     # RSERVE_VISION_QUICK=1: the default build's benchmark, parity and rserve's TTFT only
     quick = os.environ.get("RSERVE_VISION_QUICK") == "1"
+    c64_only = os.environ.get("RSERVE_VISION_C64_ONLY") == "1"
     runs = [("default", a.binary, {})]
-    if not quick:
+    if not (quick or c64_only):
         runs.append(("no-segment-kernel", a.binary, {"RSERVE_SEGMENT_KERNEL": "0"}))
     if os.environ.get("RSERVE_BASELINE_BINARY"):
         runs.append(("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"]), {}))
@@ -211,9 +218,25 @@ def part_vision(a, out: Path) -> None:
         profile = [ln[-300:] for ln in r.stderr.splitlines() if "vision encoder" in ln]
         emit(out, {"part": "vision-bench", "model": name, "variant": variant, **bench,
                    "encoder_profile": profile[-4:]})
+    if c64_only:
+        # the encoder benchmark, then the 64-concurrent load alone (rounds of
+        # RSERVE_VISION_C64_CLIENTS) and decode
+        del model
+        torch.cuda.empty_cache()
+        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
+                     "--gpu-memory-utilization", "0.6", tag="-vision", env=trace_env)
+        rec = {"part": "vision", "model": name, "ready_s": srv.ready_s}
+        try:
+            c64_rounds(a, srv, srv.model_name(), rec, out)
+        except Exception as e:  # keep what was measured
+            rec["error"] = repr(e)[-2000:]
+        finally:
+            srv.stop()
+        emit(out, rec)
+        return
     proc = hf_processor()
     srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
-                 "--gpu-memory-utilization", "0.6", tag="-vision")
+                 "--gpu-memory-utilization", "0.6", tag="-vision", env=trace_env)
     rec: dict = {"part": "vision", "model": name, "ready_s": srv.ready_s}
     try:
         m = srv.model_name()
@@ -293,19 +316,7 @@ def part_vision(a, out: Path) -> None:
         del model
         torch.cuda.empty_cache()
 
-        rec.update(c64(srv, m))
-        n = rec["c64_image"]["prompt_tokens"]
-        rng = random.Random(3)
-        emit(out, {**rec, "step": "c64"})
-
-        # decode speed at batch 1: an image request against text-only of the same length
-        s_img = stream(srv, "/v1/chat/completions",
-                       chat_body(m, png(512, 512, 7), words(64, 7), max_tokens=256, ignore_eos=True, temperature=0))
-        s_txt = stream(srv, "/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
-                                                "max_tokens": 256, "ignore_eos": True, "temperature": 0})
-        rec["decode_image_tok_s"] = decode_tok_s(s_img["times"])
-        rec["decode_text_tok_s"] = decode_tok_s(s_txt["times"])
-        rec["decode_image_vs_text"] = rec["decode_image_tok_s"] / max(rec["decode_text_tok_s"], 1e-9)
+        c64_rounds(a, srv, m, rec, out)
     except Exception as e:  # keep what was measured
         rec["error"] = repr(e)[-2000:]
     finally:
@@ -323,7 +334,7 @@ def part_vision(a, out: Path) -> None:
                 emit(out, {**ab, "error": repr(e)[-2000:]})
                 continue
             try:
-                ab.update(c64(srv, srv.model_name()))
+                ab.update(c64(a, srv, srv.model_name()))
             except Exception as e:
                 ab["error"] = repr(e)[-2000:]
             finally:
@@ -331,19 +342,96 @@ def part_vision(a, out: Path) -> None:
             emit(out, ab)
 
 
-def c64(srv, m: str) -> dict:
-    """64 concurrent requests, one distinct 512x512 image + 64 text tokens each, 128 out, then the
-    same load as text-only prompts of the same length."""
-    bodies = [("/v1/chat/completions", chat_body(m, png(512, 512, 1000 + i), words(64, 1000 + i),
-                                                 max_tokens=128, ignore_eos=True, temperature=0))
-              for i in range(128)]
-    load(srv, bodies[:8], 8)  # warm-up
-    img_load = load(srv, bodies, 64)
-    n = img_load["prompt_tokens"]
+def c64_rounds(a, srv, m: str, rec: dict, out: Path) -> None:
+    """`c64` once per client of RSERVE_VISION_C64_CLIENTS (default `rserve`; e.g.
+    `rserve,python,rserve,python` for the two clients alternating on one server), the first
+    round's figures at the top of `rec`; then the decode speed of one image request against
+    text-only of the same length."""
+    from check import emit
+
+    clients = os.environ.get("RSERVE_VISION_C64_CLIENTS", "rserve").split(",")
+    rounds = []
+    for i, client in enumerate(clients):
+        r = c64(a, srv, m, client, seed=i)
+        rounds.append(r)
+        if i == 0:
+            rec.update(r)
+        emit(out, {"part": "vision-c64-round", "round": i, **r})
+    rec["c64_rounds"] = [{"client": r["client"], "ratio": r["c64_image_vs_text"]} for r in rounds]
+    n = rec["c64_image"]["prompt_tokens"]
     rng = random.Random(3)
+    # decode speed at batch 1: an image request against text-only of the same length
+    s_img = stream(srv, "/v1/chat/completions",
+                   chat_body(m, png(512, 512, 7), words(64, 7), max_tokens=256, ignore_eos=True, temperature=0))
+    s_txt = stream(srv, "/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
+                                            "max_tokens": 256, "ignore_eos": True, "temperature": 0})
+    rec["decode_image_tok_s"] = decode_tok_s(s_img["times"])
+    rec["decode_text_tok_s"] = decode_tok_s(s_txt["times"])
+    rec["decode_image_vs_text"] = rec["decode_image_tok_s"] / max(rec["decode_text_tok_s"], 1e-9)
+
+
+def bench_serve(a, srv, m: str, *args: str) -> dict:
+    """`rserve bench serve` against the server (a Rust client: bodies built before the clock starts
+    and sent from many threads, so a megabyte of base64 per request costs the load nothing)."""
+    import subprocess
+
+    r = subprocess.run([str(a.binary), "bench", "serve", "--base-url", srv.url + "/v1", "--model", m,
+                        "--json", *args], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def c64(a, srv, m: str, client: str = "rserve", seed: int = 0) -> dict:
+    """64 concurrent requests, one distinct 512x512 image + 64 words each, 128 out, then the same
+    load as text-only prompts of the same length. `client` "rserve" sends them with `rserve bench
+    serve` (`random-mm`, then `random` at the image run's prompt length); "python" with the
+    earlier client of this script (threads that serialize each body as they send it). With
+    RSERVE_VISION_TRACE=1 (a server logging every step) each load's steps are summed by kind.
+    Each `seed` draws other images and prompts, so a later round on the same server finds none of
+    an earlier one's in the prefix cache."""
+    from check import step_summary
+
+    if client == "python":
+        return c64_python(srv, m, seed)
+    trace = os.environ.get("RSERVE_VISION_TRACE") == "1"
+    mm = ["--dataset-name", "random-mm", "--random-mm-base-items-per-request", "1",
+          "--random-mm-bucket-config", "{(512, 512, 1): 1.0}", "--random-input-len", "64",
+          "--random-output-len", "128", "--max-concurrency", "64"]
+    # the warm-up's images and prompts are the next seed's, which no round uses
+    bench_serve(a, srv, m, *mm, "--num-prompts", "8", "--seed", str(1000 + seed))
+    at = len(srv.log_path.read_text())
+    img = bench_serve(a, srv, m, *mm, "--num-prompts", "128", "--seed", str(seed))
+    mid = len(srv.log_path.read_text())
+    n = round(img["prompt_tokens_mean"])
+    text = bench_serve(a, srv, m, "--random-input-len", str(n), "--random-output-len", "128",
+                       "--num-prompts", "128", "--max-concurrency", "64", "--token-id-min", "1000",
+                       "--token-id-max", "100000", "--seed", str(seed))
+    keep = ("duration_s", "output_throughput", "prompt_tokens_mean", "ttft_ms", "tpot_ms", "failed")
+    res = {"client": "rserve",
+           "c64_image": {"prompt_tokens": n, **{k: img[k] for k in keep}},
+           "c64_text_same_len": {k: text[k] for k in keep},
+           "c64_image_vs_text": img["output_throughput"] / text["output_throughput"]}
+    if trace:
+        log_text = srv.log_path.read_text()
+        res["c64_image_steps"] = step_summary(log_text[at:mid])
+        res["c64_text_steps"] = step_summary(log_text[mid:])
+    return res
+
+
+def c64_python(srv, m: str, seed: int = 0) -> dict:
+    """The load of `c64` from this script's own threads (the client of the earlier figures)."""
+    base = 1000 + 1000 * seed
+    bodies = [("/v1/chat/completions", chat_body(m, png(512, 512, base + i), words(64, base + i),
+                                                 max_tokens=128, ignore_eos=True, temperature=0))
+              for i in range(136)]
+    load(srv, bodies[128:], 8)  # warm-up, images of its own
+    img_load = load(srv, bodies[:128], 64)
+    n = img_load["prompt_tokens"]
+    rng = random.Random(3 + seed)
     text_bodies = [("/v1/completions", {"model": m, "prompt": [rng.randrange(1000, 100000) for _ in range(n)],
                                         "max_tokens": 128, "ignore_eos": True, "temperature": 0})
                    for _ in range(128)]
     text_load = load(srv, text_bodies, 64)
-    return {"c64_image": img_load, "c64_text_same_len": text_load,
+    return {"client": "python", "c64_image": img_load, "c64_text_same_len": text_load,
             "c64_image_vs_text": img_load["output_tok_s"] / text_load["output_tok_s"]}

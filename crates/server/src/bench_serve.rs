@@ -3,10 +3,13 @@
 //! (fixed input and output lengths, `ignore_eos`) with at most `--max-concurrency` in flight and
 //! Poisson arrivals at `--request-rate`, then prints throughput and TTFT / TPOT / ITL statistics.
 //! `--dataset-name prefix_repetition` sends prompts sharing a few long prefixes instead (vLLM's
-//! dataset of that name) and reports the prompt tokens the server found in its prefix cache.
+//! dataset of that name) and reports the prompt tokens the server found in its prefix cache;
+//! `random-mm` sends chat messages with random images (`bench_dataset`). Prompt tokens are
+//! counted from the server's `usage` where it reports them.
 //! It speaks plain HTTP/1.1 over TCP itself (no TLS), which is all a benchmark on a local network
 //! needs.
 
+use crate::bench_dataset;
 use crate::cli::BenchServeArgs;
 use anyhow::{bail, Context, Result};
 use rserve_core::sampler::SeqRng;
@@ -27,39 +30,9 @@ struct Sample {
     output_tokens: usize,
     /// `usage.prompt_tokens_details.cached_tokens` of the final chunk.
     cached_tokens: usize,
+    /// `usage.prompt_tokens` of the final chunk (0 when the server sent none).
+    prompt_tokens: usize,
     error: Option<String>,
-}
-
-/// The benchmark's prompts and output length, per `--dataset-name`.
-fn dataset(args: &BenchServeArgs, rng: &mut SeqRng) -> (Vec<Vec<u32>>, usize) {
-    let span = args.token_id_max.saturating_sub(args.token_id_min).max(1);
-    let mut random = |len: usize| -> Vec<u32> {
-        (0..len)
-            .map(|_| args.token_id_min + (rng.next_u64() % span as u64) as u32)
-            .collect()
-    };
-    if args.dataset_name != "prefix_repetition" {
-        let prompts = (0..args.num_prompts)
-            .map(|_| random(args.random_input_len))
-            .collect();
-        return (prompts, args.random_output_len);
-    }
-    let k = args.prefix_repetition_num_prefixes.max(1);
-    let prefixes: Vec<Vec<u32>> = (0..k)
-        .map(|_| random(args.prefix_repetition_prefix_len))
-        .collect();
-    let mut prompts: Vec<Vec<u32>> = (0..args.num_prompts)
-        .map(|i| {
-            let mut p = prefixes[i % k].clone();
-            p.extend(random(args.prefix_repetition_suffix_len));
-            p
-        })
-        .collect();
-    for i in (1..prompts.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        prompts.swap(i, j);
-    }
-    (prompts, args.prefix_repetition_output_len)
 }
 
 fn split_url(base: &str) -> Result<(String, String)> {
@@ -201,6 +174,7 @@ async fn one_request(host: &str, path: &str, auth: Option<&str>, body: &Value) -
                 s.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
                     .as_u64()
                     .unwrap_or(0) as usize;
+                s.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize;
             }
             let has_text = v["choices"]
                 .get(0)
@@ -264,30 +238,36 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
 }
 
 async fn run_async(args: BenchServeArgs) -> Result<()> {
-    let lengths = if args.dataset_name == "prefix_repetition" {
-        [
+    let counts = match args.dataset_name.as_str() {
+        "prefix_repetition" => [
             args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len,
             args.prefix_repetition_output_len,
             args.prefix_repetition_num_prefixes,
-        ]
-    } else {
-        [args.random_input_len, args.random_output_len, 1]
+        ],
+        _ => [args.random_input_len, args.random_output_len, 1],
     };
-    if args.num_prompts == 0 || args.max_concurrency == 0 || lengths.contains(&0) {
+    if args.num_prompts == 0 || args.max_concurrency == 0 || counts.contains(&0) {
         bail!(
             "--num-prompts, --max-concurrency, the lengths and the prefix count must be positive"
         );
     }
     let (host, base_path) = split_url(&args.base_url)?;
-    let path = format!("{base_path}/completions");
     let mut rng = SeqRng::new(args.seed);
-    let (prompts, output_len) = dataset(&args, &mut rng);
-    let input_len = lengths[0];
+    let data = bench_dataset::build(&args, &mut rng)?;
+    let path = format!(
+        "{base_path}/{}",
+        if data.chat {
+            "chat/completions"
+        } else {
+            "completions"
+        }
+    );
+    let (input_len, output_len) = (data.input_len, data.output_len);
     let sem = Arc::new(Semaphore::new(args.max_concurrency));
     let auth: Option<Arc<str>> = args.api_key.as_deref().map(Arc::from);
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(prompts.len());
-    for (i, p) in prompts.into_iter().enumerate() {
+    let mut tasks = Vec::with_capacity(data.prompts.len());
+    for (i, p) in data.prompts.into_iter().enumerate() {
         if let Some(rate) = args.request_rate.filter(|r| r.is_finite() && *r > 0.0) {
             let gap = -(1.0 - rng.next_f64()).ln() / rate;
             tokio::time::sleep(Duration::from_secs_f64(gap)).await;
@@ -298,9 +278,10 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
                 0 => args.model.as_str(),
                 k => args.lora_modules[i % k].as_str(),
             },
-            "prompt": p, "max_tokens": output_len, "ignore_eos": true,
+            "max_tokens": output_len, "ignore_eos": true,
             "temperature": 0.0, "stream": true, "stream_options": {"include_usage": true},
         });
+        p.insert_into(&mut body);
         if args.structured_output.is_some() {
             body["response_format"] = records_schema();
         }
@@ -325,7 +306,12 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         eprintln!("first error: {e}");
     }
     let out_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
-    let in_tokens = ok.len() * input_len;
+    // the server's count where every request has one (images, chat templates), else the dataset's
+    let in_tokens = if ok.iter().all(|s| s.prompt_tokens > 0) {
+        ok.iter().map(|s| s.prompt_tokens).sum()
+    } else {
+        ok.len() * input_len
+    };
     let cached_tokens: usize = ok.iter().map(|s| s.cached_tokens).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|s| s.ttft).collect();
     let mut tpot: Vec<f64> = ok
@@ -339,6 +325,8 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "dataset": args.dataset_name, "input_len": input_len, "output_len": output_len,
         "structured_output": args.structured_output,
+        "total_input_tokens": in_tokens,
+        "prompt_tokens_mean": in_tokens as f64 / ok.len().max(1) as f64,
         "cached_prompt_tokens": cached_tokens,
         "prefix_cache_hit_rate": cached_tokens as f64 / in_tokens.max(1) as f64,
         "successful": ok.len(), "failed": failed, "duration_s": dur,

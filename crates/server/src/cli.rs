@@ -430,11 +430,19 @@ pub struct BenchServeArgs {
     pub random_input_len: usize,
     #[arg(long, default_value_t = 128)]
     pub random_output_len: usize,
-    /// `random` (fixed-length random prompts) or `prefix_repetition` (vLLM's shared-prefix set:
+    /// `random` (fixed-length random prompts), `prefix_repetition` (vLLM's shared-prefix set:
     /// each prompt is one of `--prefix-repetition-num-prefixes` random prefixes followed by a
-    /// random suffix of its own, in shuffled order).
-    #[arg(long, default_value = "random", value_parser = ["random", "prefix_repetition"])]
+    /// random suffix of its own, in shuffled order) or `random-mm` (chat messages of random
+    /// images and `--random-input-len` random words, sent to `/chat/completions`).
+    #[arg(long, default_value = "random", value_parser = ["random", "prefix_repetition", "random-mm"])]
     pub dataset_name: String,
+    /// `random-mm`: images in each request.
+    #[arg(long, default_value_t = 1)]
+    pub random_mm_base_items_per_request: usize,
+    /// `random-mm`: image sizes and their weights, as vLLM writes them:
+    /// `{(height, width, frames): probability, ...}` (images only: one frame).
+    #[arg(long, default_value = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}")]
+    pub random_mm_bucket_config: String,
     #[arg(long, default_value_t = 256)]
     pub prefix_repetition_prefix_len: usize,
     #[arg(long, default_value_t = 256)]

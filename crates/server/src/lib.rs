@@ -5,6 +5,7 @@
 
 pub mod adapters;
 pub mod bench;
+mod bench_dataset;
 pub mod bench_grammar;
 pub mod bench_serve;
 pub mod bench_startup;
