@@ -13,7 +13,8 @@ transformers on the same GPU.
   kernel, without it, and with an earlier build named by RSERVE_BASELINE_BINARY.
 RSERVE_VISION_QUICK=1 stops after rserve's TTFT (no transformers TTFT, load or decode steps).
 RSERVE_VISION_C64_ONLY=1: the encoder benchmark (this build), the 64-concurrent load and the
-decode step only.
+decode step only (with RSERVE_BASELINE_BINARY: this build's server, the baseline's, this one's
+again, each with its start's memory profile line).
 RSERVE_VISION_C64_CLIENTS picks the load's client per round (`rserve`, the default: `rserve bench
 serve` with vLLM's `random-mm` dataset; `python`: this script's threads), e.g. `rserve,python`.
 RSERVE_VISION_TRACE=1 logs every engine step and sums each load's steps by kind.
@@ -220,19 +221,30 @@ def part_vision(a, out: Path) -> None:
                    "encoder_profile": profile[-4:]})
     if c64_only:
         # the encoder benchmark, then the 64-concurrent load alone (rounds of
-        # RSERVE_VISION_C64_CLIENTS) and decode
+        # RSERVE_VISION_C64_CLIENTS) and decode; with RSERVE_BASELINE_BINARY, its server next and
+        # this build's again
         del model
         torch.cuda.empty_cache()
-        srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
-                     "--gpu-memory-utilization", "0.6", tag="-vision", env=trace_env)
-        rec = {"part": "vision", "model": name, "ready_s": srv.ready_s}
-        try:
-            c64_rounds(a, srv, srv.model_name(), rec, out)
-        except Exception as e:  # keep what was measured
-            rec["error"] = repr(e)[-2000:]
-        finally:
-            srv.stop()
-        emit(out, rec)
+        servers = [("default", a.binary)]
+        if os.environ.get("RSERVE_BASELINE_BINARY"):
+            servers += [("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"])), ("default-again", a.binary)]
+        for variant, binary in servers:
+            try:
+                srv = Server(binary, str(path), a.port, out, "--max-model-len", "8192",
+                             "--gpu-memory-utilization", "0.6", tag=f"-vision-{variant}", env=trace_env)
+            except Exception as e:
+                emit(out, {"part": "vision", "variant": variant, "error": repr(e)[-2000:]})
+                continue
+            rec = {"part": "vision", "model": name, "variant": variant, "ready_s": srv.ready_s,
+                   "memory": [ln.strip()[-400:] for ln in srv.log_path.read_text().splitlines()
+                              if "GPU memory:" in ln]}
+            try:
+                c64_rounds(a, srv, srv.model_name(), rec, out)
+            except Exception as e:  # keep what was measured
+                rec["error"] = repr(e)[-2000:]
+            finally:
+                srv.stop()
+            emit(out, rec)
         return
     proc = hf_processor()
     srv = Server(a.binary, str(path), a.port, out, "--max-model-len", "8192",
@@ -356,7 +368,7 @@ def c64_rounds(a, srv, m: str, rec: dict, out: Path) -> None:
         rounds.append(r)
         if i == 0:
             rec.update(r)
-        emit(out, {"part": "vision-c64-round", "round": i, **r})
+        emit(out, {"part": "vision-c64-round", "variant": rec.get("variant"), "round": i, **r})
     rec["c64_rounds"] = [{"client": r["client"], "ratio": r["c64_image_vs_text"]} for r in rounds]
     n = rec["c64_image"]["prompt_tokens"]
     rng = random.Random(3)

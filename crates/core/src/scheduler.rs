@@ -43,6 +43,10 @@ pub struct SchedulerConfig {
     pub max_loras: usize,
     /// Whether computed blocks are cached by content and reused by later sequences.
     pub enable_prefix_caching: bool,
+    /// Most image tokens whose images the vision encoder takes in one step (vLLM's encoder
+    /// budget; `usize::MAX` for models without images): prompt chunks are cut before an image
+    /// that would exceed it, except the step's first image.
+    pub max_num_encoder_tokens: usize,
 }
 
 /// Prefix-cache lookups so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
@@ -180,6 +184,8 @@ impl Scheduler {
         let mut out = SchedulerOutput::default();
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut rows = self.cfg.max_prompt_logprob_rows.max(1);
+        // image tokens the encoder takes this step
+        let mut encoded = 0;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -189,7 +195,14 @@ impl Scheduler {
             };
             let num_computed = seq.num_computed_tokens;
             let remaining = seq.num_uncomputed();
-            let num_new = Self::fit_rows(seq, remaining.min(budget), &mut rows);
+            let num_new = self.fit_encoder(
+                seq,
+                num_computed,
+                remaining.min(budget),
+                false,
+                &mut encoded,
+            );
+            let num_new = Self::fit_rows(seq, num_new, &mut rows);
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -259,8 +272,10 @@ impl Scheduler {
                 };
                 let num_computed = seq.num_computed_tokens.max(hit.len() * self.cfg.block_size);
                 let remaining = seq.num_tokens() - num_computed;
-                let mut left = rows;
-                let num_new = Self::fit_rows(seq, remaining.min(budget), &mut left);
+                let (mut left, mut enc) = (rows, encoded);
+                let num_new =
+                    self.fit_encoder(seq, num_computed, remaining.min(budget), true, &mut enc);
+                let num_new = Self::fit_rows(seq, num_new, &mut left);
                 if num_new == 0 {
                     break;
                 }
@@ -273,7 +288,7 @@ impl Scheduler {
                     }
                     break;
                 };
-                rows = left;
+                (rows, encoded) = (left, enc);
                 let looked_up = self.looks_up(id);
                 if let Some(s) = self.seqs.get_mut(&id) {
                     s.num_computed_tokens = num_computed;
@@ -382,6 +397,43 @@ impl Scheduler {
         let usable = seq.known_tokens().len().saturating_sub(1) / bs.max(1);
         let n = usable.min(seq.block_hashes.len());
         self.kv.cached_prefix(&seq.block_hashes[..n])
+    }
+
+    /// Cuts a chunk of `num_new` tokens after `num_computed` so that the images the vision
+    /// encoder takes for it fit the step's encoder budget, of which `used` image tokens are
+    /// taken (adding the chunk's). An image is encoded in the step that schedules its first
+    /// token, and also, in a sequence's first step after admission (`admitted`), when the chunk
+    /// starts inside it (after a prefix-cache hit). The chunk is cut before the first image that
+    /// would pass the budget, unless it is the step's first image (a single image always fits:
+    /// the engine sets the budget to at least the largest image). Counts are conservative: an
+    /// image kept from before a preemption counts again.
+    fn fit_encoder(
+        &self,
+        seq: &Sequence,
+        num_computed: usize,
+        num_new: usize,
+        admitted: bool,
+        used: &mut usize,
+    ) -> usize {
+        let Some(mm) = seq.meta.mm.as_deref() else {
+            return num_new;
+        };
+        let budget = self.cfg.max_num_encoder_tokens;
+        let mut need = 0;
+        let mut n = num_new;
+        for (_, span) in mm.images_in(num_computed, num_computed + num_new) {
+            if span.offset < num_computed && !admitted {
+                continue;
+            }
+            let taken = *used + need;
+            if taken > 0 && taken.saturating_add(span.len) > budget {
+                n = span.offset.saturating_sub(num_computed);
+                break;
+            }
+            need += span.len;
+        }
+        *used += need;
+        n
     }
 
     /// Cuts `num_new` so that the prompt-logprob rows it produces fit in `rows` (taking them).
@@ -554,3 +606,7 @@ impl Scheduler {
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "scheduler_encoder_tests.rs"]
+mod encoder_tests;

@@ -3,7 +3,7 @@
 
 use super::*;
 
-fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerConfig {
+pub(super) fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerConfig {
     SchedulerConfig {
         max_num_seqs: max_seqs,
         max_num_batched_tokens: budget,
@@ -13,6 +13,7 @@ fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> SchedulerCon
         max_prompt_logprob_rows: 1 << 20,
         max_loras: usize::MAX,
         enable_prefix_caching: false,
+        max_num_encoder_tokens: usize::MAX,
     }
 }
 
@@ -23,7 +24,7 @@ fn add(s: &mut Scheduler, id: u64, prompt_len: usize) {
     s.add(Sequence::new(SeqId(id), RequestId(id), prompt, 1));
 }
 
-fn plan(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
+pub(super) fn plan(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
     out.scheduled
         .iter()
         .map(|s| (s.seq_id.0, s.num_computed, s.num_new, s.samples))
@@ -31,7 +32,7 @@ fn plan(out: &SchedulerOutput) -> Vec<(u64, usize, usize, bool)> {
 }
 
 /// Completes a step, appending token 7 to each sequence that sampled.
-fn finish_step(s: &mut Scheduler, out: &SchedulerOutput) {
+pub(super) fn finish_step(s: &mut Scheduler, out: &SchedulerOutput) {
     s.complete_step(out);
     for x in &out.scheduled {
         if x.samples {

@@ -226,6 +226,33 @@ fn the_encoders_match_transformers_features() {
     }
 }
 
+/// The blank batch the GPU start profiles the encoder with (at the encoder budget) is one the
+/// encoders take: one near-square Qwen2-VL image, or as many CLIP crops as fit.
+#[test]
+fn the_encoders_take_their_profile_batch() {
+    for name in MODELS {
+        let h = start(name, |_| {});
+        let proc = h.info().processor.clone().expect("processor");
+        let hidden = h.info().model_config.hidden_size;
+        let per = proc.max_image_tokens();
+        assert!(per > 0, "{name}");
+        for tokens in [1, 45, 3 * per] {
+            let images = proc.profile_images(tokens);
+            let total: usize = images.iter().map(|i| i.num_tokens).sum();
+            assert!(
+                !images.is_empty() && total <= tokens.max(per),
+                "{name}: {total} for {tokens}"
+            );
+            let feats = h
+                .encode_images(images.iter().cloned().map(Arc::new).collect())
+                .expect("encodes");
+            for (f, img) in feats.iter().zip(&images) {
+                assert_eq!(f.len(), img.num_tokens * hidden, "{name}");
+            }
+        }
+    }
+}
+
 #[test]
 fn the_prefix_cache_keys_blocks_by_image_content() {
     let g = load_golden("qwen2_5_vl");

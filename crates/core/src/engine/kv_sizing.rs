@@ -7,6 +7,7 @@ use crate::kv_cache::KvCache;
 #[cfg(feature = "cuda")]
 use crate::model_runner::graphs::GraphPlan;
 use crate::models::Model;
+use crate::multimodal::ImageInput;
 use candle_core::DType;
 use candle_core::Device;
 
@@ -25,15 +26,17 @@ pub fn default_batched_tokens(device: &Device) -> usize {
 }
 
 /// Bytes of KV cache a GPU can hold: `gpu_memory_utilization` of the card, less what is in use
-/// after loading (weights, context, other processes) and the activation peak of a forward pass over
-/// `batched_tokens` tokens (the step budget), measured on the pool's high-water mark.
+/// after loading (weights, context, other processes) and the activation peak of a step, measured
+/// on the pool's high-water mark: a forward pass over `batched_tokens` tokens (the step budget)
+/// and, for a vision model, the encoder over `images` (its largest batch) with its features
+/// kept through the forward pass, as a step with new images keeps them.
 #[cfg(feature = "cuda")]
 pub(crate) fn gpu_kv_budget(
     cfg: &EngineConfig,
     batched_tokens: usize,
     (model, dtype): (&dyn Model, DType),
     device: &Device,
-    max_model_len: usize,
+    (max_model_len, images): (usize, &[ImageInput]),
 ) -> Result<usize, EngineError> {
     use crate::device::gpu;
     let Device::Cuda(dev) = device else {
@@ -56,9 +59,27 @@ pub(crate) fn gpu_kv_budget(
         cfg.block_size,
     )
     .map_err(|e| err(e.to_string()))?;
-    let peak = gpu::peak(dev)
+    let forward_peak = gpu::peak(dev)
         .map_err(err)?
         .saturating_sub(before.pool_used + scratch);
+    let (encoder_peak, features) = if images.is_empty() {
+        (0, 0)
+    } else {
+        gpu::reset_peak(dev).map_err(err)?;
+        let refs: Vec<&ImageInput> = images.iter().collect();
+        let feats = model
+            .encode_images(&refs)
+            .map_err(|e| err(format!("the vision encoder: {e}")))?;
+        let bytes = feats
+            .iter()
+            .map(|f| f.elem_count() * f.dtype().size_in_bytes())
+            .sum::<usize>();
+        drop(feats);
+        device.synchronize().map_err(|e| err(e.to_string()))?;
+        let used = gpu::memory(dev).map_err(err)?.pool_used;
+        (gpu::peak(dev).map_err(err)?.saturating_sub(used), bytes)
+    };
+    let peak = (forward_peak + features).max(encoder_peak);
     let in_use = before.total - before.free;
     let allowed = (before.total as f64 * cfg.gpu_memory_utilization) as usize;
     // decode graphs: the shared f32 logits buffer, the largest bucket's logits inside its graph
@@ -72,7 +93,7 @@ pub(crate) fn gpu_kv_budget(
             .copied()
             .unwrap_or(0);
         let logits = largest * model.config().vocab_size;
-        let one = logits * (8 + dtype.size_in_bytes()) + peak * largest / tokens.max(1);
+        let one = logits * (8 + dtype.size_in_bytes()) + forward_peak * largest / tokens.max(1);
         // a second set runs the steps with adapter rows
         if cfg.lora.is_some() {
             2 * one
@@ -82,8 +103,18 @@ pub(crate) fn gpu_kv_budget(
     };
     let budget = allowed.saturating_sub(in_use + peak + graphs);
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let encoder = if images.is_empty() {
+        String::new()
+    } else {
+        let image_tokens: usize = images.iter().map(|i| i.num_tokens).sum();
+        format!(
+            " (the vision encoder's {:.2} GiB for {} images of {image_tokens} tokens)",
+            gib(encoder_peak),
+            images.len()
+        )
+    };
     tracing::info!(
-        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading (tensors {:.2} GiB, their peak while loading {:.2} GiB), activation peak {:.2} GiB for {tokens} tokens, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
+        "GPU memory: {:.2} GiB total, {:.2} GiB in use after loading (tensors {:.2} GiB, their peak while loading {:.2} GiB), activation peak {:.2} GiB for {tokens} tokens{encoder}, {:.2} GiB kept for decode graphs; KV cache budget {:.2} GiB at utilization {}",
         gib(before.total),
         gib(in_use),
         gib(before.pool_used),
@@ -102,7 +133,7 @@ pub(crate) fn gpu_kv_budget(
     _batched_tokens: usize,
     _model: (&dyn Model, DType),
     _device: &Device,
-    _max_model_len: usize,
+    _lengths: (usize, &[ImageInput]),
 ) -> Result<usize, EngineError> {
     Err(EngineError::InvalidConfig(
         "this build has no GPU support".into(),
@@ -110,13 +141,14 @@ pub(crate) fn gpu_kv_budget(
 }
 
 /// The number of KV blocks for `cfg` (see [`KvBudget`]): never more than `max_num_seqs`
-/// sequences of `max_model_len` tokens need.
+/// sequences of `max_model_len` tokens need. `images`: a vision model's largest encoder batch,
+/// profiled with the forward pass on a GPU.
 pub(crate) fn kv_blocks(
     cfg: &EngineConfig,
     (model, dtype): (&dyn Model, DType),
     device: &Device,
     batched_tokens: usize,
-    max_model_len: usize,
+    (max_model_len, images): (usize, &[ImageInput]),
 ) -> Result<usize, EngineError> {
     let mc = model.config();
     let per_block = KvCache::bytes_per_block(
@@ -133,7 +165,13 @@ pub(crate) fn kv_blocks(
         KvBudget::Bytes(b) => b / per_block,
         KvBudget::Blocks(n) => n,
         KvBudget::Auto if !device.is_cpu() => {
-            let budget = gpu_kv_budget(cfg, batched_tokens, (model, dtype), device, max_model_len)?;
+            let budget = gpu_kv_budget(
+                cfg,
+                batched_tokens,
+                (model, dtype),
+                device,
+                (max_model_len, images),
+            )?;
             (budget / per_block).min(useful)
         }
         KvBudget::Auto => ((1usize << 30) / per_block).min(useful),

@@ -158,13 +158,21 @@ impl Engine {
         }
         let mc = loaded.model.config().clone();
         let kv_dtype: DType = cfg.kv_cache_dtype.storage(loaded.dtype);
+        // the encoder budget: image tokens a step may encode, at least the largest image
+        let encoder_tokens = loaded.processor.as_ref().map_or(usize::MAX, |p| {
+            batched_tokens.max(p.max_image_tokens().min(max_model_len))
+        });
+        let profile_images = match &loaded.processor {
+            Some(p) if !device.is_cpu() => p.profile_images(encoder_tokens),
+            _ => Vec::new(),
+        };
         let mut own = || {
             kv_sizing::kv_blocks(
                 &cfg,
                 (loaded.model.as_ref(), loaded.dtype),
                 &device,
                 batched_tokens,
-                max_model_len,
+                (max_model_len, &profile_images),
             )
         };
         let num_blocks = match &group {
@@ -210,6 +218,7 @@ impl Engine {
             max_prompt_logprob_rows: prompt_logprob_rows_for(mc.vocab_size),
             max_loras: cfg.lora.map_or(usize::MAX, |l| l.max_loras),
             enable_prefix_caching: cfg.enable_prefix_caching,
+            max_num_encoder_tokens: encoder_tokens,
         };
         let lora = match (cfg.lora, &loaded.lora) {
             (Some(opts), Some(slots)) => {

@@ -149,6 +149,58 @@ impl Processor {
         }
     }
 
+    /// Most placeholder tokens one image can take: Qwen2-VL's at the largest area its resize
+    /// allows, CLIP's fixed count.
+    pub fn max_image_tokens(&self) -> usize {
+        match &self.kind {
+            ImageProcessor::Qwen2Vl(cfg) => cfg.max_tokens(),
+            ImageProcessor::Clip {
+                config,
+                patch_size,
+                keep_cls,
+            } => {
+                let side = config.crop_size / (*patch_size).max(1);
+                side * side + usize::from(*keep_cls)
+            }
+        }
+    }
+
+    /// Blank images of at most `tokens` placeholder tokens in all (at least one image): the
+    /// encoder's largest batch, for the memory profile at start. Qwen2-VL: one image of a
+    /// near-square grid; CLIP: as many crops as fit.
+    pub fn profile_images(&self, tokens: usize) -> Vec<ImageInput> {
+        let blank = |shape: [usize; 2], grid_thw: [usize; 3], num_tokens: usize| ImageInput {
+            pixels: vec![0.0; shape[0] * shape[1]],
+            shape,
+            grid_thw,
+            num_tokens,
+            hash: [0; 32],
+        };
+        match &self.kind {
+            ImageProcessor::Qwen2Vl(cfg) => {
+                let (p, m, t) = (
+                    cfg.patch_size,
+                    cfg.merge_size.max(1),
+                    cfg.temporal_patch_size.max(1),
+                );
+                let a = (tokens.max(1) as f64).sqrt().floor().max(1.0) as usize;
+                let b = (tokens / a).max(1);
+                let grid = [1, m * a, m * b];
+                vec![blank([m * m * a * b, 3 * t * p * p], grid, a * b)]
+            }
+            ImageProcessor::Clip {
+                config, patch_size, ..
+            } => {
+                let per = self.max_image_tokens().max(1);
+                let side = config.crop_size / (*patch_size).max(1);
+                let shape = [3, config.crop_size * config.crop_size];
+                (0..(tokens / per).max(1))
+                    .map(|_| blank(shape, [1, side, side], per))
+                    .collect()
+            }
+        }
+    }
+
     /// Decodes and preprocesses an encoded image.
     pub fn decode(&self, bytes: &[u8]) -> Result<ImageInput, ImageError> {
         self.image(&super::decode(bytes, self.max_image_pixels)?)

@@ -80,6 +80,13 @@ impl Qwen2VlConfig {
         (min, max)
     }
 
+    /// Most placeholder tokens an image can take: the largest area the resize allows, in
+    /// merged patches.
+    pub fn max_tokens(&self) -> usize {
+        let factor = (self.patch_size * self.merge_size).max(1);
+        (self.bounds().1 / (factor * factor)).max(1)
+    }
+
     /// The size (height, width) an image of `height` x `width` is resized to.
     pub fn smart_resize(&self, height: usize, width: usize) -> Result<(usize, usize), ImageError> {
         let factor = (self.patch_size * self.merge_size) as f64;

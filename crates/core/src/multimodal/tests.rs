@@ -216,8 +216,6 @@ fn equal_pixels_hash_alike() {
 /// either gives an image or a typed error, never a panic.
 #[test]
 fn mutated_images_fail_cleanly() {
-    use super::clip::ClipConfig;
-    use super::{ImageProcessor, Processor};
     let src = images().into_iter().next().expect("an image").1;
     let buf = image::RgbImage::from_raw(src.width as u32, src.height as u32, src.data.clone())
         .expect("buffer");
@@ -234,22 +232,7 @@ fn mutated_images_fail_cleanly() {
             .expect("encodes");
         files.push(out.into_inner());
     }
-    let procs = [
-        Processor {
-            kind: ImageProcessor::Qwen2Vl(Qwen2VlConfig::default()),
-            image_token_id: 0,
-            max_image_pixels: 1 << 22,
-        },
-        Processor {
-            kind: ImageProcessor::Clip {
-                config: ClipConfig::default(),
-                patch_size: 14,
-                keep_cls: false,
-            },
-            image_token_id: 0,
-            max_image_pixels: 1 << 22,
-        },
-    ];
+    let procs = default_processors();
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         state ^= state << 13;
@@ -365,4 +348,43 @@ fn the_normalizer_table_is_the_arithmetic() {
             );
         }
     }
+}
+
+/// Qwen2-VL's and CLIP's processors with their default configurations.
+fn default_processors() -> [Processor; 2] {
+    let with = |kind| Processor {
+        kind,
+        image_token_id: 0,
+        max_image_pixels: 1 << 22,
+    };
+    [
+        with(ImageProcessor::Qwen2Vl(Qwen2VlConfig::default())),
+        with(ImageProcessor::Clip {
+            config: ClipConfig::default(),
+            patch_size: 14,
+            keep_cls: false,
+        }),
+    ]
+}
+
+#[test]
+fn the_largest_image_and_the_profile_batch() {
+    let [qwen, clip] = default_processors();
+    // 28 x 28 x 1280 pixels at most: 1280 merged patches; a 2000 x 3000 image resizes to no more
+    assert_eq!(qwen.max_image_tokens(), 1280);
+    let big = qwen.image(&RgbImage::new(3000, 2000, vec![9; 3000 * 2000 * 3]).expect("image"));
+    assert!(big.expect("preprocesses").num_tokens <= 1280);
+    let batch = qwen.profile_images(1000);
+    assert_eq!(batch.len(), 1);
+    // a 31 x 32 grid of merged patches: 992 tokens, 3,968 patch rows of 3 x 2 x 14 x 14
+    assert_eq!(batch[0].grid_thw, [1, 62, 64]);
+    assert_eq!((batch[0].num_tokens, batch[0].shape), (992, [3968, 1176]));
+    assert_eq!(batch[0].pixels.len(), 3968 * 1176);
+    assert_eq!(clip.max_image_tokens(), 576);
+    let crops = clip.profile_images(2000);
+    assert_eq!(crops.len(), 3);
+    assert!(crops
+        .iter()
+        .all(|c| c.num_tokens == 576 && c.shape == [3, 336 * 336]));
+    assert_eq!(clip.profile_images(10).len(), 1);
 }

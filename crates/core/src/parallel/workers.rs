@@ -395,7 +395,7 @@ fn serve(mut rank: Rank, rx: mpsc::Receiver<Command>, group: &Group, id: usize) 
                     (model.as_ref(), *dtype),
                     device,
                     batched_tokens,
-                    max_model_len,
+                    (max_model_len, &[]),
                 );
                 if let Err(e) = &r {
                     // rank 0's profiling pass waits in collectives this rank will not run
