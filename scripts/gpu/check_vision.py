@@ -228,10 +228,12 @@ def part_vision(a, out: Path) -> None:
         servers = [("default", a.binary)]
         if os.environ.get("RSERVE_BASELINE_BINARY"):
             servers += [("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"])), ("default-again", a.binary)]
+        # the start's memory line (info) beside the step trace when asked for
+        log_env = {"RUST_LOG": (trace_env or {}).get("RUST_LOG", "warn") + ",rserve_core::engine::kv_sizing=info"}
         for variant, binary in servers:
             try:
                 srv = Server(binary, str(path), a.port, out, "--max-model-len", "8192",
-                             "--gpu-memory-utilization", "0.6", tag=f"-vision-{variant}", env=trace_env)
+                             "--gpu-memory-utilization", "0.6", tag=f"-vision-{variant}", env=log_env)
             except Exception as e:
                 emit(out, {"part": "vision", "variant": variant, "error": repr(e)[-2000:]})
                 continue
