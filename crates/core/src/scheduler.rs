@@ -195,14 +195,8 @@ impl Scheduler {
             };
             let num_computed = seq.num_computed_tokens;
             let remaining = seq.num_uncomputed();
-            let num_new = self.fit_encoder(
-                seq,
-                num_computed,
-                remaining.min(budget),
-                false,
-                &mut encoded,
-            );
-            let num_new = Self::fit_rows(seq, num_new, &mut rows);
+            let chunk = (num_computed, remaining.min(budget), false);
+            let num_new = self.fit_chunk(seq, chunk, &mut rows, &mut encoded);
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -273,9 +267,8 @@ impl Scheduler {
                 let num_computed = seq.num_computed_tokens.max(hit.len() * self.cfg.block_size);
                 let remaining = seq.num_tokens() - num_computed;
                 let (mut left, mut enc) = (rows, encoded);
-                let num_new =
-                    self.fit_encoder(seq, num_computed, remaining.min(budget), true, &mut enc);
-                let num_new = Self::fit_rows(seq, num_new, &mut left);
+                let chunk = (num_computed, remaining.min(budget), true);
+                let num_new = self.fit_chunk(seq, chunk, &mut left, &mut enc);
                 if num_new == 0 {
                     break;
                 }
@@ -397,6 +390,23 @@ impl Scheduler {
         let usable = seq.known_tokens().len().saturating_sub(1) / bs.max(1);
         let n = usable.min(seq.block_hashes.len());
         self.kv.cached_prefix(&seq.block_hashes[..n])
+    }
+
+    /// Cuts a chunk `(num_computed, num_new, admitted)` of `seq` to what the step's limits
+    /// leave: the prompt-logprob rows, then the encoder budget; takes both for the chunk kept.
+    fn fit_chunk(
+        &self,
+        seq: &Sequence,
+        (num_computed, num_new, admitted): (usize, usize, bool),
+        rows: &mut usize,
+        encoded: &mut usize,
+    ) -> usize {
+        let mut left = *rows;
+        let n = Self::fit_rows(seq, num_new, &mut left);
+        let n = self.fit_encoder(seq, num_computed, n, admitted, encoded);
+        // a shorter chunk produces no more rows than the one that fit
+        *rows -= seq.prompt_logprob_rows(n).min(*rows);
+        n
     }
 
     /// Cuts a chunk of `num_new` tokens after `num_computed` so that the images the vision

@@ -11,6 +11,17 @@ use std::sync::Arc;
 /// A sequence of request `id` whose prompt holds images at `spans` (offset, length); every image
 /// is the same blank one (equal content hashes).
 fn add_images(s: &mut Scheduler, id: u64, prompt: Vec<u32>, spans: &[(usize, usize)]) {
+    add_images_with(s, id, prompt, spans, RequestMeta::default());
+}
+
+/// [`add_images`] with more request facts.
+fn add_images_with(
+    s: &mut Scheduler,
+    id: u64,
+    prompt: Vec<u32>,
+    spans: &[(usize, usize)],
+    meta: RequestMeta,
+) {
     let image = |len: usize| {
         Arc::new(ImageInput {
             pixels: Vec::new(),
@@ -30,7 +41,7 @@ fn add_images(s: &mut Scheduler, id: u64, prompt: Vec<u32>, spans: &[(usize, usi
     };
     let meta = RequestMeta {
         mm: Some(Arc::new(mm)),
-        ..RequestMeta::default()
+        ..meta
     };
     let seq = Sequence::new(SeqId(id), RequestId(id), prompt, 1).with_meta(Arc::new(meta));
     s.add(seq);
@@ -124,5 +135,24 @@ fn a_prefix_hit_inside_an_image_counts_the_image() {
     add_images(&mut s, 3, prompt(3, 12), &[(4, 8)]);
     let o = s.schedule();
     assert_eq!(plan(&o), vec![(2, 8, 4, true), (3, 0, 4, false)]);
+    finish_step(&mut s, &o);
+}
+
+#[test]
+fn a_chunk_cut_by_its_prompt_logprob_rows_takes_no_encoder_budget_for_what_it_left() {
+    let mut c = cfg(100, 8, 64, 4);
+    c.max_num_encoder_tokens = 8;
+    c.max_prompt_logprob_rows = 3;
+    let mut s = Scheduler::new(c);
+    // three rows cut the first chunk to three tokens, before its image: the second request's
+    // image has the whole encoder budget
+    let logprobs = RequestMeta {
+        prompt_logprobs: Some(1),
+        ..RequestMeta::default()
+    };
+    add_images_with(&mut s, 1, prompt(1, 20), &[(10, 8)], logprobs);
+    add_images(&mut s, 2, prompt(2, 20), &[(2, 8)]);
+    let o = s.schedule();
+    assert_eq!(plan(&o), vec![(1, 0, 3, false), (2, 0, 20, true)]);
     finish_step(&mut s, &o);
 }

@@ -58,6 +58,9 @@ const WORDS: [&str; 48] = [
     "how", "said", "an", "each", "she", "which", "do", "their", "time",
 ];
 
+/// Largest image side `random-mm` makes (16 Mpx images at most).
+const MAX_SIDE: usize = 4096;
+
 /// `--random-mm-bucket-config` as vLLM writes it, `{(height, width, frames): probability, ...}`:
 /// the image sizes and their weights (normalized). Only images (one frame) are supported.
 pub(crate) fn parse_buckets(spec: &str) -> Result<Vec<(usize, usize, f64)>> {
@@ -88,8 +91,8 @@ pub(crate) fn parse_buckets(spec: &str) -> Result<Vec<(usize, usize, f64)>> {
         if frames != 1 {
             bail!("--random-mm-bucket-config: only images (1 frame) are supported, got {frames}");
         }
-        if h == 0 || w == 0 {
-            bail!("--random-mm-bucket-config: image sizes must be positive");
+        if h == 0 || w == 0 || h > MAX_SIDE || w > MAX_SIDE {
+            bail!("--random-mm-bucket-config: image sides must be 1 to {MAX_SIDE} pixels");
         }
         let after = after
             .trim_start()
@@ -103,7 +106,9 @@ pub(crate) fn parse_buckets(spec: &str) -> Result<Vec<(usize, usize, f64)>> {
         if !(p.is_finite() && p >= 0.0) {
             bail!("--random-mm-bucket-config: probabilities must be finite and not negative");
         }
-        out.push((h, w, p));
+        if p > 0.0 {
+            out.push((h, w, p));
+        }
         rest = tail.trim();
     }
     let total: f64 = out.iter().map(|b| b.2).sum();
@@ -149,7 +154,12 @@ pub(crate) fn build(args: &BenchServeArgs, rng: &mut SeqRng) -> Result<Dataset> 
             let buckets = parse_buckets(&args.random_mm_bucket_config)?;
             let items = args.random_mm_base_items_per_request;
             // (request, size) of every image, then the images themselves over the threads
-            let mut sizes = Vec::with_capacity(args.num_prompts * items);
+            let images = args
+                .num_prompts
+                .checked_mul(items)
+                .filter(|&n| n <= 1 << 20)
+                .context("random-mm: at most 2^20 images in all")?;
+            let mut sizes = Vec::with_capacity(images);
             let mut texts = Vec::with_capacity(args.num_prompts);
             for _ in 0..args.num_prompts {
                 for _ in 0..items {
@@ -231,6 +241,9 @@ mod tests {
             parse_buckets(" {(28,56,1):1} ").unwrap(),
             vec![(28, 56, 1.0)]
         );
+        // a size that can never be drawn is left out
+        let b = parse_buckets("{(28, 28, 1): 0, (56, 56, 1): 2}").unwrap();
+        assert_eq!(b, vec![(56, 56, 1.0)]);
         for bad in [
             "",
             "{}",
@@ -239,6 +252,7 @@ mod tests {
             "{(0, 256, 1): 1}",
             "{(256, 256, 1): -1}",
             "{(256, 256, 1): 0}",
+            "{(8192, 256, 1): 1}",
             "{(256, 256, 1) 1}",
             "(256, 256, 1): 1",
         ] {

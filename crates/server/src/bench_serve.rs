@@ -262,7 +262,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             "completions"
         }
     );
-    let (input_len, output_len) = (data.input_len, data.output_len);
+    let (input_len, output_len, data_chat) = (data.input_len, data.output_len, data.chat);
     let sem = Arc::new(Semaphore::new(args.max_concurrency));
     let auth: Option<Arc<str>> = args.api_key.as_deref().map(Arc::from);
     let start = Instant::now();
@@ -306,11 +306,14 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         eprintln!("first error: {e}");
     }
     let out_tokens: usize = ok.iter().map(|s| s.output_tokens).sum();
-    // the server's count where every request has one (images, chat templates), else the dataset's
-    let in_tokens = if ok.iter().all(|s| s.prompt_tokens > 0) {
-        ok.iter().map(|s| s.prompt_tokens).sum()
+    // the server's count where every request has one (images, chat templates), else the
+    // dataset's for token prompts; a chat prompt's count is the server's alone
+    let in_tokens: Option<usize> = if ok.iter().all(|s| s.prompt_tokens > 0) {
+        Some(ok.iter().map(|s| s.prompt_tokens).sum())
+    } else if data_chat {
+        None
     } else {
-        ok.len() * input_len
+        Some(ok.len() * input_len)
     };
     let cached_tokens: usize = ok.iter().map(|s| s.cached_tokens).sum();
     let mut ttft: Vec<f64> = ok.iter().map(|s| s.ttft).collect();
@@ -326,12 +329,12 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         "dataset": args.dataset_name, "input_len": input_len, "output_len": output_len,
         "structured_output": args.structured_output,
         "total_input_tokens": in_tokens,
-        "prompt_tokens_mean": in_tokens as f64 / ok.len().max(1) as f64,
+        "prompt_tokens_mean": in_tokens.map(|n| n as f64 / ok.len().max(1) as f64),
         "cached_prompt_tokens": cached_tokens,
-        "prefix_cache_hit_rate": cached_tokens as f64 / in_tokens.max(1) as f64,
+        "prefix_cache_hit_rate": in_tokens.map(|n| cached_tokens as f64 / n.max(1) as f64),
         "successful": ok.len(), "failed": failed, "duration_s": dur,
         "request_throughput": ok.len() as f64 / dur, "output_throughput": out_tokens as f64 / dur,
-        "total_token_throughput": (out_tokens + in_tokens) as f64 / dur,
+        "total_token_throughput": in_tokens.map(|n| (out_tokens + n) as f64 / dur),
         "ttft_ms": {"mean": t.0 * 1e3, "median": t.1 * 1e3, "p99": t.2 * 1e3},
         "tpot_ms": {"mean": tp.0 * 1e3, "median": tp.1 * 1e3, "p99": tp.2 * 1e3},
         "itl_ms": {"mean": i.0 * 1e3, "median": i.1 * 1e3, "p99": i.2 * 1e3},
@@ -347,7 +350,12 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             "Maximum request concurrency:", args.max_concurrency
         );
         println!("{:<40}{:>10.2}", "Benchmark duration (s):", dur);
-        println!("{:<40}{:>10}", "Total input tokens:", in_tokens);
+        let unknown = || "unknown".to_string();
+        println!(
+            "{:<40}{:>10}",
+            "Total input tokens:",
+            in_tokens.map_or_else(unknown, |n| n.to_string())
+        );
         println!("{:<40}{:>10}", "Cached prompt tokens:", cached_tokens);
         println!("{:<40}{:>10}", "Total generated tokens:", out_tokens);
         println!(
@@ -361,9 +369,9 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             out_tokens as f64 / dur
         );
         println!(
-            "{:<40}{:>10.2}",
+            "{:<40}{:>10}",
             "Total token throughput (tok/s):",
-            (out_tokens + in_tokens) as f64 / dur
+            in_tokens.map_or_else(unknown, |n| format!("{:.2}", (out_tokens + n) as f64 / dur))
         );
         for (name, s) in [("TTFT", t), ("TPOT", tp), ("ITL", i)] {
             println!("{:<40}{:>10.2}", format!("Mean {name} (ms):"), s.0 * 1e3);

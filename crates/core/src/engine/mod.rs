@@ -162,8 +162,11 @@ impl Engine {
         let encoder_tokens = loaded.processor.as_ref().map_or(usize::MAX, |p| {
             batched_tokens.max(p.max_image_tokens().min(max_model_len))
         });
+        // profiled only where the cache takes what the GPU leaves
         let profile_images = match &loaded.processor {
-            Some(p) if !device.is_cpu() => p.profile_images(encoder_tokens),
+            Some(p) if !device.is_cpu() && matches!(cfg.kv_cache, KvBudget::Auto) => {
+                p.profile_images(encoder_tokens)
+            }
             _ => Vec::new(),
         };
         let mut own = || {

@@ -165,9 +165,9 @@ impl Processor {
         }
     }
 
-    /// Blank images of at most `tokens` placeholder tokens in all (at least one image): the
-    /// encoder's largest batch, for the memory profile at start. Qwen2-VL: one image of a
-    /// near-square grid; CLIP: as many crops as fit.
+    /// Blank images of at most `tokens` placeholder tokens in all (at least one image), none
+    /// larger than [`Processor::max_image_tokens`]: the encoder's largest batch, for the memory
+    /// profile at start. Qwen2-VL: near-square grids; CLIP: as many crops as fit.
     pub fn profile_images(&self, tokens: usize) -> Vec<ImageInput> {
         let blank = |shape: [usize; 2], grid_thw: [usize; 3], num_tokens: usize| ImageInput {
             pixels: vec![0.0; shape[0] * shape[1]],
@@ -183,10 +183,21 @@ impl Processor {
                     cfg.merge_size.max(1),
                     cfg.temporal_patch_size.max(1),
                 );
-                let a = (tokens.max(1) as f64).sqrt().floor().max(1.0) as usize;
-                let b = (tokens / a).max(1);
-                let grid = [1, m * a, m * b];
-                vec![blank([m * m * a * b, 3 * t * p * p], grid, a * b)]
+                let per = self.max_image_tokens();
+                let mut out = Vec::new();
+                let mut left = tokens.max(1);
+                while left > 0 {
+                    let n = left.min(per);
+                    let a = (n as f64).sqrt().floor().max(1.0) as usize;
+                    let b = (n / a).max(1);
+                    out.push(blank(
+                        [m * m * a * b, 3 * t * p * p],
+                        [1, m * a, m * b],
+                        a * b,
+                    ));
+                    left -= n;
+                }
+                out
             }
             ImageProcessor::Clip {
                 config, patch_size, ..

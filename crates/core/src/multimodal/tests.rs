@@ -380,6 +380,13 @@ fn the_largest_image_and_the_profile_batch() {
     assert_eq!(batch[0].grid_thw, [1, 62, 64]);
     assert_eq!((batch[0].num_tokens, batch[0].shape), (992, [3968, 1176]));
     assert_eq!(batch[0].pixels.len(), 3968 * 1176);
+    // past the largest image: images of at most 1280 tokens (35 x 36, twice, then 20 x 22)
+    let tokens: Vec<usize> = qwen
+        .profile_images(3000)
+        .iter()
+        .map(|i| i.num_tokens)
+        .collect();
+    assert_eq!(tokens, [1260, 1260, 440]);
     assert_eq!(clip.max_image_tokens(), 576);
     let crops = clip.profile_images(2000);
     assert_eq!(crops.len(), 3);
