@@ -2,7 +2,7 @@
 //! first image always runs), chunks are cut before the image that would pass it, and an image a
 //! prefix-cache hit starts inside is counted when its sequence is admitted.
 
-use super::tests::{cfg, finish_step, plan};
+use super::tests::{add, add_tokens, cfg, finish_step, plan};
 use super::*;
 use crate::multimodal::{ImageInput, ImageSpan, MmPrompt};
 use crate::sequence::RequestMeta;
@@ -43,8 +43,7 @@ fn add_images_with(
         mm: Some(Arc::new(mm)),
         ..meta
     };
-    let seq = Sequence::new(SeqId(id), RequestId(id), prompt, 1).with_meta(Arc::new(meta));
-    s.add(seq);
+    add_tokens(s, id, &prompt, meta);
 }
 
 fn prompt(id: u64, len: usize) -> Vec<u32> {
@@ -78,10 +77,6 @@ fn an_image_past_the_budget_waits_for_the_next_step() {
         vec![(1, 20, 1, true), (2, 5, 15, true), (3, 6, 1, true)]
     );
     finish_step(&mut s, &o);
-}
-
-fn add(s: &mut Scheduler, id: u64, len: usize) {
-    s.add(Sequence::new(SeqId(id), RequestId(id), prompt(id, len), 1));
 }
 
 #[test]

@@ -17,7 +17,7 @@ pub(super) fn cfg(budget: usize, max_seqs: usize, blocks: usize, bs: usize) -> S
     }
 }
 
-fn add(s: &mut Scheduler, id: u64, prompt_len: usize) {
+pub(super) fn add(s: &mut Scheduler, id: u64, prompt_len: usize) {
     let prompt = (0..prompt_len as u32)
         .map(|t| t + 100 * id as u32)
         .collect();
@@ -376,7 +376,12 @@ fn a_sequence_held_back_by_the_adapter_limit_is_not_starved() {
 }
 
 /// A sequence of request `id` with the given prompt and request facts.
-fn add_tokens(s: &mut Scheduler, id: u64, prompt: &[u32], meta: crate::sequence::RequestMeta) {
+pub(super) fn add_tokens(
+    s: &mut Scheduler,
+    id: u64,
+    prompt: &[u32],
+    meta: crate::sequence::RequestMeta,
+) {
     let seq = Sequence::new(SeqId(id), RequestId(id), prompt.to_vec(), 1);
     s.add(seq.with_meta(std::sync::Arc::new(meta)));
 }

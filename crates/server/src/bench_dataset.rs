@@ -120,6 +120,17 @@ pub(crate) fn parse_buckets(spec: &str) -> Result<Vec<(usize, usize, f64)>> {
 
 /// The requests of `args`, drawn from `rng` (images from their own seeds, built in parallel).
 pub(crate) fn build(args: &BenchServeArgs, rng: &mut SeqRng) -> Result<Dataset> {
+    let counts = match args.dataset_name.as_str() {
+        "prefix_repetition" => [
+            args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len,
+            args.prefix_repetition_output_len,
+            args.prefix_repetition_num_prefixes,
+        ],
+        _ => [args.random_input_len, args.random_output_len, 1],
+    };
+    if args.num_prompts == 0 || counts.contains(&0) {
+        bail!("--num-prompts, the lengths and the prefix count must be positive");
+    }
     let span = args.token_id_max.saturating_sub(args.token_id_min).max(1);
     let random = |rng: &mut SeqRng, len: usize| -> Vec<u32> {
         (0..len)
@@ -128,7 +139,7 @@ pub(crate) fn build(args: &BenchServeArgs, rng: &mut SeqRng) -> Result<Dataset> 
     };
     match args.dataset_name.as_str() {
         "prefix_repetition" => {
-            let k = args.prefix_repetition_num_prefixes.max(1);
+            let k = args.prefix_repetition_num_prefixes;
             let prefixes: Vec<Vec<u32>> = (0..k)
                 .map(|_| random(rng, args.prefix_repetition_prefix_len))
                 .collect();

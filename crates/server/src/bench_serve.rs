@@ -238,18 +238,8 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
 }
 
 async fn run_async(args: BenchServeArgs) -> Result<()> {
-    let counts = match args.dataset_name.as_str() {
-        "prefix_repetition" => [
-            args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len,
-            args.prefix_repetition_output_len,
-            args.prefix_repetition_num_prefixes,
-        ],
-        _ => [args.random_input_len, args.random_output_len, 1],
-    };
-    if args.num_prompts == 0 || args.max_concurrency == 0 || counts.contains(&0) {
-        bail!(
-            "--num-prompts, --max-concurrency, the lengths and the prefix count must be positive"
-        );
+    if args.max_concurrency == 0 {
+        bail!("--max-concurrency must be positive");
     }
     let (host, base_path) = split_url(&args.base_url)?;
     let mut rng = SeqRng::new(args.seed);

@@ -133,7 +133,7 @@ pub(crate) fn gpu_kv_budget(
     _batched_tokens: usize,
     _model: (&dyn Model, DType),
     _device: &Device,
-    _lengths: (usize, &[ImageInput]),
+    _len_and_images: (usize, &[ImageInput]),
 ) -> Result<usize, EngineError> {
     Err(EngineError::InvalidConfig(
         "this build has no GPU support".into(),

@@ -136,13 +136,12 @@ impl Processor {
                 keep_cls,
             } => {
                 let (hash, pixels) = rayon::join(|| img.content_hash(), || config.preprocess(img));
-                let pixels = pixels?;
-                let side = config.crop_size / (*patch_size).max(1);
+                let (side, num_tokens) = clip_grid(config, *patch_size, *keep_cls);
                 Ok(ImageInput {
                     shape: [3, config.crop_size * config.crop_size],
                     grid_thw: [1, side, side],
-                    num_tokens: side * side + usize::from(*keep_cls),
-                    pixels,
+                    num_tokens,
+                    pixels: pixels?,
                     hash,
                 })
             }
@@ -158,10 +157,7 @@ impl Processor {
                 config,
                 patch_size,
                 keep_cls,
-            } => {
-                let side = config.crop_size / (*patch_size).max(1);
-                side * side + usize::from(*keep_cls)
-            }
+            } => clip_grid(config, *patch_size, *keep_cls).1,
         }
     }
 
@@ -200,12 +196,13 @@ impl Processor {
                 out
             }
             ImageProcessor::Clip {
-                config, patch_size, ..
+                config,
+                patch_size,
+                keep_cls,
             } => {
-                let per = self.max_image_tokens().max(1);
-                let side = config.crop_size / (*patch_size).max(1);
+                let (side, per) = clip_grid(config, *patch_size, *keep_cls);
                 let shape = [3, config.crop_size * config.crop_size];
-                (0..(tokens / per).max(1))
+                (0..(tokens / per.max(1)).max(1))
                     .map(|_| blank(shape, [1, side, side], per))
                     .collect()
             }
@@ -264,6 +261,13 @@ impl Processor {
             },
         ))
     }
+}
+
+/// CLIP's patch grid side and the tokens an image takes (one per patch, plus the class token
+/// when `keep_cls`).
+fn clip_grid(config: &ClipConfig, patch_size: usize, keep_cls: bool) -> (usize, usize) {
+    let side = config.crop_size / patch_size.max(1);
+    (side, side * side + usize::from(keep_cls))
 }
 
 /// Qwen2-VL's `get_rope_index` for one prompt of `len` tokens: text tokens count up on all three
