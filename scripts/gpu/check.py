@@ -751,19 +751,32 @@ def bench_mix(a, srv: Server, names: list[str], conc: int, prompts: int, inp: in
 
 
 STEP_LINE = re.compile(
-    r"step \d+: (\d+) seqs, (\d+) tokens, (\d+) decode rows; ([\d.]+) ms since the last step, "
-    r"([\d.]+) ms issue, ([\d.]+) ms wait, ([\d.]+) ms after")
+    r"step \d+: (\d+) seqs, (\d+) tokens, (\d+) decode rows(?:, (\d+) images)?; ([\d.]+) ms since "
+    r"the last step, ([\d.]+) ms issue(?: \(of which ([\d.]+) ms prepare\))?, ([\d.]+) ms wait, "
+    r"([\d.]+) ms after")
 
 
 def step_summary(text: str) -> dict:
     """The engine's per-step trace lines (`rserve_core::engine=trace`) summed by kind: steps with
     prompt rows and decode-only steps, their count, mean tokens and mean wall time (the time since
-    the step before plus its issue, wait and after), and the prompt steps' mean host issue time."""
+    the step before plus its issue, wait and after), the prompt steps' mean host issue time, and
+    the host's idle time between steps (`since`, summed). Where the lines carry them: the images
+    each kind of step encoded and its prepare time (the encoder's issue included), and a fit of
+    the prompt steps' wall time on their tokens and images (least squares: ms a step, a token and
+    an image), which prices an image in the step rather than in a benchmark of the encoder. With
+    async scheduling a step's host time runs while the device runs the step before, so the fit
+    takes each prompt step's device time as the wall time of the step after it."""
     kinds: dict = {"prompt": [], "decode": []}
+    seq: list = []
     for m in STEP_LINE.finditer(text):
-        _, tokens, decodes, since, issue, wait, after = (float(g) for g in m.groups())
-        kinds["prompt" if tokens > decodes else "decode"].append(
-            (tokens, since + issue + wait + after, issue))
+        g = m.groups()
+        tokens, decodes = float(g[1]), float(g[2])
+        images = float(g[3] or 0)
+        since, issue, wait, after = float(g[4]), float(g[5]), float(g[7]), float(g[8])
+        prepare = float(g[6] or 0)
+        row = (tokens, since + issue + wait + after, issue, since, images, prepare)
+        kinds["prompt" if tokens > decodes else "decode"].append(row)
+        seq.append((tokens > decodes, row))
     res: dict = {}
     for kind, rows in kinds.items():
         if rows:
@@ -772,11 +785,40 @@ def step_summary(text: str) -> dict:
             res[f"{kind}_wall_ms_mean"] = round(sum(r[1] for r in rows) / len(rows), 3)
             res[f"{kind}_wall_s"] = round(sum(r[1] for r in rows) / 1e3, 3)
             res[f"{kind}_issue_ms_mean"] = round(sum(r[2] for r in rows) / len(rows), 3)
+            res[f"{kind}_idle_s"] = round(sum(r[3] for r in rows) / 1e3, 3)
+            res[f"{kind}_images"] = int(sum(r[4] for r in rows))
+            res[f"{kind}_prepare_ms_mean"] = round(sum(r[5] for r in rows) / len(rows), 3)
     full = [r for r in kinds["prompt"] if r[0] >= 8000]
     if full:
         res["full_prompt_steps"] = len(full)
         res["full_prompt_wall_ms_mean"] = round(sum(r[1] for r in full) / len(full), 3)
+    prompt = kinds["prompt"]
+    pairs = [(r, seq[i + 1][1]) for i, (is_prompt, r) in enumerate(seq[:-1]) if is_prompt]
+    if len(pairs) >= 4 and any(r[4] for r, _ in pairs):
+        fit = least_squares([(1.0, r[0], r[4]) for r, _ in pairs], [n[1] - n[3] for _, n in pairs])
+        if fit:
+            res["prompt_fit_ms"] = {"step": round(fit[0], 2), "per_1k_tokens": round(1e3 * fit[1], 2),
+                                    "per_image": round(fit[2], 3)}
+    res["prompt_shapes"] = [[int(r[0]), int(r[4]), round(r[1], 1), round(r[3], 1)] for r in prompt]
     return res
+
+
+def least_squares(xs: list[tuple], ys: list[float]):
+    """The coefficients minimising the squared error of ys against the rows xs (normal equations,
+    Gaussian elimination); None when they are not determined."""
+    k = len(xs[0])
+    a = [[sum(x[i] * x[j] for x in xs) for j in range(k)] + [sum(x[i] * y for x, y in zip(xs, ys))]
+         for i in range(k)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(a[r][c]))
+        if abs(a[p][c]) < 1e-9:
+            return None
+        a[c], a[p] = a[p], a[c]
+        for r in range(k):
+            if r != c:
+                f = a[r][c] / a[c][c]
+                a[r] = [u - f * v for u, v in zip(a[r], a[c])]
+    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def part_lora(a, out: Path) -> None:

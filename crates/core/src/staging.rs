@@ -95,26 +95,38 @@ impl Staging {
         }
     }
 
-    /// The values of `parts`, one after another, as one tensor of `shape` on `dev` (the pixels
-    /// of a batch of images). The copies run on the device's stream behind the work already
-    /// queued there; the call waits only for a buffer whose earlier copy has not finished.
-    pub fn upload_values<T: CudaDType + WithDType + DeviceRepr + Copy>(
+    /// The values of `parts`, one after another, as one tensor of `shape` on `dev`. The copies
+    /// run on the device's stream behind the work already queued there; the call waits only for
+    /// a buffer whose earlier copy has not finished.
+    pub fn upload_values<T: CudaDType + WithDType + DeviceRepr + Copy + Send + Sync>(
         &mut self,
         dev: &CudaDevice,
         parts: &[&[T]],
         shape: &[usize],
     ) -> Result<Tensor> {
-        let bytes: Vec<&[u8]> = parts
-            .iter()
-            .map(|p| {
-                // SAFETY: T is a plain numeric type (f32, bf16, f16): its values are their bytes,
-                // and the view lives no longer than `p`
-                unsafe {
-                    std::slice::from_raw_parts(p.as_ptr().cast::<u8>(), std::mem::size_of_val(*p))
-                }
-            })
-            .collect();
-        self.upload_bytes::<T>(dev, &bytes, shape)
+        self.stage::<T, T, T>(dev, parts, shape, |src, dst| dst.copy_from_slice(src))
+    }
+
+    /// f32 `parts` as one tensor of `shape` and dtype `dtype` (f32, bf16 or f16) on `dev`: the
+    /// values are rounded (to nearest, ties to even, as the device's own conversion does) while
+    /// they are staged, so a 16-bit tensor crosses the bus in half the bytes (the pixels of a
+    /// batch of images for an encoder in bf16).
+    pub fn upload_f32_as(
+        &mut self,
+        dev: &CudaDevice,
+        parts: &[&[f32]],
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        fn round<T: Copy>(f: impl Fn(f32) -> T + Sync) -> impl Fn(&[f32], &mut [T]) + Sync {
+            move |src, dst| dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f(v))
+        }
+        match dtype {
+            DType::F32 => self.upload_values(dev, parts, shape),
+            DType::BF16 => self.stage::<f32, bf16, bf16>(dev, parts, shape, round(bf16::from_f32)),
+            DType::F16 => self.stage::<f32, f16, f16>(dev, parts, shape, round(f16::from_f32)),
+            other => candle_core::bail!("staged upload as {other:?}"),
+        }
     }
 
     fn upload_bytes<T: CudaDType + WithDType + DeviceRepr>(
@@ -123,20 +135,35 @@ impl Staging {
         parts: &[&[u8]],
         shape: &[usize],
     ) -> Result<Tensor> {
+        self.stage::<u8, u8, T>(dev, parts, shape, |src, dst| dst.copy_from_slice(src))
+    }
+
+    /// The elements of `parts` written by `fill` (a run of sources into as many staged values)
+    /// into the pinned buffers, each buffer copied to the device as it fills: a tensor of
+    /// `shape` of `T`, whose bytes are the staged values' bytes.
+    fn stage<S: Sync, D: Copy + Send, T: CudaDType + WithDType + DeviceRepr>(
+        &mut self,
+        dev: &CudaDevice,
+        parts: &[&[S]],
+        shape: &[usize],
+        fill: impl Fn(&[S], &mut [D]) + Sync,
+    ) -> Result<Tensor> {
         let elems: usize = shape.iter().product();
-        let size = std::mem::size_of::<T>();
-        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let (size, staged) = (std::mem::size_of::<T>(), std::mem::size_of::<D>());
+        let total: usize = parts.iter().map(|p| p.len() * staged).sum();
         if total != elems * size {
             candle_core::bail!("staged upload: {total} bytes for {shape:?} of {size}-byte values");
         }
+        // staged values a buffer holds, and one thread's share of a run
+        let (per_buf, piece) = (BUF_BYTES / staged, (PIECE / staged).max(1));
         // SAFETY: every byte is written by the copies below before the tensor is read
         let mut dst = unsafe { dev.alloc::<T>(elems) }?;
         let stream = dev.cuda_stream();
         {
             let (base, _guard) = dst.device_ptr_mut(&stream);
             let mut offset = 0u64;
-            // the parts' bytes in buffer-sized runs: a run may take the ends of several parts
-            let mut pieces = parts.iter().flat_map(|p| p.chunks(BUF_BYTES)).peekable();
+            // the parts' values in buffer-sized runs: a run may take the ends of several parts
+            let mut pieces = parts.iter().flat_map(|p| p.chunks(per_buf)).peekable();
             while pieces.peek().is_some() {
                 let slot = &mut self.bufs[self.next];
                 self.next = (self.next + 1) % BUFS;
@@ -144,34 +171,37 @@ impl Staging {
                     done.synchronize().map_err(err)?;
                 }
                 let mut filled = 0;
-                while let Some(piece) = pieces.peek_mut() {
-                    let n = piece.len().min(BUF_BYTES - filled);
+                while let Some(piece_src) = pieces.peek_mut() {
+                    let n = piece_src.len().min(per_buf - filled);
                     if n == 0 {
                         break;
                     }
-                    let cur: &[u8] = piece;
+                    let cur: &[S] = piece_src;
                     let (head, rest) = cur.split_at(n);
-                    // SAFETY: bytes filled..filled + n lie inside the BUF_BYTES of the buffer,
-                    // which no copy reads any more (its event has completed); they are written
-                    // here before anything reads them
-                    let run = unsafe { std::slice::from_raw_parts_mut(slot.ptr.add(filled), n) };
-                    run.par_chunks_mut(PIECE)
-                        .zip(head.par_chunks(PIECE))
-                        .for_each(|(d, s)| d.copy_from_slice(s));
+                    // SAFETY: values filled..filled + n lie inside the BUF_BYTES of the buffer
+                    // (page-aligned, so aligned for D), which no copy reads any more (its event
+                    // has completed); they are written here before anything reads them
+                    let run = unsafe {
+                        std::slice::from_raw_parts_mut(slot.ptr.cast::<D>().add(filled), n)
+                    };
+                    run.par_chunks_mut(piece)
+                        .zip(head.par_chunks(piece))
+                        .for_each(|(d, s)| fill(s, d));
                     filled += n;
-                    *piece = rest;
-                    if piece.is_empty() {
+                    *piece_src = rest;
+                    if piece_src.is_empty() {
                         pieces.next();
                     }
                 }
-                // SAFETY: the buffer's first `filled` bytes, all written above
-                let buf = unsafe { std::slice::from_raw_parts(slot.ptr, filled) };
+                let bytes = filled * staged;
+                // SAFETY: the buffer's first `bytes` bytes, all written above
+                let buf = unsafe { std::slice::from_raw_parts(slot.ptr, bytes) };
                 // SAFETY: the destination range lies inside `dst`; the buffer stays pinned and
                 // untouched until the event recorded after this copy completes
                 unsafe { result::memcpy_htod_async(base + offset, buf, stream.cu_stream()) }
                     .map_err(err)?;
                 slot.done = Some(stream.record_event(None).map_err(err)?);
-                offset += filled as u64;
+                offset += bytes as u64;
             }
         }
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(dst, dev.clone()));

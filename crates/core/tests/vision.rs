@@ -343,3 +343,71 @@ fn a_text_model_refuses_images() {
     let err = text.submit(request(ids, mm, 2)).err().expect("refused");
     assert!(err.to_string().contains("does not take images"), "{err}");
 }
+
+/// Pixels staged in 16 bits are the bits the device's own conversion of the f32 values gives
+/// (round to nearest, ties to even), across parts that end inside and past staging buffers; the
+/// encoder's index tables staged as u32 arrive unchanged.
+#[cfg(feature = "cuda")]
+#[test]
+fn staged_pixels_round_as_the_device_does() {
+    use candle_core::{DType, Device, Tensor};
+    if test_device() != "cuda" {
+        return;
+    }
+    let Ok(Device::Cuda(cuda)) = Device::new_cuda(0) else {
+        panic!("a CUDA device");
+    };
+    let dev = Device::Cuda(cuda.clone());
+    // bf16 ties (the dropped half exactly 0x8000), signed zeros, subnormals, the largest
+    // finite values, infinities, then seeded values over the pixel range and beyond
+    let mut special: Vec<f32> = vec![0.0, -0.0, 1e-40, -1e-40, f32::MAX, f32::MIN, f32::INFINITY];
+    special.extend((0..64u32).map(|i| f32::from_bits(0x3f80_8000 + (i << 16))));
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+    };
+    // 13 M values a buffer of bf16 holds 16 M of: parts end inside buffers and span them
+    let parts: Vec<Vec<f32>> = [special.len(), 5_000_001, 9_000_000, 1, 3_333_333]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            if i == 0 {
+                special.clone()
+            } else {
+                (0..n).map(|_| next()).collect()
+            }
+        })
+        .collect();
+    let refs: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
+    let all: Vec<f32> = parts.concat();
+    let mut staging = rserve_core::staging::Staging::new(&cuda).expect("staging");
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let got = staging
+            .upload_f32_as(&cuda, &refs, &[all.len()], dtype)
+            .expect("upload");
+        let want = Tensor::from_slice(&all, all.len(), &dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("device conversion");
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.to_dtype(DType::F32)
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("read back")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(got.dtype(), dtype);
+        assert!(bits(&got) == bits(&want), "{dtype:?} staged values differ");
+    }
+    let table: Vec<u32> = (0..300_000u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let got = staging
+        .upload_values(&cuda, &[&table], &[table.len()])
+        .and_then(|t| t.to_vec1::<u32>())
+        .expect("u32 upload");
+    assert!(got == table);
+}

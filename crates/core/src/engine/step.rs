@@ -94,10 +94,10 @@ impl Engine {
                 return;
             }
         };
+        let encoded_before = self.runner.images_encoded();
         let prepared = self.runner.prepare(&self.scheduler, &out, placed.as_ref());
-        self.stats
-            .images_encoded
-            .store(self.runner.images_encoded(), Ordering::Relaxed);
+        let encoded = self.runner.images_encoded();
+        self.stats.images_encoded.store(encoded, Ordering::Relaxed);
         self.timing.prepared = Some(Instant::now());
         let result = prepared.and_then(|(step, rows, pending)| {
             let run = self.feed_pending(&step, &pending).and_then(|()| {
@@ -119,6 +119,7 @@ impl Engine {
             out.scheduled.len(),
             out.num_batched_tokens,
             out.scheduled.iter().filter(|s| s.num_new == 1).count(),
+            encoded.saturating_sub(encoded_before),
         );
         let (logits, rows) = match result {
             Ok(x) => x,

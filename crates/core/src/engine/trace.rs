@@ -49,14 +49,15 @@ impl StepProfile {
 /// detokenizing and sending done while the device runs, and the host work after (token stops, and
 /// the text work of a step with nothing after it). With async scheduling a step issued ahead waits
 /// for the tokens of the step before it, and its text work comes after. At trace level every step
-/// is logged with its shape and the host time since the previous step ended
+/// is logged with its shape (with the images its inputs encoded: their encoder is issued while
+/// the step is prepared) and the host time since the previous step ended
 /// (`rserve_core::engine=trace`).
 #[derive(Debug, Default)]
 pub(super) struct StepTiming {
     pub(super) steps: u32,
     pub(super) tokens: usize,
-    /// This step's sequences, tokens and one-token (decode) rows, for the trace.
-    pub(super) shape: (usize, usize, usize),
+    /// This step's sequences, tokens, one-token (decode) rows and images encoded, for the trace.
+    pub(super) shape: (usize, usize, usize, u64),
     /// When the previous step ended and how many steps ran so far, for the trace.
     pub(super) last_end: Option<Instant>,
     pub(super) count: u64,
@@ -80,13 +81,14 @@ impl StepTiming {
         ) else {
             return;
         };
-        let (seqs, tokens, decodes) = std::mem::take(&mut self.shape);
+        let (seqs, tokens, decodes, images) = std::mem::take(&mut self.shape);
         tracing::trace!(
-            "step {}: {seqs} seqs, {tokens} tokens, {decodes} decode rows; {:.2} ms since the last step, {:.2} ms issue, {:.2} ms wait, {:.2} ms after",
+            "step {}: {seqs} seqs, {tokens} tokens, {decodes} decode rows, {images} images; {:.2} ms since the last step, {:.2} ms issue (of which {:.2} ms prepare), {:.2} ms wait, {:.2} ms after",
             self.count,
             self.last_end
                 .map_or(0.0, |t| started.duration_since(t).as_secs_f64() * 1e3),
             issued.duration_since(started).as_secs_f64() * 1e3,
+            prepared.duration_since(started).as_secs_f64() * 1e3,
             sampled.duration_since(issued).as_secs_f64() * 1e3,
             end.duration_since(sampled).as_secs_f64() * 1e3
         );

@@ -67,8 +67,9 @@ impl Qwen25Vl {
     }
 
     /// The pixel rows of `images` (`cols` values each), one image after another, on `dev`. On
-    /// a GPU through pinned buffers: a copy from pageable memory would wait for the step in
-    /// flight before it starts, and run slower.
+    /// a GPU through pinned buffers, in the encoder's dtype (rounded as the device rounds them,
+    /// half the bytes of f32 for a 16-bit encoder): a copy from pageable memory would wait for
+    /// the step in flight before it starts, and run slower.
     fn upload(
         &self,
         images: &[&ImageInput],
@@ -79,9 +80,10 @@ impl Qwen25Vl {
         if let candle_core::Device::Cuda(cuda) = dev {
             let rows: usize = images.iter().map(|i| i.shape[0]).sum();
             let parts: Vec<&[f32]> = images.iter().map(|i| i.pixels.as_slice()).collect();
-            return self
-                .staging
-                .with(cuda, |s| s.upload_values(cuda, &parts, &[rows, cols]));
+            let dtype = self.vision.dtype();
+            return self.staging.with(cuda, |s| {
+                s.upload_f32_as(cuda, &parts, &[rows, cols], dtype)
+            });
         }
         let parts = images
             .iter()
@@ -156,6 +158,18 @@ impl ImageEncoder for Qwen25Vl {
         }
         let pixels = self.upload(images, cols, dev)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
+        #[cfg(feature = "cuda")]
+        let feats = match dev {
+            candle_core::Device::Cuda(cuda) => {
+                let upload = |v: &[u32]| {
+                    self.staging
+                        .with(cuda, |s| s.upload_values(cuda, &[v], &[v.len()]))
+                };
+                self.vision.forward_staged(&pixels, &grids, &upload)?
+            }
+            _ => self.vision.forward(&pixels, &grids)?,
+        };
+        #[cfg(not(feature = "cuda"))]
         let feats = self.vision.forward(&pixels, &grids)?;
         let mut out = Vec::with_capacity(images.len());
         let mut at = 0;

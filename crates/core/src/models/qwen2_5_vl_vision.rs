@@ -19,7 +19,7 @@ use super::layers::vision::{LayerNorm, Profile, SegmentPlan, VitAct, VitMlp};
 use crate::batch::LayerCtx;
 use crate::load_error::LoadError;
 use crate::weights::Weights;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use serde::Deserialize;
 
 /// `vision_config` of a Qwen2.5-VL checkpoint (defaults: the released 3B/7B/72B towers).
@@ -391,14 +391,15 @@ impl Qwen25Vision {
 
     /// Per patch (window order): rotary cos and sin `[N, head_dim / 2]`, the height position's
     /// frequencies, then the width position's. The tables are computed once per position value
-    /// (in f32, up to the largest grid side) on the host and gathered per patch on the device.
-    fn rotary(&self, hw: &[(u32, u32)], dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    /// (in f32, up to the largest grid side `side`) on the host and gathered per patch on the
+    /// device by the patches' positions `hs` and `ws`.
+    fn rotary(
+        &self,
+        side: usize,
+        (hs, ws): (&Tensor, &Tensor),
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
         let q = self.inv_freq.len();
-        let side = hw
-            .iter()
-            .map(|&(h, w)| h.max(w) as usize + 1)
-            .max()
-            .unwrap_or(0);
         let mut cos = Vec::with_capacity(side * q);
         let mut sin = Vec::with_capacity(side * q);
         for p in 0..side {
@@ -408,12 +409,9 @@ impl Qwen25Vision {
                 sin.push(a.sin());
             }
         }
-        let (hs, ws): (Vec<u32>, Vec<u32>) = hw.iter().copied().unzip();
-        let n = hw.len();
-        let (hs, ws) = (Tensor::from_vec(hs, n, dev)?, Tensor::from_vec(ws, n, dev)?);
         let gather = |table: Vec<f32>| -> Result<Tensor> {
-            let t = Tensor::from_vec(table, (side, q), dev)?.to_dtype(dtype)?;
-            Tensor::cat(&[t.index_select(&hs, 0)?, t.index_select(&ws, 0)?], 1)
+            let t = Tensor::from_vec(table, (side, q), hs.device())?.to_dtype(dtype)?;
+            Tensor::cat(&[t.index_select(hs, 0)?, t.index_select(ws, 0)?], 1)
         };
         Ok((gather(cos)?, gather(sin)?))
     }
@@ -423,16 +421,53 @@ impl Qwen25Vision {
     /// processor's order.
     pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
         let dev = pixels.device().clone();
+        self.forward_staged(pixels, grids, &|v: &[u32]| {
+            Tensor::from_slice(v, v.len(), &dev)
+        })
+    }
+
+    /// The encoder's dtype (the pixels are taken in it).
+    pub fn dtype(&self) -> DType {
+        self.patch_embed.dtype()
+    }
+
+    /// [`Self::forward`] with the pass's index tables (window order, rotary positions, the
+    /// merger's order back) put on the device by one call of `upload`: on a GPU through pinned
+    /// buffers, as a copy from pageable memory this large waits for the work in flight (the step
+    /// before) and the device would then idle while the host issues the encoder.
+    pub fn forward_staged(
+        &self,
+        pixels: &Tensor,
+        grids: &[[usize; 3]],
+        upload: &dyn Fn(&[u32]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let dev = pixels.device().clone();
         let profile = Profile::from_env(&dev);
-        let dtype = self.patch_embed.dtype();
+        let dtype = self.dtype();
         let l = self.layout(grids);
         let n = l.order.len();
         if pixels.dim(0)? != n {
             candle_core::bail!("{} patch rows for grids totalling {n}", pixels.dim(0)?);
         }
-        let order = Tensor::from_vec(l.order.clone(), n, &dev)?;
-        let (cos, sin) = self.rotary(&l.hw, dtype, &dev)?;
-        let positions = Tensor::arange(0u32, n as u32, &dev)?;
+        let merged = l.unorder.len();
+        let mut tables: Vec<u32> = Vec::with_capacity(4 * n + merged);
+        tables.extend_from_slice(&l.order);
+        tables.extend(l.hw.iter().map(|&(h, _)| h));
+        tables.extend(l.hw.iter().map(|&(_, w)| w));
+        tables.extend(0..n as u32);
+        tables.extend_from_slice(&l.unorder);
+        let side =
+            l.hw.iter()
+                .map(|&(h, w)| h.max(w) as usize + 1)
+                .max()
+                .unwrap_or(0);
+        let tables = upload(&tables)?;
+        let order = tables.narrow(0, 0, n)?;
+        let hs = tables.narrow(0, n, n)?;
+        let ws = tables.narrow(0, 2 * n, n)?;
+        let positions = tables.narrow(0, 3 * n, n)?;
+        let unorder = tables.narrow(0, 4 * n, merged)?;
+        let (cos, sin) = self.rotary(side, (&hs, &ws), dtype)?;
         let (heads, hd) = (self.cfg.num_heads, self.cfg.head_dim());
         let windows = SegmentPlan::new(&l.windows, n, &dev, dtype, hd)?;
         let images = SegmentPlan::new(&l.images, n, &dev, dtype, hd)?;
@@ -477,7 +512,6 @@ impl Qwen25Vision {
         let y = h.reshape((n * self.cfg.hidden_size / wide, wide))?;
         let y = self.merger_in.forward(&y, &ctx)?.gelu_erf()?;
         let y = self.merger_out.forward(&y, &ctx)?;
-        let unorder = Tensor::from_vec(l.unorder.clone(), l.unorder.len(), &dev)?;
         let y = y.index_select(&unorder, 0)?;
         profile.mark("merger")?;
         profile.report(n);

@@ -14,6 +14,28 @@ pub use prompt::{ImageInput, ImageProcessor, ImageSpan, MmPrompt, MropePositions
 
 use sha2::{Digest, Sha256};
 use std::io::Cursor;
+use std::sync::OnceLock;
+
+/// Runs `f` (an image's decoding and preprocessing) on the media threads: a rayon pool of their
+/// own, so that a burst of requests with images never queues the engine's parallel host work
+/// (staging a step's pixels for the device, sampling on the host) behind their resizes in
+/// rayon's global pool. Without such a pool (it could not be made), on the caller's.
+pub(crate) fn on_media_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    let pool = POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("rserve-media-{i}"))
+            .build()
+            .map_err(|e| {
+                tracing::warn!("no media threads ({e}): images preprocess in the shared pool")
+            })
+            .ok()
+    });
+    match pool {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
 
 /// Largest image accepted by default, in pixels (a decompression bomb is refused from its header).
 pub const DEFAULT_MAX_IMAGE_PIXELS: u64 = 64 * 1024 * 1024;

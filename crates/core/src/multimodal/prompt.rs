@@ -114,8 +114,13 @@ pub struct Processor {
 }
 
 impl Processor {
-    /// Preprocesses one decoded image.
+    /// Preprocesses one decoded image (on the media threads, see
+    /// [`super::on_media_threads`]).
     pub fn image(&self, img: &RgbImage) -> Result<ImageInput, ImageError> {
+        super::on_media_threads(|| self.preprocess(img))
+    }
+
+    fn preprocess(&self, img: &RgbImage) -> Result<ImageInput, ImageError> {
         match &self.kind {
             ImageProcessor::Qwen2Vl(cfg) => {
                 // the hash beside the preprocessing, on another thread
@@ -209,9 +214,9 @@ impl Processor {
         }
     }
 
-    /// Decodes and preprocesses an encoded image.
+    /// Decodes and preprocesses an encoded image (on the media threads).
     pub fn decode(&self, bytes: &[u8]) -> Result<ImageInput, ImageError> {
-        self.image(&super::decode(bytes, self.max_image_pixels)?)
+        super::on_media_threads(|| self.preprocess(&super::decode(bytes, self.max_image_pixels)?))
     }
 
     /// Expands each placeholder of `prompt` into its image's tokens (one placeholder per image,
