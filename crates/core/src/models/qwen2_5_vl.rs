@@ -91,6 +91,18 @@ impl Qwen25Vl {
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&parts, 0)
     }
+
+    /// An index table of the encoder's pass on `dev`: on a GPU through the same pinned buffers
+    /// as the pixels, for the same reason.
+    fn upload_table(&self, v: &[u32], dev: &candle_core::Device) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(cuda) = dev {
+            return self
+                .staging
+                .with(cuda, |s| s.upload_values(cuda, &[v], &[v.len()]));
+        }
+        Tensor::from_slice(v, v.len(), dev)
+    }
 }
 
 pub fn build(
@@ -158,19 +170,9 @@ impl ImageEncoder for Qwen25Vl {
         }
         let pixels = self.upload(images, cols, dev)?;
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid_thw).collect();
-        #[cfg(feature = "cuda")]
-        let feats = match dev {
-            candle_core::Device::Cuda(cuda) => {
-                let upload = |v: &[u32]| {
-                    self.staging
-                        .with(cuda, |s| s.upload_values(cuda, &[v], &[v.len()]))
-                };
-                self.vision.forward_staged(&pixels, &grids, &upload)?
-            }
-            _ => self.vision.forward(&pixels, &grids)?,
-        };
-        #[cfg(not(feature = "cuda"))]
-        let feats = self.vision.forward(&pixels, &grids)?;
+        let feats = self
+            .vision
+            .forward(&pixels, &grids, &|v| self.upload_table(v, dev))?;
         let mut out = Vec::with_capacity(images.len());
         let mut at = 0;
         for img in images {

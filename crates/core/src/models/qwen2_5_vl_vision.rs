@@ -416,26 +416,18 @@ impl Qwen25Vision {
         Ok((gather(cos)?, gather(sin)?))
     }
 
-    /// Encodes the patches of several images: `pixels` `[N, patch_dim]` (the processor's rows,
-    /// images one after another) with their grids; returns `[N / merge^2, out_hidden]` in the
-    /// processor's order.
-    pub fn forward(&self, pixels: &Tensor, grids: &[[usize; 3]]) -> Result<Tensor> {
-        let dev = pixels.device().clone();
-        self.forward_staged(pixels, grids, &|v: &[u32]| {
-            Tensor::from_slice(v, v.len(), &dev)
-        })
-    }
-
     /// The encoder's dtype (the pixels are taken in it).
     pub fn dtype(&self) -> DType {
         self.patch_embed.dtype()
     }
 
-    /// [`Self::forward`] with the pass's index tables (window order, rotary positions, the
-    /// merger's order back) put on the device by one call of `upload`: on a GPU through pinned
-    /// buffers, as a copy from pageable memory this large waits for the work in flight (the step
-    /// before) and the device would then idle while the host issues the encoder.
-    pub fn forward_staged(
+    /// Encodes the patches of several images: `pixels` `[N, patch_dim]` (the processor's rows,
+    /// images one after another) with their grids; returns `[N / merge^2, out_hidden]` in the
+    /// processor's order. The pass's index tables (window order, rotary positions, the merger's
+    /// order back) go to the device in one call of `upload`: on a GPU through pinned buffers, as
+    /// a copy from pageable memory this large waits for the work in flight (the step before) and
+    /// the device would then idle while the host issues the encoder.
+    pub fn forward(
         &self,
         pixels: &Tensor,
         grids: &[[usize; 3]],

@@ -402,13 +402,11 @@ fn images_preprocess_on_media_threads_and_their_parallel_work_stays_there() {
     let media = |name: Option<&str>| name.is_some_and(|n| n.starts_with("rserve-media-"));
     assert!(on_media_threads(|| media(std::thread::current().name())));
     // a resize's rows spread over the media pool, never over rayon's global pool
-    let all = on_media_threads(|| {
+    assert!(on_media_threads(|| {
         (0..256)
             .into_par_iter()
-            .map(|_| media(std::thread::current().name()))
-            .collect::<Vec<_>>()
-    });
-    assert!(all.into_iter().all(|m| m));
+            .all(|_| media(std::thread::current().name()))
+    }));
     // the caller's own thread is left as it was
     assert!(!media(std::thread::current().name()));
 }
