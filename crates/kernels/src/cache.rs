@@ -204,7 +204,7 @@ impl WriteSlots<'_> {
         T: crate::cuda::KernelElem,
         C: crate::cuda::KernelElem,
     {
-        use crate::cuda::{cuda_slice, function, token_rows};
+        use crate::cuda::{cuda_storage, function, token_rows, view};
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
 
@@ -226,8 +226,8 @@ impl WriteSlots<'_> {
         let dev = dst.device().clone();
         let (src_view, src_stride) = token_rows::<T>(src, src_l, "new k/v")?;
         let arrays = self.meta.device_arrays()?;
-        let (sg, _) = arrays.slots.storage_and_layout();
-        let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
+        let (sg, sl) = arrays.slots.storage_and_layout();
+        let slots = view::<i64>(cuda_storage(&sg, "slot_mapping")?, sl, "slot_mapping")?;
         let cache = dst.as_cuda_slice_mut::<C>()?;
         let func = function(
             &dev,
@@ -238,7 +238,7 @@ impl WriteSlots<'_> {
         let row_i = row as i32;
         b.arg(cache)
             .arg(&src_view)
-            .arg(slots)
+            .arg(&slots)
             .arg(&row_i)
             .arg(&src_stride)
             .arg(&self.inv);

@@ -320,8 +320,8 @@ pub(crate) use cuda::norm_launch;
 mod cuda {
     use super::Rotary;
     use crate::cuda::{
-        by_float_dtype, cuda_slice, dtype_suffix, function, strided_launch, vector_items, view,
-        Dependent,
+        by_float_dtype, cuda_slice, cuda_storage, dtype_suffix, function, strided_launch,
+        vector_items, view, Dependent,
     };
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
@@ -577,13 +577,14 @@ mod cuda {
             candle_core::bail!("rotary_qk: qkv must start at offset 0");
         }
         let dev = s.device().clone();
-        let (pg, _) = op.positions.storage_and_layout();
+        let (pg, pl) = op.positions.storage_and_layout();
         let (cg, cl) = op.cos.storage_and_layout();
         let (sg, sl) = op.sin.storage_and_layout();
         if cl.start_offset() != 0 || sl.start_offset() != 0 {
             candle_core::bail!("rotary_qk: tables must start at offset 0");
         }
-        let positions = cuda_slice::<u32>(&pg, "positions")?;
+        // a view of a larger table (the vision encoder's positions) starts past its storage's start
+        let positions = view::<u32>(cuda_storage(&pg, "positions")?, pl, "positions")?;
         let cos = cuda_slice::<T>(&cg, "cos")?;
         let sin = cuda_slice::<T>(&sg, "sin")?;
         let qkv = s.as_cuda_slice_mut::<T>()?;
@@ -597,7 +598,7 @@ mod cuda {
             let func = function(&dev, &format!("rotary_qk_{suffix}"))?;
             let mut b = Dependent::new(&stream, &func);
             b.buf_mut(qkv)
-                .buf(positions)
+                .buf(&positions)
                 .buf(cos)
                 .buf(sin)
                 .val(op.rotated_heads as i32)
@@ -631,8 +632,8 @@ mod cuda {
         let fp8 = crate::cache::is_fp8_cache(cw.k_cache);
         let (k8, v8, k16, v16);
         let arrays = cw.meta.device_arrays()?;
-        let (sg, _) = arrays.slots.storage_and_layout();
-        let slots = cuda_slice::<i64>(&sg, "slot_mapping")?;
+        let (sg, sl) = arrays.slots.storage_and_layout();
+        let slots = view::<i64>(cuda_storage(&sg, "slot_mapping")?, sl, "slot_mapping")?;
         let name = crate::cache::cache_kernel("rotary_qk_cache", T::DTYPE, cw.k_cache.dtype())?;
         let func = function(&dev, &name)?;
         let (k_inv, v_inv) = if fp8 {
@@ -642,7 +643,7 @@ mod cuda {
         };
         let mut b = Dependent::new(&stream, &func);
         b.buf_mut(qkv)
-            .buf(positions)
+            .buf(&positions)
             .buf(cos)
             .buf(sin)
             .val(cw.heads as i32)
@@ -658,7 +659,7 @@ mod cuda {
             v16 = cuda_slice::<T>(&vg, "v_cache")?;
             b.buf(k16).buf(v16);
         }
-        b.buf(slots).val(k_inv).val(v_inv);
+        b.buf(&slots).val(k_inv).val(v_inv);
         let cfg = LaunchConfig {
             grid_dim: (t as u32, 1, 1),
             block_dim: (

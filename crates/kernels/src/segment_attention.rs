@@ -231,7 +231,7 @@ fn launch(_: &Tensor, _: usize, _: &Tensor, _: &Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{cuda_slice, dtype_suffix, function, view};
+    use crate::cuda::{cuda_storage, dtype_suffix, function, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -258,10 +258,10 @@ mod cuda {
         let (n, _, d) = l.shape().dims3()?;
         let dev = s.device().clone();
         let qkv = view::<T>(s, l, "qkv")?;
-        let (starts, _) = op.starts.storage_and_layout();
-        let starts = cuda_slice::<u32>(&starts, "segment starts")?;
-        let (work, _) = op.work.storage_and_layout();
-        let work = cuda_slice::<u32>(&work, "segment work")?;
+        let (sg, sl) = op.starts.storage_and_layout();
+        let starts = view::<u32>(cuda_storage(&sg, "segment starts")?, sl, "segment starts")?;
+        let (wg, wl) = op.work.storage_and_layout();
+        let work = view::<u32>(cuda_storage(&wg, "segment work")?, wl, "segment work")?;
         let items = op.work.dim(0)?;
         // SAFETY: every row of every segment is written; the bounds cover all N rows.
         let mut out = unsafe { dev.alloc::<T>(n * op.heads * d) }?;
@@ -275,8 +275,8 @@ mod cuda {
         let scale = (d as f32).powf(-0.5);
         b.arg(&mut out)
             .arg(&qkv)
-            .arg(starts)
-            .arg(work)
+            .arg(&starts)
+            .arg(&work)
             .arg(&heads)
             .arg(&scale);
         let cfg = LaunchConfig {
