@@ -761,13 +761,11 @@ def step_summary(text: str) -> dict:
     prompt rows and decode-only steps, their count, mean tokens and mean wall time (the time since
     the step before plus its issue, wait and after), the prompt steps' mean host issue time, and
     the host's idle time between steps (`since`, summed). Where the lines carry them: the images
-    each kind of step encoded and its prepare time (the encoder's issue included), and a fit of
-    the prompt steps' wall time on their tokens and images (least squares: ms a step, a token and
-    an image), which prices an image in the step rather than in a benchmark of the encoder. With
-    async scheduling a step's host time runs while the device runs the step before, so the fit
-    takes each prompt step's device time as the wall time of the step after it."""
+    each kind of step encoded and its prepare time (the encoder's issue included). A step's issue
+    and wait are not its own device time: with async scheduling it is issued while the step
+    before runs, and an image step's launches fill the device's queue, so its issue waits for
+    the step before; sums over a load are what compare."""
     kinds: dict = {"prompt": [], "decode": []}
-    seq: list = []
     for m in STEP_LINE.finditer(text):
         g = m.groups()
         tokens, decodes = float(g[1]), float(g[2])
@@ -776,7 +774,6 @@ def step_summary(text: str) -> dict:
         prepare = float(g[6] or 0)
         row = (tokens, since + issue + wait + after, issue, since, images, prepare)
         kinds["prompt" if tokens > decodes else "decode"].append(row)
-        seq.append((tokens > decodes, row))
     res: dict = {}
     for kind, rows in kinds.items():
         if rows:
@@ -793,32 +790,8 @@ def step_summary(text: str) -> dict:
         res["full_prompt_steps"] = len(full)
         res["full_prompt_wall_ms_mean"] = round(sum(r[1] for r in full) / len(full), 3)
     prompt = kinds["prompt"]
-    pairs = [(r, seq[i + 1][1]) for i, (is_prompt, r) in enumerate(seq[:-1]) if is_prompt]
-    if len(pairs) >= 4 and any(r[4] for r, _ in pairs):
-        fit = least_squares([(1.0, r[0], r[4]) for r, _ in pairs], [n[1] - n[3] for _, n in pairs])
-        if fit:
-            res["prompt_fit_ms"] = {"step": round(fit[0], 2), "per_1k_tokens": round(1e3 * fit[1], 2),
-                                    "per_image": round(fit[2], 3)}
     res["prompt_shapes"] = [[int(r[0]), int(r[4]), round(r[1], 1), round(r[3], 1)] for r in prompt]
     return res
-
-
-def least_squares(xs: list[tuple], ys: list[float]):
-    """The coefficients minimising the squared error of ys against the rows xs (normal equations,
-    Gaussian elimination); None when they are not determined."""
-    k = len(xs[0])
-    a = [[sum(x[i] * x[j] for x in xs) for j in range(k)] + [sum(x[i] * y for x, y in zip(xs, ys))]
-         for i in range(k)]
-    for c in range(k):
-        p = max(range(c, k), key=lambda r: abs(a[r][c]))
-        if abs(a[p][c]) < 1e-9:
-            return None
-        a[c], a[p] = a[p], a[c]
-        for r in range(k):
-            if r != c:
-                f = a[r][c] / a[c][c]
-                a[r] = [u - f * v for u, v in zip(a[r], a[c])]
-    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def part_lora(a, out: Path) -> None:

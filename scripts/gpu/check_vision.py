@@ -415,17 +415,20 @@ def c64(a, srv, m: str, client: str = "rserve", seed: int = 0) -> dict:
     # the warm-up's images and prompts are the next seed's, which no round uses
     bench_serve(a, srv, m, *mm, "--num-prompts", "8", "--seed", str(1000 + seed))
     at = len(srv.log_path.read_text())
-    img = bench_serve(a, srv, m, *mm, "--num-prompts", "128", "--seed", str(seed))
+    prompts = 128
+    img = bench_serve(a, srv, m, *mm, "--num-prompts", str(prompts), "--seed", str(seed))
     mid = len(srv.log_path.read_text())
     n = round(img["prompt_tokens_mean"])
     text = bench_serve(a, srv, m, "--random-input-len", str(n), "--random-output-len", "128",
-                       "--num-prompts", "128", "--max-concurrency", "64", "--token-id-min", "1000",
+                       "--num-prompts", str(prompts), "--max-concurrency", "64", "--token-id-min", "1000",
                        "--token-id-max", "100000", "--seed", str(seed))
     keep = ("duration_s", "output_throughput", "prompt_tokens_mean", "ttft_ms", "tpot_ms", "failed")
     res = {"client": "rserve",
            "c64_image": {"prompt_tokens": n, **{k: img[k] for k in keep}},
            "c64_text_same_len": {k: text[k] for k in keep},
-           "c64_image_vs_text": img["output_throughput"] / text["output_throughput"]}
+           "c64_image_vs_text": img["output_throughput"] / text["output_throughput"],
+           # what an image adds to the load's wall time (the same prompts and outputs otherwise)
+           "c64_ms_per_image": round(1e3 * (img["duration_s"] - text["duration_s"]) / prompts, 3)}
     if trace:
         log_text = srv.log_path.read_text()
         res["c64_image_steps"] = step_summary(log_text[at:mid])
