@@ -13,6 +13,8 @@
 //! - [`widen_to_f32`]: a checkpoint's 16-bit tensor converted to f32 straight from the memory
 //!   map, on every core, into a buffer backed by huge pages (one pass; the plain route copies the
 //!   bytes into a 16-bit buffer first and converts on one thread).
+//! - [`fill_in_parallel`]: one buffer written from several source runs (a batch's images into a
+//!   pinned staging buffer), the pieces of all of them spread over rayon's threads at once.
 
 /// Runs `f` with every allocation of 1 MiB or more mapped from fresh zero pages, then puts back
 /// glibc's steady state (32 MiB, the most its own threshold grows to). Elsewhere `f` just runs.
@@ -81,6 +83,29 @@ pub fn widen_to_f32(bytes: &[u8], bf16: bool) -> Option<Vec<f32>> {
     Some(out)
 }
 
+/// Writes `srcs`, one after another, into the first values of `dst` with `fill` (a source run
+/// into as many values), in pieces of at most `piece` values over rayon's threads. The pieces of
+/// every source go to the pool together: a batch of images filled one image after another would
+/// keep only an image's few pieces in flight at a time. Sources past `dst`'s end are cut off.
+pub fn fill_in_parallel<S: Sync, D: Send>(
+    srcs: &[&[S]],
+    dst: &mut [D],
+    piece: usize,
+    fill: impl Fn(&[S], &mut [D]) + Sync,
+) {
+    use rayon::prelude::*;
+    let piece = piece.max(1);
+    let mut jobs: Vec<(&[S], &mut [D])> = Vec::new();
+    let mut rest = dst;
+    for src in srcs {
+        let n = src.len().min(rest.len());
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = tail;
+        jobs.extend(src[..n].chunks(piece).zip(head.chunks_mut(piece)));
+    }
+    jobs.into_par_iter().for_each(|(s, d)| fill(s, d));
+}
+
 /// The little-endian `bf16` (`bf16` true) or `f16` value in `b`'s first two bytes, as f32.
 #[inline]
 pub fn widen(b: &[u8], bf16: bool) -> f32 {
@@ -94,6 +119,30 @@ pub fn widen(b: &[u8], bf16: bool) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sources_fill_the_buffer_in_order_across_pieces() {
+        let a: Vec<u32> = (0..10).collect();
+        let b: Vec<u32> = Vec::new();
+        let c: Vec<u32> = (100..107).collect();
+        let mut dst = vec![0u64; 17];
+        for piece in [1, 3, 4, 100] {
+            dst.fill(0);
+            super::fill_in_parallel(&[&a, &b, &c], &mut dst, piece, |s, d| {
+                d.iter_mut()
+                    .zip(s)
+                    .for_each(|(d, &v)| *d = u64::from(v) * 2)
+            });
+            let want: Vec<u64> = a.iter().chain(&c).map(|&v| u64::from(v) * 2).collect();
+            assert_eq!(dst, want, "piece {piece}");
+        }
+        // a buffer shorter than the sources takes their first values
+        let mut short = vec![0u64; 12];
+        super::fill_in_parallel(&[&a, &c], &mut short, 5, |s, d| {
+            d.iter_mut().zip(s).for_each(|(d, &v)| *d = u64::from(v))
+        });
+        assert_eq!(short[9..], [9, 100, 101]);
+    }
+
     #[test]
     fn sixteen_bit_values_widen_exactly() {
         let vals: Vec<f32> = (0..200_000).map(|i| (i as f32 - 1e5) * 0.37).collect();

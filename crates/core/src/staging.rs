@@ -8,7 +8,6 @@ use candle_core::cuda_backend::cudarc::driver::{result, CudaEvent, DevicePtrMut,
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, DType, Result, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 /// Bytes of one staging buffer.
 const BUF_BYTES: usize = 32 << 20;
@@ -170,6 +169,8 @@ impl Staging {
                 if let Some(done) = slot.done.take() {
                     done.synchronize().map_err(err)?;
                 }
+                // this buffer's share of the parts, then filled from all of them at once
+                let mut runs: Vec<&[S]> = Vec::new();
                 let mut filled = 0;
                 while let Some(piece_src) = pieces.peek_mut() {
                     let n = piece_src.len().min(per_buf - filled);
@@ -178,21 +179,18 @@ impl Staging {
                     }
                     let cur: &[S] = piece_src;
                     let (head, rest) = cur.split_at(n);
-                    // SAFETY: values filled..filled + n lie inside the BUF_BYTES of the buffer
-                    // (page-aligned, so aligned for D), which no copy reads any more (its event
-                    // has completed); they are written here before anything reads them
-                    let run = unsafe {
-                        std::slice::from_raw_parts_mut(slot.ptr.cast::<D>().add(filled), n)
-                    };
-                    run.par_chunks_mut(piece)
-                        .zip(head.par_chunks(piece))
-                        .for_each(|(d, s)| fill(s, d));
+                    runs.push(head);
                     filled += n;
                     *piece_src = rest;
                     if piece_src.is_empty() {
                         pieces.next();
                     }
                 }
+                // SAFETY: values 0..filled lie inside the BUF_BYTES of the buffer (page-aligned,
+                // so aligned for D), which no copy reads any more (its event has completed);
+                // they are all written here before anything reads them
+                let run = unsafe { std::slice::from_raw_parts_mut(slot.ptr.cast::<D>(), filled) };
+                crate::host::fill_in_parallel(&runs, run, piece, &fill);
                 let bytes = filled * staged;
                 // SAFETY: the buffer's first `bytes` bytes, all written above
                 let buf = unsafe { std::slice::from_raw_parts(slot.ptr, bytes) };
