@@ -420,8 +420,8 @@ def c64(a, srv, m: str, client: str = "rserve", seed: int = 0) -> dict:
     mid = len(srv.log_path.read_text())
     n = round(img["prompt_tokens_mean"])
     text = bench_serve(a, srv, m, "--random-input-len", str(n), "--random-output-len", "128",
-                       "--num-prompts", str(prompts), "--max-concurrency", "64", "--token-id-min", "1000",
-                       "--token-id-max", "100000", "--seed", str(seed))
+                       "--num-prompts", str(prompts), "--max-concurrency", "64",
+                       "--token-id-min", "1000", "--token-id-max", "100000", "--seed", str(seed))
     keep = ("duration_s", "output_throughput", "prompt_tokens_mean", "ttft_ms", "tpot_ms", "failed")
     res = {"client": "rserve",
            "c64_image": {"prompt_tokens": n, **{k: img[k] for k in keep}},

@@ -185,11 +185,21 @@ pub(crate) fn token_rows<'a, T: CudaDType>(
     Ok((s.as_cuda_slice::<T>()?.slice(start..end), stride[0] as i64))
 }
 
-/// The typed CUDA slice behind a storage guard (caches and metadata start at offset 0).
+/// The typed CUDA slice behind a storage guard, for an operand a kernel reads from its
+/// storage's first element (caches, per-step arrays, tables). One whose layout starts past that
+/// (a view into a larger tensor) is an error rather than a read of the wrong values: such
+/// operands go through [`view`].
 pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
     s: &'a Storage,
+    l: &Layout,
     what: &str,
 ) -> Result<&'a CudaSlice<T>> {
+    if l.start_offset() != 0 {
+        candle_core::bail!(
+            "{what}: must start at its storage's start, not offset {}",
+            l.start_offset()
+        );
+    }
     match s {
         Storage::Cuda(s) => {
             if s.dtype() != T::DTYPE {

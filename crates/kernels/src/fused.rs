@@ -580,13 +580,10 @@ mod cuda {
         let (pg, pl) = op.positions.storage_and_layout();
         let (cg, cl) = op.cos.storage_and_layout();
         let (sg, sl) = op.sin.storage_and_layout();
-        if cl.start_offset() != 0 || sl.start_offset() != 0 {
-            candle_core::bail!("rotary_qk: tables must start at offset 0");
-        }
         // a view of a larger table (the vision encoder's positions) starts past its storage's start
         let positions = view::<u32>(cuda_storage(&pg, "positions")?, pl, "positions")?;
-        let cos = cuda_slice::<T>(&cg, "cos")?;
-        let sin = cuda_slice::<T>(&sg, "sin")?;
+        let cos = cuda_slice::<T>(&cg, cl, "rotary_qk: cos table")?;
+        let sin = cuda_slice::<T>(&sg, sl, "rotary_qk: sin table")?;
         let qkv = s.as_cuda_slice_mut::<T>()?;
         let stream = dev.cuda_stream();
         let suffix = dtype_suffix(T::DTYPE)?;
@@ -651,12 +648,12 @@ mod cuda {
             .val(d as i32)
             .val(stride);
         if fp8 {
-            k8 = cuda_slice::<u8>(&kg, "k_cache")?;
-            v8 = cuda_slice::<u8>(&vg, "v_cache")?;
+            k8 = cuda_slice::<u8>(&kg, kl, "k_cache")?;
+            v8 = cuda_slice::<u8>(&vg, vl, "v_cache")?;
             b.buf(k8).buf(v8);
         } else {
-            k16 = cuda_slice::<T>(&kg, "k_cache")?;
-            v16 = cuda_slice::<T>(&vg, "v_cache")?;
+            k16 = cuda_slice::<T>(&kg, kl, "k_cache")?;
+            v16 = cuda_slice::<T>(&vg, vl, "v_cache")?;
             b.buf(k16).buf(v16);
         }
         b.buf(&slots).val(k_inv).val(v_inv);

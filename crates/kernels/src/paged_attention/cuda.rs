@@ -205,17 +205,17 @@ impl PagedAttention<'_> {
         {
             candle_core::bail!("paged_attention: caches must be whole contiguous tensors");
         }
-        let (tg, _) = arrays.block_tables.storage_and_layout();
-        let (lg, _) = arrays.seq_lens.storage_and_layout();
-        let (sg, _) = arrays.query_start_loc.storage_and_layout();
+        let (tg, tl) = arrays.block_tables.storage_and_layout();
+        let (lg, ll) = arrays.seq_lens.storage_and_layout();
+        let (sg, sl) = arrays.query_start_loc.storage_and_layout();
         let ops = Operands {
             q: q_view,
             q_stride,
-            k: cuda_slice::<C>(&kg, "k_cache")?,
-            v: cuda_slice::<C>(&vg, "v_cache")?,
-            tables: cuda_slice::<u32>(&tg, "block_tables")?,
-            lens: cuda_slice::<u32>(&lg, "seq_lens")?,
-            starts: cuda_slice::<u32>(&sg, "query_start_loc")?,
+            k: cuda_slice::<C>(&kg, kl, "k_cache")?,
+            v: cuda_slice::<C>(&vg, vl, "v_cache")?,
+            tables: cuda_slice::<u32>(&tg, tl, "block_tables")?,
+            lens: cuda_slice::<u32>(&lg, ll, "seq_lens")?,
+            starts: cuda_slice::<u32>(&sg, sl, "query_start_loc")?,
             scale: self.params.scale,
             window: self.params.sliding_window.map_or(0, |w| w as i32),
         };
@@ -226,8 +226,8 @@ impl PagedAttention<'_> {
 
         if let (Some(g), true) = (decode_bucket, n_dec > 0) {
             let (seqs, _) = meta.decode_seqs()?;
-            let (seqs_g, _) = seqs.storage_and_layout();
-            let seqs_s = cuda_slice::<u32>(&seqs_g, "decode sequences")?;
+            let (seqs_g, seqs_l) = seqs.storage_and_layout();
+            let seqs_s = cuda_slice::<u32>(&seqs_g, seqs_l, "decode sequences")?;
             // only a decode-only step splits: the merge rewrites every row of the step
             let count = if n_dec == num_seqs {
                 decode_splits(n_dec * kvh, meta.split_context(), sms)
@@ -285,8 +285,8 @@ impl PagedAttention<'_> {
         if tensor_core {
             let per = (64 / group).max(1);
             let (work, num_work) = meta.work_items(per, min_len)?;
-            let (wg, _) = work.storage_and_layout();
-            let items = cuda_slice::<u32>(&wg, "work")?;
+            let (wg, wl) = work.storage_and_layout();
+            let items = cuda_slice::<u32>(&wg, wl, "work")?;
             let func = function(&dev, &format!("paged_prefill_d{d}_{ksuffix}"))?;
             let iv = ints(&[width, num_heads, kvh, bs, per]);
             let b = ops.args(&stream, &func, &mut out, items, &iv);
@@ -314,8 +314,8 @@ impl PagedAttention<'_> {
             1
         };
         let mut splits = Splits::new(&dev, count, split_keys, total_rows, d)?;
-        let (wg, _) = work.storage_and_layout();
-        let items = cuda_slice::<u32>(&wg, "work")?;
+        let (wg, wl) = work.storage_and_layout();
+        let items = cuda_slice::<u32>(&wg, wl, "work")?;
         let func = function(&dev, &format!("paged_attention_{ksuffix}"))?;
         let iv = ints(&[
             width,
