@@ -4,7 +4,7 @@
 // timed launch finds its operands in L2 (as in a real step, where each layer's weights are new).
 //
 // Build: make kbench (nvcc, no cargo); run: target/kbench/kbench [sections], sections from
-// gemv,step,attn,attn1,attn256,occ,tk,tk256,tk8,tk8one,small,chain,gemm,lt,pchain (default: all
+// gemv,step,attn,attn1,attn256,occ,tk,tk256,tk8,tk8one,small,chain,fp8chain,gemm,lt,pchain (default: all
 // but attn1, attn256, tk256 and tk8one, which run one case each, with the tensor-core kernel the
 // engine picks there, for a profiler).
 // Output: one line per measurement.
@@ -142,6 +142,23 @@ static bf16* alloc_bf16(size_t n, uint32_t seed, float scale) {
 
 // y, x, W, W's row scales (null for 16-bit W), m, n, k: the production kernels' arguments.
 typedef void (*GemvFn)(bf16*, const bf16*, const void*, const float*, int, int, int);
+
+// Launches a product on `st` as a programmatic dependent of the kernel before it, as the engine
+// launches its products.
+static void launch_gemv_dependent(cudaStream_t st, GemvFn fn, int ctas, int threads, bf16* y,
+                                  const bf16* x, const void* w, const float* scales, int m, int n,
+                                  int k) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CK(cudaLaunchKernelEx(&cfg, fn, y, x, w, scales, m, n, k));
+}
 static cublasHandle_t g_cublas;
 // A kernel, or cuBLAS (fn null): y [m, n] = x [m, k] W^T with W [n, k] row-major.
 struct Gemv {
@@ -604,7 +621,8 @@ static void bench_small() {
 // launches it (32 layers of: add + RMSNorm, qkv product, rotary with the K and V cache writes,
 // decode attention with its split merge, o product, add + RMSNorm, gate-up product, SiLU-and-mul, down
 // product; then the LM head), issued to a stream and replayed from a CUDA graph: the difference
-// is what launch gaps cost.
+// is what launch gaps cost. The last mode runs the products alone (no norms, rotary, attention):
+// the difference is what the kernels between them cost the graph.
 static void bench_chain(int sms) {
   const int hidden = 4096, inter = 14336, H = 32, KVH = 8, D = 128, BS = 16, ctx = 768;
   const int qkv_n = (H + 2 * KVH) * D, vocab = 128256;
@@ -653,25 +671,14 @@ static void bench_chain(int sms) {
   const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  bool pdl = false, glu = false;
+  bool pdl = false, glu = false, products_only = false;
   // n: rows of W; the GLU form writes n / 2 outputs
   auto launch = [&](GemvFn fn, int outs, bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     if (!pdl) {
       fn<<<(outs + 3) / 4, 256, 0, st>>>(y, in, wt, nullptr, 1, n, k);
       return;
     }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((outs + 3) / 4);
-    cfg.blockDim = dim3(256);
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const int one = 1;
-    const float* no_scales = nullptr;
-    CK(cudaLaunchKernelEx(&cfg, fn, y, in, (const void*)wt, no_scales, one, n, k));
+    launch_gemv_dependent(st, fn, (outs + 3) / 4, 256, y, in, wt, nullptr, 1, n, k);
   };
   auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     launch(g1.fn, n, y, in, wt, n, k);
@@ -679,9 +686,18 @@ static void bench_chain(int sms) {
   auto step = [&]() {
     const bf16* wp = w;
     for (int l = 0; l < 32; ++l) {
-      add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
+      if (!products_only) add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
       gemv(qkv, norm + hidden, wp, qkv_n, hidden);
       wp += (size_t)qkv_n * hidden;
+      if (products_only) {  // the same products, nothing between them
+        gemv(x, att, wp, hidden, H * D);
+        wp += (size_t)hidden * H * D;
+        launch(gemv_glu_m1_bf16, inter, act, norm + hidden, wp, 2 * inter, hidden);
+        wp += (size_t)2 * inter * hidden;
+        gemv(x, act, wp, hidden, inter);
+        wp += (size_t)hidden * inter;
+        continue;
+      }
       rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
                                                kc + l * cache_layer, vc + l * cache_layer, slot,
                                                1.f, 1.f);
@@ -719,9 +735,10 @@ static void bench_chain(int sms) {
     return ms / reps;
   };
   const double weights = (32 * per_layer + (size_t)vocab * hidden) * 2.0;
-  for (int mode = 0; mode < 3; ++mode) {
+  for (int mode = 0; mode < 4; ++mode) {
     pdl = mode > 0;
     glu = mode > 1;
+    products_only = mode > 2;
     const float ms_stream = timed(step, 10);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -731,7 +748,7 @@ static void bench_chain(int sms) {
     CK(cudaGraphInstantiate(&exec, graph, 0));
     const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 10);
     printf("chain8b b1 %s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
-           mode == 0 ? "plain  " : mode == 1 ? "pdl    " : "pdl+glu", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
+           mode == 0 ? "plain  " : mode == 1 ? "pdl    " : mode == 2 ? "pdl+glu" : "products only (pdl+glu)", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
            weights / ms_stream / 1e9, weights / ms_graph / 1e9);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
@@ -903,6 +920,104 @@ static void bench_pchain() {
   CK(cudaFree(y));
 }
 
+// The production GEMV template on FP8 weights at other tile shapes (plain and GLU forms).
+template <int R, int U, int NT, bool GLU>
+__global__ void __launch_bounds__(NT) gemv8_cand(bf16* y, const bf16* x, const void* w,
+                                                 const float* row_scale, int m, int n, int k) {
+  gemv_impl<bf16, Fp8W, 1, R, U, NT, GLU>(y, x, w, row_scale, m, n, k);
+}
+struct Gemv8 {
+  std::string name;
+  GemvFn fn;
+  int rows_per_cta, threads;  // rows of W per CTA (the GLU form: gate + up rows)
+};
+template <int R, int U, int NT, bool GLU>
+Gemv8 cand8() {
+  char name[64];
+  snprintf(name, sizeof name, "%s_r%d_u%d_t%d", GLU ? "glu" : "plain", R, U, NT);
+  return {name, gemv8_cand<R, U, NT, GLU>, R, NT};
+}
+
+// The 8B batch-1 step's products alone with FP8 weights (qkv, o, gate-up with SiLU, down; bf16
+// LM head), launched as dependents and replayed from a graph: the production kernels, then each
+// tile shape of the plain products (GLU at the production shape) and of the GLU form (plain at
+// the production shape).
+static void bench_fp8_chain() {
+  const int hidden = 4096, inter = 14336, qkv_n = 6144, vocab = 128256;
+  const size_t per_layer = (size_t)qkv_n * hidden + (size_t)hidden * hidden +
+                           (size_t)2 * inter * hidden + (size_t)hidden * inter;  // bytes
+  // random bytes as E4M3 (timing only: some are NaN)
+  uint8_t* w = reinterpret_cast<uint8_t*>(alloc_bf16(32 * per_layer / 2, 50, 0.05f));
+  bf16* head = alloc_bf16((size_t)vocab * hidden, 51, 0.05f);
+  bf16* x = alloc_bf16(inter, 52, 1.0f);
+  bf16* y = alloc_bf16(vocab, 53, 1.0f);
+  std::vector<float> ones(2 * inter, 1.f);
+  float* scales;
+  CK(cudaMalloc(&scales, ones.size() * 4));
+  CK(cudaMemcpy(scales, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  auto launch = [&](GemvFn fn, int ctas, int threads, const void* wt, const float* sc, int n, int k) {
+    launch_gemv_dependent(st, fn, ctas, threads, y, x, wt, sc, 1, n, k);
+  };
+  auto step = [&](const Gemv8& p, const Gemv8& g) {
+    const uint8_t* wp = w;
+    auto plain = [&](int n, int k) {
+      launch(p.fn, (n + p.rows_per_cta - 1) / p.rows_per_cta, p.threads, wp, scales, n, k);
+      wp += (size_t)n * k;
+    };
+    for (int l = 0; l < 32; ++l) {
+      plain(qkv_n, hidden);
+      plain(hidden, hidden);
+      const int per = g.rows_per_cta / 2;
+      launch(g.fn, (inter + per - 1) / per, g.threads, wp, scales, 2 * inter, hidden);
+      wp += (size_t)2 * inter * hidden;
+      plain(hidden, inter);
+    }
+    launch(gemv_m1_bf16, (vocab + 3) / 4, 256, head, nullptr, vocab, hidden);
+  };
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  const double bytes = 32.0 * per_layer + (double)vocab * hidden * 2;
+  auto run = [&](const Gemv8& p, const Gemv8& g) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    step(p, g);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(a, st));
+    const int reps = 20;
+    for (int r = 0; r < reps; ++r) CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(b, st));
+    CK(cudaEventSynchronize(b));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ms /= reps;
+    printf("fp8chain plain %-18s glu %-16s graph %.3f ms (%.0f tok/s)  %.2f GB: %.2f TB/s\n",
+           p.name.c_str(), g.name.c_str(), ms, 1e3 / ms, bytes / 1e9, bytes / ms / 1e9);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+  };
+  const Gemv8 prod_p = {"prod", gemv_fp8_m1_bf16, 4, 256};
+  const Gemv8 prod_g = {"prod", gemv_glu_fp8_m1_bf16, 8, 128};
+  const Gemv8 plains[] = {cand8<4, 2, 256, false>(),  cand8<4, 4, 256, false>(),
+                          cand8<8, 1, 256, false>(),  cand8<8, 2, 256, false>(),
+                          cand8<16, 1, 256, false>(), cand8<4, 2, 128, false>(),
+                          cand8<8, 2, 128, false>(),  cand8<2, 4, 256, false>()};
+  const Gemv8 glus[] = {cand8<8, 1, 256, true>(), cand8<8, 2, 256, true>(),
+                        cand8<16, 1, 256, true>(), cand8<4, 2, 256, true>()};
+  run(prod_p, prod_g);
+  for (const Gemv8& p : plains) run(p, prod_g);
+  for (const Gemv8& g : glus) run(prod_p, g);
+  run(prod_p, prod_g);
+  CK(cudaStreamDestroy(st));
+  for (void* q : {(void*)w, (void*)head, (void*)x, (void*)y, (void*)scales}) CK(cudaFree(q));
+}
+
 int main(int argc, char** argv) {
   const char* sections = argc > 1 ? argv[1] : nullptr;
   cudaDeviceProp prop;
@@ -929,6 +1044,7 @@ int main(int argc, char** argv) {
   if (want(sections, "tk8one")) bench_tk8(prop.multiProcessorCount, true);
   if (want(sections, "small")) bench_small();
   if (want(sections, "chain")) bench_chain(prop.multiProcessorCount);
+  if (want(sections, "fp8chain")) bench_fp8_chain();
   if (want(sections, "gemm")) bench_gemm();
   if (want(sections, "lt")) bench_lt();
   if (want(sections, "pchain")) bench_pchain();

@@ -187,24 +187,26 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void
 
 }  // namespace
 
-// gemv[_fp8]_m<M>_<dtype>: NT = 256 threads for M <= 2, 128 for M = 4 (what measured fastest on
-// H100). The 16-bit form takes no scales (row_scale null).
-#define GEMV_M(T, NAME, WT, WNAME, M, NT)                                                           \
+// gemv[_fp8]_m<M>_<dtype>: NT = 256 threads for M <= 2, 128 for M = 4, U steps in flight (what
+// measured fastest on H100: 2, and 1 for one row of FP8 weights). The 16-bit form takes no scales
+// (row_scale null).
+#define GEMV_M(T, NAME, WT, WNAME, M, NT, U)                                                        \
   extern "C" __global__ void __launch_bounds__(NT) gemv##WNAME##_m##M##_##NAME(                     \
       T* y, const T* x, const void* w, const float* row_scale, int m, int n, int k) {              \
-    gemv_impl<T, WT, M, kGemvRows, kGemvSteps, NT>(y, x, w, row_scale, m, n, k);                    \
+    gemv_impl<T, WT, M, kGemvRows, U, NT>(y, x, w, row_scale, m, n, k);                             \
   }
 // gemv_glu[_fp8]_m<M>_<dtype>: the GLU form, 4 gate + 4 up rows per CTA, one step in flight (the
-// same loads in flight per thread as the plain form).
+// same loads in flight per thread as the plain form); NT as the plain form's but 128 for one row
+// of FP8 weights (gemv.rs: gemv_launch_shape).
 #define GEMV_GLU_M(T, NAME, WT, WNAME, M, NT)                                                       \
   extern "C" __global__ void __launch_bounds__(NT) gemv_glu##WNAME##_m##M##_##NAME(                 \
       T* y, const T* x, const void* w, const float* row_scale, int m, int n, int k) {              \
     gemv_impl<T, WT, M, 2 * kGemvRows, 1, NT, true>(y, x, w, row_scale, m, n, k);                   \
   }
-#define GEMV_W(T, NAME, WT, WNAME)                                                                  \
-  GEMV_M(T, NAME, WT, WNAME, 1, 256) GEMV_M(T, NAME, WT, WNAME, 2, 256)                             \
-  GEMV_M(T, NAME, WT, WNAME, 4, 128) GEMV_GLU_M(T, NAME, WT, WNAME, 1, 256)                         \
+#define GEMV_W(T, NAME, WT, WNAME, U1, GLU_NT1)                                                     \
+  GEMV_M(T, NAME, WT, WNAME, 1, 256, U1) GEMV_M(T, NAME, WT, WNAME, 2, 256, kGemvSteps)             \
+  GEMV_M(T, NAME, WT, WNAME, 4, 128, kGemvSteps) GEMV_GLU_M(T, NAME, WT, WNAME, 1, GLU_NT1)         \
   GEMV_GLU_M(T, NAME, WT, WNAME, 2, 256) GEMV_GLU_M(T, NAME, WT, WNAME, 4, 128)
-#define GEMV(T, NAME) GEMV_W(T, NAME, DenseW<T>, ) GEMV_W(T, NAME, Fp8W, _fp8)
+#define GEMV(T, NAME) GEMV_W(T, NAME, DenseW<T>, , kGemvSteps, 256) GEMV_W(T, NAME, Fp8W, _fp8, 1, 128)
 GEMV(__nv_bfloat16, bf16)
 GEMV(__half, f16)
