@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import re
 import struct
 import time
 import urllib.request
@@ -229,7 +230,10 @@ def part_vision(a, out: Path) -> None:
         if os.environ.get("RSERVE_BASELINE_BINARY"):
             servers += [("baseline", Path(os.environ["RSERVE_BASELINE_BINARY"])), ("default-again", a.binary)]
         # the start's memory line (info) beside the step trace when asked for
-        log_env = {"RUST_LOG": (trace_env or {}).get("RUST_LOG", "warn") + ",rserve_core::engine::kv_sizing=info"}
+        # RSERVE_VISION_LOG adds directives (e.g. `,rserve_kernels::cublaslt=debug`: each
+        # cuBLASLt plan made, summed per load by `c64`)
+        log_env = {"RUST_LOG": (trace_env or {}).get("RUST_LOG", "warn") + ",rserve_core::engine::kv_sizing=info"
+                   + os.environ.get("RSERVE_VISION_LOG", "")}
         for variant, binary in servers:
             try:
                 srv = Server(binary, str(path), a.port, out, "--max-model-len", "8192",
@@ -429,10 +433,14 @@ def c64(a, srv, m: str, client: str = "rserve", seed: int = 0) -> dict:
            "c64_image_vs_text": img["output_throughput"] / text["output_throughput"],
            # what an image adds to the load's wall time (the same prompts and outputs otherwise)
            "c64_ms_per_image": round(1e3 * (img["duration_s"] - text["duration_s"]) / prompts, 3)}
+    log_text = srv.log_path.read_text()
     if trace:
-        log_text = srv.log_path.read_text()
         res["c64_image_steps"] = step_summary(log_text[at:mid])
         res["c64_text_steps"] = step_summary(log_text[mid:])
+    for k, part in (("image", log_text[at:mid]), ("text", log_text[mid:])):
+        plans = [int(x) for x in re.findall(r"cuBLASLt plan .* in (\d+) us", part)]
+        if plans:
+            res[f"c64_{k}_lt_plans"] = {"count": len(plans), "ms": round(sum(plans) / 1e3, 2)}
     return res
 
 

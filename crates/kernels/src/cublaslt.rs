@@ -210,7 +210,13 @@ fn with_plan<R>(
     let st = &mut states[i];
     if !st.plans.contains_key(&key) {
         let (m, n, k, form) = key;
+        let started = std::time::Instant::now();
         let made = plan(st.handle, (m, n, k), form).ok();
+        // each shape's first product asks cuBLASLt's heuristic (host time on the step's path)
+        tracing::debug!(
+            "cuBLASLt plan m={m} n={n} k={k} {form:?} in {} us",
+            started.elapsed().as_micros()
+        );
         st.plans.insert(key, made);
     }
     let plan = st.plans.get(&key).and_then(Option::as_ref);
