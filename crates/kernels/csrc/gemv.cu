@@ -197,7 +197,7 @@ __device__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x, const void
   }
 // gemv_glu[_fp8]_m<M>_<dtype>: the GLU form, 4 gate + 4 up rows per CTA, one step in flight (the
 // same loads in flight per thread as the plain form); NT as the plain form's but 128 for one row
-// of FP8 weights (gemv.rs: gemv_launch_shape).
+// of FP8 weights (gemv.rs: gemv_kernel_shape).
 #define GEMV_GLU_M(T, NAME, WT, WNAME, M, NT)                                                       \
   extern "C" __global__ void __launch_bounds__(NT) gemv_glu##WNAME##_m##M##_##NAME(                 \
       T* y, const T* x, const void* w, const float* row_scale, int m, int n, int k) {              \

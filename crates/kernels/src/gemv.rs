@@ -26,6 +26,16 @@ pub(crate) fn gemv_launch_shape(m: usize) -> (usize, u32) {
     }
 }
 
+/// [`gemv_launch_shape`] of csrc/gemv.cu's own kernels, whose GLU form of one row of FP8 weights
+/// runs 128 threads a CTA.
+#[cfg(feature = "cuda")]
+fn gemv_kernel_shape(m: usize, glu: bool, fp8: bool) -> (usize, u32) {
+    match gemv_launch_shape(m) {
+        (1, _) if glu && fp8 => (1, 128),
+        shape => shape,
+    }
+}
+
 /// `x` `[m, k]` times `w` `[n, k]` transposed: `[m, n]` in `x`'s dtype.
 pub fn linear_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
@@ -112,13 +122,7 @@ mod cuda {
         // SAFETY: every element of y is written by the kernel.
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
         if n > 0 {
-            let (bucket, threads) = super::gemv_launch_shape(m);
-            // one row's GLU product of FP8 weights runs 128 threads a CTA (csrc/gemv.cu)
-            let threads = if glu && fp8.is_some() && bucket == 1 {
-                128
-            } else {
-                threads
-            };
+            let (bucket, threads) = super::gemv_kernel_shape(m, glu, fp8.is_some());
             let form = if glu { "gemv_glu" } else { "gemv" };
             let wform = if fp8.is_some() { "_fp8" } else { "" };
             let name = format!("{form}{wform}_m{bucket}_{}", dtype_suffix(T::DTYPE)?);
