@@ -164,6 +164,15 @@ fn horizontal(
     let mut out = vec![0u8; ow * rows * 3];
     rows_of(&mut out, ow * 3, parallel, |y, row| {
         let line = &src[(y + first) * w * 3..][..w * 3];
+        horizontal_row(row, line, col0, c);
+    });
+    out
+}
+
+/// One row of [`horizontal`]: `row`'s pixels from `line`'s (its column 0 source column `col0`).
+fn horizontal_row(row: &mut [u8], line: &[u8], col0: usize, c: &Coeffs) {
+    #[inline(always)]
+    fn plain(row: &mut [u8], line: &[u8], col0: usize, c: &Coeffs) {
         let taps = c.bounds.iter().zip(c.weights.chunks_exact(c.ksize));
         for ((&(xmin, n), k), px) in taps.zip(row.chunks_exact_mut(3)) {
             let pixels = &line[(xmin - col0) * 3..][..n * 3];
@@ -177,8 +186,26 @@ fn horizontal(
             px[1] = clip8(ss[1]);
             px[2] = clip8(ss[2]);
         }
-    });
-    out
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn avx2(row: &mut [u8], line: &[u8], col0: usize, c: &Coeffs) {
+            plain(row, line, col0, c)
+        }
+        if has_avx2() {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { avx2(row, line, col0, c) };
+        }
+    }
+    plain(row, line, col0, c)
+}
+
+/// Whether the CPU has AVX2 (asked once).
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
 }
 
 /// `ss[i] += line[i] * k`, with AVX2 where the CPU has it (eight sums an instruction; the
@@ -196,8 +223,7 @@ fn accumulate(ss: &mut [i32], line: &[u8], k: i32) {
         fn avx2(ss: &mut [i32], line: &[u8], k: i32) {
             plain(ss, line, k)
         }
-        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *AVX2.get_or_init(|| is_x86_feature_detected!("avx2")) {
+        if has_avx2() {
             // SAFETY: the CPU has AVX2 (checked above).
             return unsafe { avx2(ss, line, k) };
         }
