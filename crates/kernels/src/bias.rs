@@ -39,7 +39,7 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
 mod cuda {
     use crate::cublaslt::{self, Form, Operands};
     use crate::cuda::{
-        by_float_dtype, cuda_storage, dtype_suffix, function, strided_launch, tensor_from_slice,
+        by_float_dtype, dtype_suffix, function, storage_view, strided_launch, tensor_from_slice,
         vector_items, view,
     };
     use candle_core::backend::BackendStorage;
@@ -99,9 +99,9 @@ mod cuda {
         let (xg, xl) = x.storage_and_layout();
         let (wg, wl) = w.storage_and_layout();
         let (bg, bl) = bias.storage_and_layout();
-        let xv = view::<T>(cuda_storage(&xg, "x")?, xl, "x")?;
-        let wv = view::<T>(cuda_storage(&wg, "weight")?, wl, "weight")?;
-        let bv = view::<T>(cuda_storage(&bg, "bias")?, bl, "bias")?;
+        let xv = storage_view::<T>(&xg, xl, "x")?;
+        let wv = storage_view::<T>(&wg, wl, "weight")?;
+        let bv = storage_view::<T>(&bg, bl, "bias")?;
         // SAFETY: every element is written by the product (when it runs).
         let mut y = unsafe { dev.alloc::<T>(m * n) }?;
         let ran = {

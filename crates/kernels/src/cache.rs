@@ -204,7 +204,7 @@ impl WriteSlots<'_> {
         T: crate::cuda::KernelElem,
         C: crate::cuda::KernelElem,
     {
-        use crate::cuda::{cuda_storage, function, token_rows, view};
+        use crate::cuda::{function, storage_view, token_rows};
         use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
         use candle_core::cuda_backend::WrapErr;
 
@@ -227,7 +227,7 @@ impl WriteSlots<'_> {
         let (src_view, src_stride) = token_rows::<T>(src, src_l, "new k/v")?;
         let arrays = self.meta.device_arrays()?;
         let (sg, sl) = arrays.slots.storage_and_layout();
-        let slots = view::<i64>(cuda_storage(&sg, "slot_mapping")?, sl, "slot_mapping")?;
+        let slots = storage_view::<i64>(&sg, sl, "slot_mapping")?;
         let cache = dst.as_cuda_slice_mut::<C>()?;
         let func = function(
             &dev,

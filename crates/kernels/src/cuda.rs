@@ -153,6 +153,16 @@ pub(crate) fn cuda_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a CudaSto
     }
 }
 
+/// [`view`] of the CUDA storage behind a tensor's storage guard: the operand as its layout
+/// places it (a view into a larger tensor read from its own first element).
+pub(crate) fn storage_view<'a, T: CudaDType>(
+    s: &'a Storage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    view(cuda_storage(s, what)?, l, what)
+}
+
 /// A tensor of `shape` over a freshly written CUDA slice.
 pub(crate) fn tensor_from_slice<T: CudaDType + WithDType>(
     slice: CudaSlice<T>,

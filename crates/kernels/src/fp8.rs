@@ -325,9 +325,7 @@ pub fn allow_tensor_cores(on: bool) {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{
-        cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
-    };
+    use crate::cuda::{dtype_suffix, function, launch_dependent, storage_view, tensor_from_slice};
     use crate::fp8_gemm;
     use crate::gemv::GEMV_MAX_ROWS;
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
@@ -390,7 +388,7 @@ mod cuda {
                 &format!("fp8_quantize_rows_{}", dtype_suffix(T::DTYPE)?),
             )?;
             let (xg, xl) = x.storage_and_layout();
-            let xv = view::<T>(cuda_storage(&xg, "fp8 activations")?, xl, "x")?;
+            let xv = storage_view::<T>(&xg, xl, "x")?;
             let (mut xp, _x) = xv.device_ptr(&stream);
             let (mut qp, _q) = q.device_ptr_mut(&stream);
             let (mut sp, _s) = s.device_ptr_mut(&stream);
@@ -457,9 +455,9 @@ mod cuda {
             let (xg, xl) = x.storage_and_layout();
             let (rg, rl) = residual.storage_and_layout();
             let (wg, wl) = weight.storage_and_layout();
-            let xv = view::<T>(cuda_storage(&xg, "x")?, xl, "x")?;
-            let rv = view::<T>(cuda_storage(&rg, "residual")?, rl, "residual")?;
-            let wv = view::<T>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+            let xv = storage_view::<T>(&xg, xl, "x")?;
+            let rv = storage_view::<T>(&rg, rl, "residual")?;
+            let wv = storage_view::<T>(&wg, wl, "weight")?;
             let mut b = crate::cuda::Dependent::new(&stream, &func);
             b.buf_mut(&mut out)
                 .buf_mut(&mut q)
@@ -516,8 +514,8 @@ mod cuda {
             )?;
             let (qg, ql) = q.storage_and_layout();
             let (sg, sl) = scale.storage_and_layout();
-            let qv = view::<u8>(cuda_storage(&qg, "fp8 weight")?, ql, "fp8 weight")?;
-            let sv = view::<f32>(cuda_storage(&sg, "fp8 scales")?, sl, "fp8 scales")?;
+            let qv = storage_view::<u8>(&qg, ql, "fp8 weight")?;
+            let sv = storage_view::<f32>(&sg, sl, "fp8 scales")?;
             let (mut qp, _q) = qv.device_ptr(&stream);
             let (mut sp, _s) = sv.device_ptr(&stream);
             let (mut yp, _y) = y.device_ptr_mut(&stream);

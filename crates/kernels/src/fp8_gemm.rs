@@ -10,7 +10,7 @@
 
 use crate::cublaslt::{self, Form, Operands};
 use crate::cuda::{
-    cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
+    cuda_storage, dtype_suffix, function, launch_dependent, storage_view, tensor_from_slice, view,
 };
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
@@ -79,8 +79,8 @@ fn product<T: CudaDType + WithDType + DeviceRepr>(
     };
     let (xg, xl) = xq.storage_and_layout();
     let (wg, wl) = wq.storage_and_layout();
-    let xv = view::<u8>(cuda_storage(&xg, "activations")?, xl, "activations")?;
-    let wv = view::<u8>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+    let xv = storage_view::<u8>(&xg, xl, "activations")?;
+    let wv = storage_view::<u8>(&wg, wl, "weight")?;
     {
         let (xp, _x) = xv.device_ptr(&stream);
         let (wp, _w) = wv.device_ptr(&stream);
@@ -114,7 +114,7 @@ macro_rules! scale_ptrs {
             sxl,
             "activation scales",
         )?;
-        let swv = view::<f32>(cuda_storage(&swg, "weight scales")?, swl, "weight scales")?;
+        let swv = storage_view::<f32>(&swg, swl, "weight scales")?;
         let ($sxp, _sx_guard) = sxv.device_ptr($stream);
         let ($swp, _sw_guard) = swv.device_ptr($stream);
     };

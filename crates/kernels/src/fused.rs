@@ -320,7 +320,7 @@ pub(crate) use cuda::norm_launch;
 mod cuda {
     use super::Rotary;
     use crate::cuda::{
-        by_float_dtype, cuda_slice, cuda_storage, dtype_suffix, function, strided_launch,
+        by_float_dtype, cuda_slice, dtype_suffix, function, storage_view, strided_launch,
         vector_items, view, Dependent,
     };
     use candle_core::backend::BackendStorage;
@@ -581,7 +581,7 @@ mod cuda {
         let (cg, cl) = op.cos.storage_and_layout();
         let (sg, sl) = op.sin.storage_and_layout();
         // a view of a larger table (the vision encoder's positions) starts past its storage's start
-        let positions = view::<u32>(cuda_storage(&pg, "positions")?, pl, "positions")?;
+        let positions = storage_view::<u32>(&pg, pl, "positions")?;
         let cos = cuda_slice::<T>(&cg, cl, "rotary_qk: cos table")?;
         let sin = cuda_slice::<T>(&sg, sl, "rotary_qk: sin table")?;
         let qkv = s.as_cuda_slice_mut::<T>()?;
@@ -630,7 +630,7 @@ mod cuda {
         let (k8, v8, k16, v16);
         let arrays = cw.meta.device_arrays()?;
         let (sg, sl) = arrays.slots.storage_and_layout();
-        let slots = view::<i64>(cuda_storage(&sg, "slot_mapping")?, sl, "slot_mapping")?;
+        let slots = storage_view::<i64>(&sg, sl, "slot_mapping")?;
         let name = crate::cache::cache_kernel("rotary_qk_cache", T::DTYPE, cw.k_cache.dtype())?;
         let func = function(&dev, &name)?;
         let (k_inv, v_inv) = if fp8 {

@@ -118,7 +118,7 @@ fn check(
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{by_float_dtype, cuda_storage, dtype_suffix, function, view, Dependent};
+    use crate::cuda::{by_float_dtype, dtype_suffix, function, storage_view, view, Dependent};
     use crate::fused::norm_launch;
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -155,7 +155,7 @@ mod cuda {
             let stream = dev.cuda_stream();
             let cfg = norm_launch::<T>(t, h);
             let rv = match &res {
-                Some((rs, rl)) => Some(view::<T>(cuda_storage(rs, "residual")?, rl, "residual")?),
+                Some((rs, rl)) => Some(storage_view::<T>(rs, rl, "residual")?),
                 None => None,
             };
             let name = if rv.is_some() {

@@ -312,7 +312,7 @@ pub fn lora_add_reference(
 pub(crate) mod cuda {
     use super::{LoraRows, LoraStack};
     use crate::cuda::{
-        cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
+        dtype_suffix, function, launch_dependent, storage_view, tensor_from_slice, KernelElem,
     };
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
     use candle_core::cuda_backend::CudaDevice;
@@ -433,7 +433,7 @@ pub(crate) mod cuda {
         // the listed rows' device address (0: token t is row t), held until both launches
         let list_guard = list.as_ref().map(|l| l.storage_and_layout());
         let list_view = match &list_guard {
-            Some((g, l)) => Some(view::<u32>(cuda_storage(g, "lora rows")?, l, "lora rows")?),
+            Some((g, l)) => Some(storage_view::<u32>(g, l, "lora rows")?),
             None => None,
         };
         let (list_ptr, _l) = match &list_view {
@@ -447,9 +447,9 @@ pub(crate) mod cuda {
             let (xg, xl) = x.storage_and_layout();
             let (ag, al) = a.storage_and_layout();
             let (sg, sl) = slots.storage_and_layout();
-            let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
-            let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
-            let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
+            let xv = storage_view::<T>(&xg, xl, "lora x")?;
+            let av = storage_view::<T>(&ag, al, "lora A")?;
+            let sv = storage_view::<u32>(&sg, sl, "lora slots")?;
             let (mut pp, _p) = part.device_ptr_mut(&stream);
             let (mut xp, _x) = xv.device_ptr(&stream);
             let (mut ap, _a) = av.device_ptr(&stream);
@@ -573,15 +573,15 @@ pub(crate) mod cuda {
         };
         let over_guard = over.as_ref().map(|o| o.storage_and_layout());
         let over_view = match &over_guard {
-            Some((g, l)) => Some(view::<T>(cuda_storage(g, "lora out")?, l, "lora out")?),
+            Some((g, l)) => Some(storage_view::<T>(g, l, "lora out")?),
             None => None,
         };
         let (yg, yl) = y.storage_and_layout();
         let (bg, bl) = b.storage_and_layout();
         let (sg, sl) = slots.storage_and_layout();
-        let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
-        let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
-        let sv = view::<u32>(cuda_storage(&sg, "lora slots")?, sl, "lora slots")?;
+        let yv = storage_view::<T>(&yg, yl, "lora y")?;
+        let bv = storage_view::<T>(&bg, bl, "lora B")?;
+        let sv = storage_view::<u32>(&sg, sl, "lora slots")?;
         let (mut pp, _p) = match part {
             Some(p) => {
                 let (ptr, g) = p.device_ptr(&stream);

@@ -4,7 +4,7 @@
 //! in place ([`runs`]), or the terms are written first and the product added onto them
 //! ([`product_over_terms`]). Shapes as in [`crate::lora`].
 
-use crate::cuda::{cuda_storage, view, KernelElem};
+use crate::cuda::{storage_view, KernelElem};
 use crate::lora::{prompt_terms, LoraRun, PromptTerms};
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -292,10 +292,10 @@ pub(crate) fn runs<T: KernelElem>(
     let (yg, yl) = y.storage_and_layout();
     let (ag, al) = a.storage_and_layout();
     let (bg, bl) = b.storage_and_layout();
-    let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
-    let yv = view::<T>(cuda_storage(&yg, "lora y")?, yl, "lora y")?;
-    let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
-    let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
+    let xv = storage_view::<T>(&xg, xl, "lora x")?;
+    let yv = storage_view::<T>(&yg, yl, "lora y")?;
+    let av = storage_view::<T>(&ag, al, "lora A")?;
+    let bv = storage_view::<T>(&bg, bl, "lora B")?;
     let (xp, _x) = xv.device_ptr(&stream);
     let (yp, _y) = yv.device_ptr(&stream);
     let (ap, _a) = av.device_ptr(&stream);
@@ -388,10 +388,10 @@ pub(crate) fn product_over_terms<T: KernelElem>(
         let (wg, wl) = w.storage_and_layout();
         let (ag, al) = a.storage_and_layout();
         let (bg, bl) = b.storage_and_layout();
-        let xv = view::<T>(cuda_storage(&xg, "lora x")?, xl, "lora x")?;
-        let wv = view::<T>(cuda_storage(&wg, "lora W")?, wl, "lora W")?;
-        let av = view::<T>(cuda_storage(&ag, "lora A")?, al, "lora A")?;
-        let bv = view::<T>(cuda_storage(&bg, "lora B")?, bl, "lora B")?;
+        let xv = storage_view::<T>(&xg, xl, "lora x")?;
+        let wv = storage_view::<T>(&wg, wl, "lora W")?;
+        let av = storage_view::<T>(&ag, al, "lora A")?;
+        let bv = storage_view::<T>(&bg, bl, "lora B")?;
         let (yp, _y) = y.device_ptr_mut(&stream);
         let (xp, _x) = xv.device_ptr(&stream);
         let (wp, _w) = wv.device_ptr(&stream);

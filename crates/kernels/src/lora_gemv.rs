@@ -224,7 +224,7 @@ fn applies(
 #[cfg(feature = "cuda")]
 mod cuda {
     use crate::cuda::{
-        cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view, KernelElem,
+        dtype_suffix, function, launch_dependent, storage_view, tensor_from_slice, KernelElem,
     };
     use crate::gemv::{gemv_launch_shape, GEMV_ROWS_PER_CTA};
     use crate::lora::{LoraRows, LoraStack};
@@ -342,10 +342,10 @@ mod cuda {
             let (wg, wl) = w.storage_and_layout();
             let (ag, al) = a.storage_and_layout();
             let (sg, sl) = slots.storage_and_layout();
-            let xv = view::<T>(cuda_storage(&xg, "lora gemv x")?, xl, "lora gemv x")?;
-            let wv = view::<T>(cuda_storage(&wg, "lora gemv W")?, wl, "lora gemv W")?;
-            let av = view::<T>(cuda_storage(&ag, "lora gemv A")?, al, "lora gemv A")?;
-            let sv = view::<u32>(cuda_storage(&sg, "lora gemv slots")?, sl, "lora gemv slots")?;
+            let xv = storage_view::<T>(&xg, xl, "lora gemv x")?;
+            let wv = storage_view::<T>(&wg, wl, "lora gemv W")?;
+            let av = storage_view::<T>(&ag, al, "lora gemv A")?;
+            let sv = storage_view::<u32>(&sg, sl, "lora gemv slots")?;
             let (mut yp, _y) = y.device_ptr_mut(&stream);
             let (mut up, _u) = u.device_ptr_mut(&stream);
             let (mut xp, _x) = xv.device_ptr(&stream);

@@ -231,7 +231,7 @@ fn launch(_: &Tensor, _: usize, _: &Tensor, _: &Tensor) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use crate::cuda::{cuda_storage, dtype_suffix, function, view};
+    use crate::cuda::{dtype_suffix, function, storage_view, view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
@@ -259,9 +259,9 @@ mod cuda {
         let dev = s.device().clone();
         let qkv = view::<T>(s, l, "qkv")?;
         let (sg, sl) = op.starts.storage_and_layout();
-        let starts = view::<u32>(cuda_storage(&sg, "segment starts")?, sl, "segment starts")?;
+        let starts = storage_view::<u32>(&sg, sl, "segment starts")?;
         let (wg, wl) = op.work.storage_and_layout();
-        let work = view::<u32>(cuda_storage(&wg, "segment work")?, wl, "segment work")?;
+        let work = storage_view::<u32>(&wg, wl, "segment work")?;
         let items = op.work.dim(0)?;
         // SAFETY: every row of every segment is written; the bounds cover all N rows.
         let mut out = unsafe { dev.alloc::<T>(n * op.heads * d) }?;

@@ -1,9 +1,7 @@
 //! The launches of `csrc/ggml.cu`.
 
 use super::{data_bytes, has_scales, BlockWeight, GEMV_MAX_ROWS};
-use crate::cuda::{
-    cuda_storage, dtype_suffix, function, launch_dependent, tensor_from_slice, view,
-};
+use crate::cuda::{dtype_suffix, function, launch_dependent, storage_view, tensor_from_slice};
 use crate::quantize::BlockType;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::CudaDevice;
@@ -52,7 +50,7 @@ fn quantize_as<T: crate::cuda::KernelElem>(
         );
         let func = function(dev, &name)?;
         let (wg, wl) = w.storage_and_layout();
-        let wv = view::<T>(cuda_storage(&wg, "weight")?, wl, "weight")?;
+        let wv = storage_view::<T>(&wg, wl, "weight")?;
         let (mut wp, _w) = wv.device_ptr(&stream);
         let (mut qp, _q) = q.device_ptr_mut(&stream);
         let (mut dp, _d) = d.device_ptr_mut(&stream);
@@ -95,12 +93,12 @@ fn with_weight<R>(
     f: impl FnOnce(u64, u64) -> Result<R>,
 ) -> Result<R> {
     let (dg, dl) = w.data.storage_and_layout();
-    let data = view::<u8>(cuda_storage(&dg, "block data")?, dl, "block data")?;
+    let data = storage_view::<u8>(&dg, dl, "block data")?;
     let (wp, _w) = data.device_ptr(stream);
     match &w.scales {
         Some(s) => {
             let (sg, sl) = s.storage_and_layout();
-            let scales = view::<half::f16>(cuda_storage(&sg, "block scales")?, sl, "block scales")?;
+            let scales = storage_view::<half::f16>(&sg, sl, "block scales")?;
             let (sp, _s) = scales.device_ptr(stream);
             f(wp, sp)
         }
@@ -218,7 +216,7 @@ fn gemv_as<T: crate::cuda::KernelElem>(
         );
         let func = function(dev, &name)?;
         let (xg, xl) = x.storage_and_layout();
-        let xv = view::<T>(cuda_storage(&xg, "x")?, xl, "x")?;
+        let xv = storage_view::<T>(&xg, xl, "x")?;
         let (mut xp, _x) = xv.device_ptr(&stream);
         let (mut yp, _y) = y.device_ptr_mut(&stream);
         with_weight(w, &stream, |mut wp, mut sp| {
