@@ -82,6 +82,22 @@ static const Decode kTk[] = {{"tk_w2s3", tc_occ<3, 2, 1, true>, 3, 2},
                              {"tk_w4s3", tc_occ<3, 4, 1, true>, 3, 4},
                              {"tk_w4s2", tc_occ<2, 4, 1, true>, 2, 4}};
 
+// The engine's batch-1 decode kernel and its rotary asking for what no earlier kernel writes
+// before they wait for the kernel before them (their EARLY forms; section chain).
+__global__ void __launch_bounds__(128) tk_w4_early(PAGED_DECODE_PARAMS(bf16, bf16)) {
+  paged_decode_tc_impl<bf16, bf16, 128, 3, 4, true, true>(PAGED_DECODE_ARGS);
+}
+// The rotary's other forms: reads ahead of its wait (EARLY), lets the attention launch only after
+// its wait (LATE_TRIGGER).
+template <bool EARLY, bool LATE_TRIGGER>
+__global__ void rotary_cand(bf16* qkv, const uint32_t* positions, const bf16* cos, const bf16* sin,
+                            int heads, int kv_heads, int head_dim, long row_stride, bf16* k_cache,
+                            bf16* v_cache, const int64_t* slots, float k_inv, float v_inv) {
+  rotary_qk_cache_impl<bf16, bf16, EARLY, LATE_TRIGGER>(qkv, positions, cos, sin, heads, kv_heads,
+                                                        head_dim, row_stride, k_cache, v_cache,
+                                                        slots, k_inv, v_inv);
+}
+
 static const Decode kDecodes[] = {{"direct", paged_decode_g4_bf16, 0, 0},
                                   {"tc_w4", paged_decode_tc_w4_d128_bf16, 3, 4},
                                   {"tc_w2", paged_decode_tc_w2_d128_bf16, 3, 2},
@@ -158,6 +174,23 @@ static void launch_gemv_dependent(cudaStream_t st, GemvFn fn, int ctas, int thre
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   CK(cudaLaunchKernelEx(&cfg, fn, y, x, w, scales, m, n, k));
+}
+// Launches any kernel on `st`, as a programmatic dependent of the kernel before it when `dep`
+// (as the engine launches every kernel of a step), else as a plain launch.
+template <typename... P, typename... A>
+static void launch_on(cudaStream_t st, bool dep, void (*fn)(P...), dim3 grid, dim3 block,
+                      size_t smem, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dep ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, fn, static_cast<P>(args)...));
 }
 static cublasHandle_t g_cublas;
 // A kernel, or cuBLAS (fn null): y [m, n] = x [m, k] W^T with W [n, k] row-major.
@@ -621,8 +654,12 @@ static void bench_small() {
 // launches it (32 layers of: add + RMSNorm, qkv product, rotary with the K and V cache writes,
 // decode attention with its split merge, o product, add + RMSNorm, gate-up product, SiLU-and-mul, down
 // product; then the LM head), issued to a stream and replayed from a CUDA graph: the difference
-// is what launch gaps cost. The last mode runs the products alone (no norms, rotary, attention):
-// the difference is what the kernels between them cost the graph.
+// is what launch gaps cost. The modes after the first three launch every kernel as a dependent,
+// as the engine does: the engine's kernels, then candidate forms of the rotary and the attention
+// (reads ahead of their waits, the attention launched only after the qkv product), then the same
+// chain with one kernel kind left out at a time (rotary, the split merge, the whole attention
+// chain, everything but the products): the differences are what each costs the graph. Before
+// the timings, the candidates' output is checked bit for bit against the engine's kernels.
 static void bench_chain(int sms) {
   const int hidden = 4096, inter = 14336, H = 32, KVH = 8, D = 128, BS = 16, ctx = 768;
   const int qkv_n = (H + 2 * KVH) * D, vocab = 128256;
@@ -666,53 +703,87 @@ static void bench_chain(int sms) {
   float *acc, *ml;
   CK(cudaMalloc(&acc, (size_t)count * H * D * 4));
   CK(cudaMalloc(&ml, (size_t)count * H * 2 * 4));
-  const int tc_smem = kDecodes[1].smem();
+  // the kernel the engine picks here: keys as the products' rows, 4 warps (8 x count CTAs)
+  const Decode& attn_k = kDecodes[3];
+  const int tc_smem = attn_k.smem();
+  CK(cudaFuncSetAttribute(attn_k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          std::max(tc_smem, 48 << 10)));
   const float scale = 1.f / sqrtf((float)D);
   const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  bool pdl = false, glu = false, products_only = false;
+  // A mode: which launches are dependents, and which kernels between the products run.
+  CK(cudaFuncSetAttribute(tk_w4_early, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          std::max(tc_smem, 48 << 10)));
+  struct Mode {
+    const char* name;
+    bool pdl, glu, all_dep, rotary, attention, merge, norms, early_attention, early_rotary,
+        late_trigger;
+  };
+  const Mode modes[] = {
+      {"plain", false, false, false, true, true, true, true},
+      {"pdl (products)", true, false, false, true, true, true, true},
+      {"pdl+glu (products)", true, true, false, true, true, true, true},
+      {"all dependents", true, true, true, true, true, true, true},
+      {"all dep, early attention", true, true, true, true, true, true, true, true, false},
+      {"all dep, early attention + rotary", true, true, true, true, true, true, true, true, true},
+      {"all dep, rotary triggers late", true, true, true, true, true, true, true, false, false,
+       true},
+      {"all dep, early both, late trigger", true, true, true, true, true, true, true, true, true,
+       true},
+      {"all dep, no rotary", true, true, true, false, true, true, true},
+      {"all dep, no merge", true, true, true, true, true, false, true},
+      {"all dep, no rotary, no merge", true, true, true, false, true, false, true},
+      {"all dep, no attention chain", true, true, true, false, false, false, true},
+      {"products only", true, true, true, false, false, false, false},
+  };
+  Mode m = modes[0];
   // n: rows of W; the GLU form writes n / 2 outputs
   auto launch = [&](GemvFn fn, int outs, bf16* y, const bf16* in, const bf16* wt, int n, int k) {
-    if (!pdl) {
-      fn<<<(outs + 3) / 4, 256, 0, st>>>(y, in, wt, nullptr, 1, n, k);
-      return;
-    }
-    launch_gemv_dependent(st, fn, (outs + 3) / 4, 256, y, in, wt, nullptr, 1, n, k);
+    launch_on(st, m.pdl, fn, dim3((outs + 3) / 4), dim3(256), 0, y, in, wt, (const float*)nullptr,
+              1, n, k);
   };
   auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     launch(g1.fn, n, y, in, wt, n, k);
   };
+  auto norm_k = [&]() {
+    if (m.norms)
+      launch_on(st, m.all_dep, add_rms_norm_bf16, dim3(1), dim3(1024), 0, norm, (const bf16*)x,
+                (const bf16*)res, (const bf16*)nw, 1, hidden, 1e-5f);
+  };
   auto step = [&]() {
     const bf16* wp = w;
     for (int l = 0; l < 32; ++l) {
-      if (!products_only) add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
+      norm_k();
       gemv(qkv, norm + hidden, wp, qkv_n, hidden);
       wp += (size_t)qkv_n * hidden;
-      if (products_only) {  // the same products, nothing between them
-        gemv(x, att, wp, hidden, H * D);
-        wp += (size_t)hidden * H * D;
-        launch(gemv_glu_m1_bf16, inter, act, norm + hidden, wp, 2 * inter, hidden);
-        wp += (size_t)2 * inter * hidden;
-        gemv(x, act, wp, hidden, inter);
-        wp += (size_t)hidden * inter;
-        continue;
-      }
-      rotary_qk_cache_bf16<<<1, 1024, 0, st>>>(qkv, pos, cs, cs, H, KVH, D, qkv_n,
-                                               kc + l * cache_layer, vc + l * cache_layer, slot,
-                                               1.f, 1.f);
-      paged_decode_tc_w4_d128_bf16<<<dim3(KVH, 1, count), 128, tc_smem, st>>>(
-          att, qkv, kc + l * cache_layer, vc + l * cache_layer, dt, dl, ds, dq, width, H, KVH, D,
-          BS, scale, 0, qkv_n, split, H, acc, ml);
-      if (count > 1) paged_attention_combine_bf16<<<H, 128, 0, st>>>(att, acc, ml, count, H, D);
+      bf16* kl = kc + l * cache_layer;
+      bf16* vl = vc + l * cache_layer;
+      if (m.rotary)
+        launch_on(st, m.all_dep,
+                  m.early_rotary ? (m.late_trigger ? rotary_cand<true, true> : rotary_cand<true, false>)
+                                 : (m.late_trigger ? rotary_cand<false, true> : rotary_qk_cache_bf16),
+                  dim3(1), dim3(1024), 0, qkv,
+                  (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n,
+                  kl, vl, (const int64_t*)slot, 1.f, 1.f);
+      if (m.attention)
+        launch_on(st, m.all_dep, m.early_attention ? tk_w4_early : attn_k.fn, attn_k.grid(1, KVH, count), dim3(attn_k.threads()),
+                  tc_smem, att, (const bf16*)qkv, (const bf16*)kl, (const bf16*)vl,
+                  (const uint32_t*)dt, (const uint32_t*)dl, (const uint32_t*)ds,
+                  (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0, (long)qkv_n, split,
+                  (long)H, acc, ml);
+      if (m.merge && count > 1)
+        launch_on(st, m.all_dep, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
+                  (const float*)acc, (const float*)ml, count, (long)H, D);
       gemv(x, att, wp, hidden, H * D);
       wp += (size_t)hidden * H * D;
-      add_rms_norm_bf16<<<1, 1024, 0, st>>>(norm, x, res, nw, 1, hidden, 1e-5f);
-      if (glu) {
+      norm_k();
+      if (m.glu) {
         launch(gemv_glu_m1_bf16, inter, act, norm + hidden, wp, 2 * inter, hidden);
       } else {
         gemv(gu, norm + hidden, wp, 2 * inter, hidden);
-        silu_and_mul_bf16<<<(inter + 255) / 256, 256, 0, st>>>(act, gu, (long)inter, inter);
+        launch_on(st, m.all_dep, silu_and_mul_bf16, dim3((inter + 255) / 256), dim3(256), 0, act,
+                  (const bf16*)gu, (long)inter, inter);
       }
       wp += (size_t)2 * inter * hidden;
       gemv(x, act, wp, hidden, inter);
@@ -725,6 +796,8 @@ static void bench_chain(int sms) {
   CK(cudaEventCreate(&b));
   auto timed = [&](auto&& f, int reps) {
     f();
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
     CK(cudaEventRecord(a, st));
     for (int r = 0; r < reps; ++r) f();
     CK(cudaEventRecord(b, st));
@@ -735,10 +808,41 @@ static void bench_chain(int sms) {
     return ms / reps;
   };
   const double weights = (32 * per_layer + (size_t)vocab * hidden) * 2.0;
-  for (int mode = 0; mode < 4; ++mode) {
-    pdl = mode > 0;
-    glu = mode > 1;
-    products_only = mode > 2;
+  printf("chain8b b1: ctx %d, %d key slices, attention %s\n", ctx, count, attn_k.name);
+  {
+    // the early forms against the engine's on layer 0, each run as the chain runs them (rotary,
+    // then the attention and its merge as dependents) from the same q, k and v, with the newest
+    // key's cache rows overwritten first: an attention that read them before the rotary wrote
+    // them would differ (the same keys in the same order otherwise: the same bits)
+    const int n = H * D;
+    bf16* saved;
+    CK(cudaMalloc(&saved, (size_t)qkv_n * 2));
+    CK(cudaMemcpy(saved, qkv, (size_t)qkv_n * 2, cudaMemcpyDeviceToDevice));
+    std::vector<bf16> ref(n), got(n);
+    for (int early = 0; early < 2; ++early) {
+      CK(cudaMemcpyAsync(qkv, saved, (size_t)qkv_n * 2, cudaMemcpyDeviceToDevice, st));
+      CK(cudaMemsetAsync(kc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
+      CK(cudaMemsetAsync(vc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
+      CK(cudaMemsetAsync(att, 0, n * 2, st));
+      launch_on(st, true, early ? rotary_cand<true, true> : rotary_qk_cache_bf16, dim3(1), dim3(1024), 0, qkv,
+                (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n, kc,
+                vc, (const int64_t*)slot, 1.f, 1.f);
+      launch_on(st, true, early ? tk_w4_early : attn_k.fn, attn_k.grid(1, KVH, count),
+                dim3(attn_k.threads()), tc_smem, att, (const bf16*)qkv, (const bf16*)kc,
+                (const bf16*)vc, (const uint32_t*)dt, (const uint32_t*)dl, (const uint32_t*)ds,
+                (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0, (long)qkv_n, split, (long)H,
+                acc, ml);
+      launch_on(st, true, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
+                (const float*)acc, (const float*)ml, count, (long)H, D);
+      CK(cudaMemcpyAsync(early ? got.data() : ref.data(), att, n * 2, cudaMemcpyDeviceToHost, st));
+    }
+    CK(cudaStreamSynchronize(st));
+    CK(cudaFree(saved));
+    printf("chain8b early rotary and attention: %s the engine's\n",
+           memcmp(ref.data(), got.data(), n * 2) == 0 ? "the same bits as" : "DIFFER from");
+  }
+  for (const Mode& mode : modes) {
+    m = mode;
     const float ms_stream = timed(step, 10);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
@@ -746,9 +850,9 @@ static void bench_chain(int sms) {
     step();
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 10);
-    printf("chain8b b1 %s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
-           mode == 0 ? "plain  " : mode == 1 ? "pdl    " : mode == 2 ? "pdl+glu" : "products only (pdl+glu)", ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
+    const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 20);
+    printf("chain8b b1 %-30s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
+           m.name, ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
            weights / ms_stream / 1e9, weights / ms_graph / 1e9);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));

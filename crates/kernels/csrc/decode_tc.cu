@@ -39,6 +39,14 @@ namespace {
 // KM a warp converts its current tile into one 16-bit stage of its own, which the products read as
 // above, and the queries borrow warp 0's converted stage.
 //
+// EARLY: the kernel asks for its first S - 1 tiles before it waits for the kernel before it
+// (rotary with the cache writes, which writes each sequence's newest key), so their latency
+// overlaps that kernel's; the newest key is left out of those copies and read after the wait.
+// This needs every other key, the metadata and the block tables to be written before the step's
+// first kernel, as in the engine's decode steps (a test that fills the cache with a kernel just
+// before the attention breaks it). benchmarks/gpu/kbench.cu's chain compares this form with the
+// engine's, which waits at entry.
+//
 // Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
 //             = WARPS * S * 2 * 16 * (head_dim + 8) * sizeof(T); for FP8 caches
@@ -56,7 +64,7 @@ template <int D> __device__ __forceinline__ int f8_v_piece(int r, int p) {
   return D == 128 ? p ^ (((r >> 1) & 3) << 1) : p ^ (((r >> 1) & 1) << 1);
 }
 
-template <typename T, typename C, int D, int S, int WARPS, bool KM>
+template <typename T, typename C, int D, int S, int WARPS, bool KM, bool EARLY = false>
 __device__ void paged_decode_tc_impl(
     T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ k_cache,
     const C* __restrict__ v_cache, const uint32_t* __restrict__ block_tables,
@@ -92,6 +100,7 @@ __device__ void paged_decode_tc_impl(
   const int g = lane >> 2;  // fragment rows g and g + 8
   const int t = lane & 3;   // fragment columns 2t, 2t + 1
 
+  if constexpr (!EARLY) pdl_wait();
   const int group = num_heads / kv_heads;
   const int kvh = blockIdx.x;
   const int h0 = kvh * group;
@@ -124,35 +133,55 @@ __device__ void paged_decode_tc_impl(
   const auto cache_row = [&](int pos) { return paged_slot(table[pos >> bs_shift], pos, bs_shift); };
   const bool whole_tiles = block_size >= kTcKeys && k_begin % kTcKeys == 0;
   const size_t head_col = (size_t)kvh * D + col;
-  const auto load = [&](int j) {
+  // where this lane's piece of key r of a tile lands in its stage: K, then V
+  const auto k_dst = [&](unsigned char* stage, int r) {
+    if constexpr (F8R) return stage + r * D + 16 * f8_k_piece<D>(r, lane % CH);
+    return stage + r * ROW_BYTES + col * (int)sizeof(C);
+  };
+  const auto v_dst = [&](unsigned char* stage, int r) {
+    if constexpr (F8R) return stage + (kTcKeys + r) * D + 16 * f8_v_piece<D>(r, lane % CH);
+    return stage + (kTcKeys + r) * ROW_BYTES + col * (int)sizeof(C);
+  };
+  // `early`: before the wait for the kernel before this one, which writes the sequence's newest
+  // key (ctx - 1) into the cache: that key is left out (zeros), every other key being an earlier
+  // step's
+  const auto load = [&](int j, bool early) {
     const int k0 = k_begin + (warp + WARPS * j) * kTcKeys;
     unsigned char* stage = ring + (j % S) * STAGE_BYTES;
-    unsigned char* sk = stage + key0 * ROW_BYTES + col * (int)sizeof(C);
     const size_t tile_off = whole_tiles ? cache_row(k0) * row_stride + head_col : 0;
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
       const int r = key0 + KSTEP * u;
       const int pos = k0 + r;
-      const bool valid = pos < k_end;
+      const bool valid = pos < k_end && !(early && pos == ctx - 1);
       size_t off = 0;
       if (valid && whole_tiles)
-        off = tile_off + (size_t)(key0 + KSTEP * u) * row_stride;
+        off = tile_off + (size_t)r * row_stride;
       else if (valid)
         off = cache_row(pos) * row_stride + head_col;
-      if constexpr (F8R) {
-        const int p = lane % CH;
-        tc_cp_async16(stage + r * D + 16 * f8_k_piece<D>(r, p), k_cache + off, valid);
-        tc_cp_async16(stage + (kTcKeys + r) * D + 16 * f8_v_piece<D>(r, p), v_cache + off, valid);
-      } else {
-        tc_cp_async16(sk + KSTEP * u * ROW_BYTES, k_cache + off, valid);
-        tc_cp_async16(sk + (kTcKeys + KSTEP * u) * ROW_BYTES, v_cache + off, valid);
-      }
+      tc_cp_async16(k_dst(stage, r), k_cache + off, valid);
+      tc_cp_async16(v_dst(stage, r), v_cache + off, valid);
     }
   };
+  // EARLY: after the wait, the lanes whose pieces of the newest key a first stage left out copy
+  // them (once their own copies, the zeros among them, have landed)
 #pragma unroll
   for (int j = 0; j < S - 1; ++j) {
-    if (j < my_tiles) load(j);
+    if (j < my_tiles) load(j, EARLY);
     tc_cp_async_commit();
+  }
+  if constexpr (EARLY) {
+    pdl_wait();
+    const int newest = ctx - 1 - k_begin;  // among this CTA's keys
+    const int tile = newest / kTcKeys, r = newest % kTcKeys;
+    if (ctx - 1 < k_end && newest >= 0 && tile % WARPS == warp && tile / WARPS < S - 1 &&
+        r >= key0 && (r - key0) % KSTEP == 0) {
+      tc_cp_async_wait<0>();
+      unsigned char* stage = ring + (tile / WARPS) * STAGE_BYTES;
+      const size_t off = cache_row(ctx - 1) * row_stride + head_col;
+      *reinterpret_cast<uint4*>(k_dst(stage, r)) = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
+      *reinterpret_cast<uint4*>(v_dst(stage, r)) = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
+    }
   }
 
   // queries: rows past the group are zero
@@ -201,7 +230,7 @@ __device__ void paged_decode_tc_impl(
   for (int j = 0; j < my_tiles; ++j) {
     tc_cp_async_wait<S - 2>();
     __syncwarp();  // every lane's pieces of tile j are in; tile j - 1's stage is consumed
-    if (j + S - 1 < my_tiles) load(j + S - 1);
+    if (j + S - 1 < my_tiles) load(j + S - 1, false);
     tc_cp_async_commit();
     const unsigned char* stage = ring + (j % S) * STAGE_BYTES;
     const MT* sk = reinterpret_cast<const MT*>(stage);
@@ -403,12 +432,10 @@ __device__ void paged_decode_tc_impl(
 #define PAGED_DECODE_TC_W(T, C, NAME, D, W)                                                       \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tc_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
-    pdl_wait();                                                                                   \
     paged_decode_tc_impl<T, C, D, 3, W, false>(PAGED_DECODE_ARGS);                                \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(32 * W)                                            \
       paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
-    pdl_wait();                                                                                   \
     paged_decode_tc_impl<T, C, D, 3, W, true>(PAGED_DECODE_ARGS);                                 \
   }
 #define PAGED_DECODE_TC(T, C, NAME, D) \

@@ -280,15 +280,18 @@ template <typename T> struct CacheStore<T, e4m3> {
 // token's slot, v heads are copied into v_cache (caches [slots, kv_heads * D]; a negative slot
 // skips the writes, others were validated; FP8 caches take values times k_inv / v_inv). With
 // slots null nothing is written to a cache: the first `heads` heads are rotated (rotary_qk,
-// kv_heads 0).
-template <typename T, typename C>
+// kv_heads 0). Two forms benchmarks/gpu/kbench.cu's chain compares with the engine's: EARLY reads
+// positions, slots and a thread's first pair of table vectors before the wait for the product
+// (they are no kernel's output); LATE_TRIGGER lets the attention launch only once the product is
+// done (its CTAs, resident early, hold shared memory the product's CTAs could use).
+template <typename T, typename C, bool EARLY = false, bool LATE_TRIGGER = false>
 __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __restrict__ positions,
                                      const T* __restrict__ cos, const T* __restrict__ sin,
                                      int heads, int kv_heads, int head_dim, long row_stride,
                                      C* __restrict__ k_cache, C* __restrict__ v_cache,
                                      const int64_t* __restrict__ slots, float k_inv, float v_inv) {
-  pdl_trigger();  // attention may launch; it waits for this kernel
-  pdl_wait();     // qkv is the product's output
+  if constexpr (!LATE_TRIGGER) pdl_trigger();  // attention may launch; it waits for this kernel
+  if constexpr (!EARLY) pdl_wait();  // qkv is the product's output
   const int half = head_dim / 2;
   const long pos = positions[blockIdx.x];
   const int64_t slot = slots ? slots[blockIdx.x] : -1;
@@ -306,15 +309,26 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
       aligned16(cos) && aligned16(sin) && (!kd || aligned16(kd)) && (!vd || aligned16(vd))) {
     const int hv = half / VN;  // vectors per half row
     const int rv = (heads + kv_heads) * hv;
+    float cj[VN], sj[VN];
+    if constexpr (EARLY) {
+      if ((int)threadIdx.x < rv) {
+        load16(c + (threadIdx.x % hv) * VN, cj);
+        load16(s + (threadIdx.x % hv) * VN, sj);
+      }
+      pdl_wait();
+    }
+    if constexpr (LATE_TRIGGER) pdl_trigger();
     for (int i = threadIdx.x; i < rv + kv_row / VN; i += blockDim.x) {
       if (i < rv) {
         const int h = i / hv, j = (i % hv) * VN;
         T* p = row + (long)h * head_dim;
-        float x1[VN], x2[VN], cj[VN], sj[VN], y1[VN], y2[VN];
+        float x1[VN], x2[VN], y1[VN], y2[VN];
         load16_rw(p + j, x1);
         load16_rw(p + j + half, x2);
-        load16(c + j, cj);
-        load16(s + j, sj);
+        if (!EARLY || i != (int)threadIdx.x) {
+          load16(c + j, cj);
+          load16(s + j, sj);
+        }
 #pragma unroll
         for (int e = 0; e < VN; ++e) {
           y1[e] = x1[e] * cj[e] - x2[e] * sj[e];
@@ -341,6 +355,8 @@ __device__ void rotary_qk_cache_impl(T* __restrict__ qkv, const uint32_t* __rest
     }
     return;
   }
+  if constexpr (EARLY) pdl_wait();
+  if constexpr (LATE_TRIGGER) pdl_trigger();
   for (int i = threadIdx.x; i < rotated + kv_row; i += blockDim.x) {
     if (i < rotated) {
       const int h = i / half, j = i % half;
