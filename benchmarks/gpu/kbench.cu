@@ -718,8 +718,11 @@ static void bench_chain(int sms) {
   struct Mode {
     const char* name;
     bool pdl, glu, all_dep, rotary, attention, merge, norms, early_attention, early_rotary,
-        late_trigger;
+        late_trigger, plain_attention, attention_w2;
   };
+  const Decode& attn_w2 = kDecodes[4];  // the 2-warp form: half the shared memory
+  CK(cudaFuncSetAttribute(attn_w2.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          std::max(attn_w2.smem(), 48 << 10)));
   const Mode modes[] = {
       {"plain", false, false, false, true, true, true, true},
       {"pdl (products)", true, false, false, true, true, true, true},
@@ -731,6 +734,10 @@ static void bench_chain(int sms) {
        true},
       {"all dep, early both, late trigger", true, true, true, true, true, true, true, true, true,
        true},
+      {"all dep but the attention", true, true, true, true, true, true, true, false, false, false,
+       true},
+      {"all dep, 2-warp attention", true, true, true, true, true, true, true, false, false, false,
+       false, true},
       {"all dep, no rotary", true, true, true, false, true, true, true},
       {"all dep, no merge", true, true, true, true, true, false, true},
       {"all dep, no rotary, no merge", true, true, true, false, true, false, true},
@@ -761,14 +768,19 @@ static void bench_chain(int sms) {
       bf16* vl = vc + l * cache_layer;
       if (m.rotary)
         launch_on(st, m.all_dep,
-                  m.early_rotary ? (m.late_trigger ? rotary_cand<true, true> : rotary_cand<true, false>)
-                                 : (m.late_trigger ? rotary_cand<false, true> : rotary_qk_cache_bf16),
+                  m.early_rotary
+                      ? (m.late_trigger ? rotary_cand<true, true> : rotary_cand<true, false>)
+                      : (m.late_trigger ? rotary_cand<false, true> : rotary_qk_cache_bf16),
                   dim3(1), dim3(1024), 0, qkv,
                   (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n,
                   kl, vl, (const int64_t*)slot, 1.f, 1.f);
       if (m.attention)
-        launch_on(st, m.all_dep, m.early_attention ? tk_w4_early : attn_k.fn, attn_k.grid(1, KVH, count), dim3(attn_k.threads()),
-                  tc_smem, att, (const bf16*)qkv, (const bf16*)kl, (const bf16*)vl,
+        launch_on(st, m.all_dep && !m.plain_attention,
+                  m.early_attention ? tk_w4_early : m.attention_w2 ? attn_w2.fn : attn_k.fn,
+                  attn_k.grid(1, KVH, count),
+                  dim3(m.attention_w2 ? attn_w2.threads() : attn_k.threads()),
+                  m.attention_w2 ? attn_w2.smem() : tc_smem, att, (const bf16*)qkv,
+                  (const bf16*)kl, (const bf16*)vl,
                   (const uint32_t*)dt, (const uint32_t*)dl, (const uint32_t*)ds,
                   (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0, (long)qkv_n, split,
                   (long)H, acc, ml);
@@ -824,7 +836,8 @@ static void bench_chain(int sms) {
       CK(cudaMemsetAsync(kc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
       CK(cudaMemsetAsync(vc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
       CK(cudaMemsetAsync(att, 0, n * 2, st));
-      launch_on(st, true, early ? rotary_cand<true, true> : rotary_qk_cache_bf16, dim3(1), dim3(1024), 0, qkv,
+      launch_on(st, true, early ? rotary_cand<true, true> : rotary_qk_cache_bf16, dim3(1),
+                dim3(1024), 0, qkv,
                 (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n, kc,
                 vc, (const int64_t*)slot, 1.f, 1.f);
       launch_on(st, true, early ? tk_w4_early : attn_k.fn, attn_k.grid(1, KVH, count),
@@ -834,7 +847,8 @@ static void bench_chain(int sms) {
                 acc, ml);
       launch_on(st, true, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
                 (const float*)acc, (const float*)ml, count, (long)H, D);
-      CK(cudaMemcpyAsync(early ? got.data() : ref.data(), att, n * 2, cudaMemcpyDeviceToHost, st));
+      CK(cudaMemcpyAsync(early ? got.data() : ref.data(), att, n * 2, cudaMemcpyDeviceToHost,
+                         st));
     }
     CK(cudaStreamSynchronize(st));
     CK(cudaFree(saved));
@@ -851,7 +865,8 @@ static void bench_chain(int sms) {
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     const float ms_graph = timed([&] { CK(cudaGraphLaunch(exec, st)); }, 20);
-    printf("chain8b b1 %-30s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  weights %.2f GB: %.2f / %.2f TB/s\n",
+    printf("chain8b b1 %-34s stream %.3f ms (%.0f tok/s)  graph %.3f ms (%.0f tok/s)  "
+           "weights %.2f GB: %.2f / %.2f TB/s\n",
            m.name, ms_stream, 1e3 / ms_stream, ms_graph, 1e3 / ms_graph, weights / 1e9,
            weights / ms_stream / 1e9, weights / ms_graph / 1e9);
     CK(cudaGraphExecDestroy(exec));

@@ -179,8 +179,10 @@ __device__ void paged_decode_tc_impl(
       tc_cp_async_wait<0>();
       unsigned char* stage = ring + (tile / WARPS) * STAGE_BYTES;
       const size_t off = cache_row(ctx - 1) * row_stride + head_col;
-      *reinterpret_cast<uint4*>(k_dst(stage, r)) = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
-      *reinterpret_cast<uint4*>(v_dst(stage, r)) = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
+      const uint4 kv = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
+      const uint4 vv = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
+      *reinterpret_cast<uint4*>(k_dst(stage, r)) = kv;
+      *reinterpret_cast<uint4*>(v_dst(stage, r)) = vv;
     }
   }
 
