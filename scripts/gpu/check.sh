@@ -44,6 +44,8 @@ test_bin() {
 }
 if has kernels; then
   test_bin kernels paged_attention
+  # the attention's kernels launched plainly (RSERVE_CUDA_PDL_ATTENTION=0, for comparisons)
+  RSERVE_CUDA_PDL_ATTENTION=0 test_bin kernels-plain paged_attention cuda_decode cuda_split
   test_bin candle-sass candle_sass
   test_bin fused fused
   test_bin sampling sampling

@@ -243,6 +243,16 @@ pub(crate) fn keys_as_rows_decode_enabled() -> bool {
     switched_on(&ON, "RSERVE_CUDA_TK_DECODE")
 }
 
+/// Whether the attention's kernels (rotary with the cache writes, the attention, the split merge)
+/// launch as programmatic dependents like the rest of a step; on unless
+/// `RSERVE_CUDA_PDL_ATTENTION=0`, which launches them plainly (each starts once the kernel before
+/// it is done, so none is resident early beside a product streaming its weights), for
+/// comparisons.
+pub(crate) fn attention_dependents_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    switched_on(&ON, "RSERVE_CUDA_PDL_ATTENTION")
+}
+
 /// A switch that is on unless the environment variable `var` is `0`, read once into `cell`.
 fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v.trim() != "0"))
@@ -270,10 +280,11 @@ pub(crate) unsafe fn launch_dependent(
         shared_mem_bytes: 0,
     };
     // SAFETY: the caller's contract
-    unsafe { launch_dependent_cfg(func, stream, cfg, params) }
+    unsafe { launch_dependent_cfg(func, stream, cfg, true, params) }
 }
 
-/// [`launch_dependent`] with any grid, block and dynamic shared memory.
+/// [`launch_dependent`] with any grid, block and dynamic shared memory; a plain launch when
+/// `dependent` is false.
 ///
 /// # Safety
 /// As [`launch_dependent`]; `cfg.shared_mem_bytes` within what `func` was allowed.
@@ -281,6 +292,7 @@ unsafe fn launch_dependent_cfg(
     func: &CudaFunction,
     stream: &CudaStream,
     cfg: LaunchConfig,
+    dependent: bool,
     params: &mut [*mut std::ffi::c_void],
 ) -> Result<()> {
     // SAFETY: a zeroed launch attribute is valid plain data; the id and value are set below.
@@ -297,7 +309,7 @@ unsafe fn launch_dependent_cfg(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
-        numAttrs: u32::from(dependent_launch_enabled()),
+        numAttrs: u32::from(dependent && dependent_launch_enabled()),
     };
     // SAFETY: the caller's contract covers the function and its arguments; cfg and attr outlive
     // the call.
@@ -319,6 +331,8 @@ unsafe fn launch_dependent_cfg(
 pub(crate) struct Dependent<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
+    /// false: a plain launch
+    dependent: bool,
     /// each argument's value, boxed so its address stays put until the launch
     values: Vec<Box<dyn std::any::Any>>,
     params: Vec<*mut std::ffi::c_void>,
@@ -330,6 +344,7 @@ impl<'a> Dependent<'a> {
         Self {
             stream,
             func,
+            dependent: true,
             values: Vec::new(),
             params: Vec::new(),
             guards: Vec::new(),
@@ -358,6 +373,12 @@ impl<'a> Dependent<'a> {
         self.val(p)
     }
 
+    /// A kernel of the attention (see [`attention_dependents_enabled`]).
+    pub fn attention(&mut self) -> &mut Self {
+        self.dependent = attention_dependents_enabled();
+        self
+    }
+
     /// Submits the launch.
     ///
     /// # Safety
@@ -365,6 +386,14 @@ impl<'a> Dependent<'a> {
     /// function was allowed.
     pub unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
         // SAFETY: the caller's contract; the boxed values and the buffers outlive the call
-        unsafe { launch_dependent_cfg(self.func, self.stream, cfg, &mut self.params) }
+        unsafe {
+            launch_dependent_cfg(
+                self.func,
+                self.stream,
+                cfg,
+                self.dependent,
+                &mut self.params,
+            )
+        }
     }
 }

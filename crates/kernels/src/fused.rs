@@ -639,7 +639,8 @@ mod cuda {
             (1f32, 1f32)
         };
         let mut b = Dependent::new(&stream, &func);
-        b.buf_mut(qkv)
+        b.attention()
+            .buf_mut(qkv)
             .buf(&positions)
             .buf(cos)
             .buf(sin)

@@ -54,7 +54,8 @@ impl<T: DeviceRepr, C: DeviceRepr> Operands<'_, T, C> {
         ints: &[i32],
     ) -> Dependent<'b> {
         let mut b = Dependent::new(stream, func);
-        b.buf_mut(out)
+        b.attention()
+            .buf_mut(out)
             .buf(&self.q)
             .buf(self.k)
             .buf(self.v)
@@ -127,7 +128,8 @@ impl Splits {
         let combine = function(dev, &format!("paged_attention_combine_{suffix}"))?;
         let stream = dev.cuda_stream();
         let mut c = Dependent::new(&stream, &combine);
-        c.buf_mut(out)
+        c.attention()
+            .buf_mut(out)
             .buf(&self.acc)
             .buf(&self.ml)
             .val(self.count as i32)
