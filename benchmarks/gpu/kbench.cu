@@ -67,7 +67,6 @@ struct Decode {
 // its maximum (the driver's default carveout holds four 2-warp CTAs per SM).
 template <int S, int W, int MINB, bool KM = false>
 __global__ void __launch_bounds__(32 * W, MINB) tc_occ(PAGED_DECODE_PARAMS(bf16, bf16)) {
-  pdl_wait();  // as the production kernels (a no-op unless launched as a dependent)
   paged_decode_tc_impl<bf16, bf16, 128, S, W, KM>(PAGED_DECODE_ARGS);
 }
 static const Decode kOcc[] = {{"w2s3c", tc_occ<3, 2, 1>, 3, 2},  {"w2s3c6", tc_occ<3, 2, 6>, 3, 2},
@@ -159,22 +158,6 @@ static bf16* alloc_bf16(size_t n, uint32_t seed, float scale) {
 // y, x, W, W's row scales (null for 16-bit W), m, n, k: the production kernels' arguments.
 typedef void (*GemvFn)(bf16*, const bf16*, const void*, const float*, int, int, int);
 
-// Launches a product on `st` as a programmatic dependent of the kernel before it, as the engine
-// launches its products.
-static void launch_gemv_dependent(cudaStream_t st, GemvFn fn, int ctas, int threads, bf16* y,
-                                  const bf16* x, const void* w, const float* scales, int m, int n,
-                                  int k) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(ctas);
-  cfg.blockDim = dim3(threads);
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&cfg, fn, y, x, w, scales, m, n, k));
-}
 // Launches any kernel on `st`, as a programmatic dependent of the kernel before it when `dep`
 // (as the engine launches every kernel of a step), else as a plain launch.
 template <typename... P, typename... A>
@@ -499,7 +482,6 @@ static void bench_occ(const Decode (&list)[N], int sms) {
 typedef void (*Decode8Fn)(PAGED_DECODE_PARAMS(bf16, e4m3));
 template <int S, int W, int MINB>
 __global__ void __launch_bounds__(32 * W, MINB) tk8_occ(PAGED_DECODE_PARAMS(bf16, e4m3)) {
-  pdl_wait();
   paged_decode_tc_impl<bf16, e4m3, 128, S, W, true>(PAGED_DECODE_ARGS);
 }
 struct Decode8 {
@@ -753,6 +735,27 @@ static void bench_chain(int sms) {
   auto gemv = [&](bf16* y, const bf16* in, const bf16* wt, int n, int k) {
     launch(g1.fn, n, y, in, wt, n, k);
   };
+  // rotary (its EARLY / LATE_TRIGGER forms), the attention (kernel, threads, shared bytes) and
+  // the split merge of one layer's caches
+  auto rotary = [&](bool dep, bool early, bool late, bf16* kl, bf16* vl) {
+    launch_on(st, dep,
+              early ? (late ? rotary_cand<true, true> : rotary_cand<true, false>)
+                    : (late ? rotary_cand<false, true> : rotary_qk_cache_bf16),
+              dim3(1), dim3(1024), 0, qkv, (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs,
+              H, KVH, D, (long)qkv_n, kl, vl, (const int64_t*)slot, 1.f, 1.f);
+  };
+  auto attention = [&](bool dep, DecodeFn fn, int threads, int smem, const bf16* kl,
+                       const bf16* vl) {
+    launch_on(st, dep, fn, attn_k.grid(1, KVH, count), dim3(threads), smem, att,
+              (const bf16*)qkv, kl, vl, (const uint32_t*)dt, (const uint32_t*)dl,
+              (const uint32_t*)ds, (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0,
+              (long)qkv_n, split, (long)H, acc, ml);
+  };
+  auto merge = [&](bool dep) {
+    if (count > 1)
+      launch_on(st, dep, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
+                (const float*)acc, (const float*)ml, count, (long)H, D);
+  };
   auto norm_k = [&]() {
     if (m.norms)
       launch_on(st, m.all_dep, add_rms_norm_bf16, dim3(1), dim3(1024), 0, norm, (const bf16*)x,
@@ -766,27 +769,13 @@ static void bench_chain(int sms) {
       wp += (size_t)qkv_n * hidden;
       bf16* kl = kc + l * cache_layer;
       bf16* vl = vc + l * cache_layer;
-      if (m.rotary)
-        launch_on(st, m.all_dep,
-                  m.early_rotary
-                      ? (m.late_trigger ? rotary_cand<true, true> : rotary_cand<true, false>)
-                      : (m.late_trigger ? rotary_cand<false, true> : rotary_qk_cache_bf16),
-                  dim3(1), dim3(1024), 0, qkv,
-                  (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n,
-                  kl, vl, (const int64_t*)slot, 1.f, 1.f);
-      if (m.attention)
-        launch_on(st, m.all_dep && !m.plain_attention,
-                  m.early_attention ? tk_w4_early : m.attention_w2 ? attn_w2.fn : attn_k.fn,
-                  attn_k.grid(1, KVH, count),
-                  dim3(m.attention_w2 ? attn_w2.threads() : attn_k.threads()),
-                  m.attention_w2 ? attn_w2.smem() : tc_smem, att, (const bf16*)qkv,
-                  (const bf16*)kl, (const bf16*)vl,
-                  (const uint32_t*)dt, (const uint32_t*)dl, (const uint32_t*)ds,
-                  (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0, (long)qkv_n, split,
-                  (long)H, acc, ml);
-      if (m.merge && count > 1)
-        launch_on(st, m.all_dep, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
-                  (const float*)acc, (const float*)ml, count, (long)H, D);
+      if (m.rotary) rotary(m.all_dep, m.early_rotary, m.late_trigger, kl, vl);
+      if (m.attention) {
+        const Decode& k = m.attention_w2 ? attn_w2 : attn_k;
+        attention(m.all_dep && !m.plain_attention, m.early_attention ? tk_w4_early : k.fn,
+                  k.threads(), m.attention_w2 ? k.smem() : tc_smem, kl, vl);
+      }
+      if (m.merge) merge(m.all_dep);
       gemv(x, att, wp, hidden, H * D);
       wp += (size_t)hidden * H * D;
       norm_k();
@@ -836,17 +825,9 @@ static void bench_chain(int sms) {
       CK(cudaMemsetAsync(kc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
       CK(cudaMemsetAsync(vc + (size_t)(ctx - 1) * KVH * D, 0x7f, (size_t)KVH * D * 2, st));
       CK(cudaMemsetAsync(att, 0, n * 2, st));
-      launch_on(st, true, early ? rotary_cand<true, true> : rotary_qk_cache_bf16, dim3(1),
-                dim3(1024), 0, qkv,
-                (const uint32_t*)pos, (const bf16*)cs, (const bf16*)cs, H, KVH, D, (long)qkv_n, kc,
-                vc, (const int64_t*)slot, 1.f, 1.f);
-      launch_on(st, true, early ? tk_w4_early : attn_k.fn, attn_k.grid(1, KVH, count),
-                dim3(attn_k.threads()), tc_smem, att, (const bf16*)qkv, (const bf16*)kc,
-                (const bf16*)vc, (const uint32_t*)dt, (const uint32_t*)dl, (const uint32_t*)ds,
-                (const uint32_t*)dq, width, H, KVH, D, BS, scale, 0, (long)qkv_n, split, (long)H,
-                acc, ml);
-      launch_on(st, true, paged_attention_combine_bf16, dim3(H), dim3(128), 0, att,
-                (const float*)acc, (const float*)ml, count, (long)H, D);
+      rotary(true, early, early, kc, vc);
+      attention(true, early ? tk_w4_early : attn_k.fn, attn_k.threads(), tc_smem, kc, vc);
+      merge(true);
       CK(cudaMemcpyAsync(early ? got.data() : ref.data(), att, n * 2, cudaMemcpyDeviceToHost,
                          st));
     }
@@ -1077,7 +1058,7 @@ static void bench_fp8_chain() {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   auto launch = [&](GemvFn fn, int ctas, int threads, const void* wt, const float* sc, int n, int k) {
-    launch_gemv_dependent(st, fn, ctas, threads, y, x, wt, sc, 1, n, k);
+    launch_on(st, true, fn, dim3(ctas), dim3(threads), 0, y, (const bf16*)x, wt, sc, 1, n, k);
   };
   auto step = [&](const Gemv8& p, const Gemv8& g) {
     const uint8_t* wp = w;
