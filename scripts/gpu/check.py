@@ -572,7 +572,8 @@ def part_speed(a, out: Path) -> None:
             if ab_binary:
                 rec["binary"] = str(binary)
             srv = Server(binary, str(path), a.port, out, "--max-model-len", "9000", *extra,
-                         env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info",
+                         env={"RUST_LOG": "warn,rserve_core::engine=debug,rserve_core::model_runner=info,"
+                                          "rserve_core::model_runner::graphs=debug",
                               **variant}, tag=tag)
             rec["ready_s"] = srv.ready_s
             rec["peak_rss_gb"] = peak_rss_gb(srv.proc.pid)

@@ -311,6 +311,9 @@ unsafe fn launch_dependent_cfg(
         attrs: &mut attr,
         numAttrs: u32::from(dependent && dependent_launch_enabled()),
     };
+    if cfg.numAttrs > 0 {
+        crate::graph::note_dependent(func.cu_function());
+    }
     // SAFETY: the caller's contract covers the function and its arguments; cfg and attr outlive
     // the call.
     unsafe {

@@ -4,17 +4,40 @@
 //! A captured graph holds the device addresses of every tensor it touches, so its inputs must be
 //! tensors that outlive it and are rewritten in place ([`write_rows`]); everything the recorded
 //! work allocates is allocated and freed inside the graph. Capture runs the work twice: once
-//! eagerly, which loads kernels and fills candle's cache of small uploads, then recorded.
+//! eagerly, which loads kernels and fills candle's cache of small uploads, then recorded. What the
+//! capture made (kernels, memory nodes, dependents that overlap the kernel before them) is counted
+//! into [`Graph::shape`] (see `graph_shape`).
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DevicePtrMut};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Result, Tensor, WithDType};
 
+use crate::graph_shape::{self, Edge, GraphShape, Kind};
+
+thread_local! {
+    /// The functions launched as programmatic dependents while this thread captures a graph.
+    static DEPENDENTS: RefCell<Option<HashSet<usize>>> = const { RefCell::new(None) };
+}
+
+/// Notes that `func` is being launched as a programmatic dependent (kept only while capturing).
+pub(crate) fn note_dependent(func: sys::CUfunction) {
+    DEPENDENTS.with(|d| {
+        if let Some(set) = d.borrow_mut().as_mut() {
+            set.insert(func as usize);
+        }
+    });
+}
+
 /// A recorded sequence of launches on the calling thread's stream (candle's per-thread stream): it
 /// must be launched from the thread that captured it, which also writes its inputs.
 pub struct Graph {
     graph: CudaGraph,
+    /// what the capture made of the launches (zeros when the graph could not be read)
+    pub shape: GraphShape,
 }
 
 // SAFETY: the graph's handles belong to the CUDA context, not to a thread; a `Graph` is used by one
@@ -35,7 +58,11 @@ impl Graph {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
+        DEPENDENTS.with(|d| *d.borrow_mut() = Some(HashSet::new()));
         let recorded = work();
+        let dependents = DEPENDENTS
+            .with(|d| d.borrow_mut().take())
+            .unwrap_or_default();
         // The capture must end whatever happened, or the stream stays unusable. Errors recorded
         // by frees inside the capture would make cudarc's end_capture return before ending it:
         // they are taken first, and the capture is ended directly if it is still open.
@@ -64,13 +91,98 @@ impl Graph {
             .w()?
             .ok_or_else(|| candle_core::Error::Msg("the captured graph is empty".into()))?;
         graph.upload().w()?;
-        Ok(Self { graph })
+        let shape = describe(graph.cu_graph(), &dependents).unwrap_or_else(|e| {
+            tracing::debug!("the captured graph's nodes not read: {e}");
+            GraphShape::default()
+        });
+        Ok(Self { graph, shape })
     }
 
     /// Queues the recorded launches on the stream they were captured on.
     pub fn launch(&self) -> Result<()> {
         self.graph.launch().w()
     }
+}
+
+/// Counts `graph`'s kernels and memory nodes and how its dependents (kernels whose function is in
+/// `dependents`) hang on the nodes before them.
+fn describe(graph: sys::CUgraph, dependents: &HashSet<usize>) -> Result<GraphShape> {
+    let mut n = 0usize;
+    // SAFETY: counts the graph's nodes
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .w()?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: fills at most `n` node handles into a buffer of `n`
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .w()?;
+    nodes.truncate(n);
+    let index: HashMap<usize, usize> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| (h as usize, i))
+        .collect();
+    let mut kinds = Vec::with_capacity(n);
+    for &node in &nodes {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of this graph; writes its type
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+            .result()
+            .w()?;
+        kinds.push(match t {
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
+                // SAFETY: zeroed kernel parameters are plain data the call overwrites
+                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                // SAFETY: a kernel node of this graph; writes its parameters into `p`
+                let read = unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut p) }.result();
+                let func = read.map_or(0, |_| p.func as usize);
+                Kind::Kernel {
+                    dependent: func != 0 && dependents.contains(&func),
+                }
+            }
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC => Kind::Alloc,
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE => Kind::Free,
+            _ => Kind::Other,
+        });
+    }
+    let mut m = 0usize;
+    let none: *mut sys::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: counts the graph's edges
+    unsafe { sys::cuGraphGetEdges_v2(graph, none, none, std::ptr::null_mut(), &mut m) }
+        .result()
+        .w()?;
+    let mut from: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); m];
+    let mut to: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); m];
+    // SAFETY: zeroed edge data is plain data the call overwrites
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; m];
+    // SAFETY: fills at most `m` edges into buffers of `m`
+    unsafe {
+        sys::cuGraphGetEdges_v2(
+            graph,
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut m,
+        )
+    }
+    .result()
+    .w()?;
+    let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+    let mut edges = Vec::with_capacity(m);
+    for i in 0..m.min(data.len()) {
+        let (Some(&a), Some(&b)) = (index.get(&(from[i] as usize)), index.get(&(to[i] as usize)))
+        else {
+            candle_core::bail!("a graph edge between nodes the graph does not list");
+        };
+        let kind = if data[i].type_ == programmatic {
+            Edge::Programmatic
+        } else {
+            Edge::Full
+        };
+        edges.push((a, b, kind));
+    }
+    Ok(graph_shape::shape(&kinds, &edges))
 }
 
 /// Writes `rows` rows of `cols` values from `src` (dense, row after row) into the first `cols`

@@ -41,6 +41,7 @@ pub mod gemv;
 pub mod ggml;
 #[cfg(feature = "cuda")]
 pub mod graph;
+pub mod graph_shape;
 pub mod layer_norm;
 pub mod lora;
 #[cfg(feature = "cuda")]

@@ -431,6 +431,38 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_graph_replays_dependents_and_counts_them() -> Result<()> {
+        // norm -> add -> SiLU-and-multiply -> cast, the dependents allocating their outputs: the
+        // graph computes what the launches do, and its shape counts what capture made of them
+        use rserve_kernels::graph::Graph;
+        let dev = gpu();
+        let x = Tensor::randn(0f32, 1.0, (4, 512), &dev)?.to_dtype(DType::BF16)?;
+        let res = Tensor::randn(0f32, 1.0, (4, 512), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(1f32, 0.1, 512, &dev)?.to_dtype(DType::BF16)?;
+        let out = Tensor::zeros((4, 256), DType::F32, &dev)?;
+        let step = || -> Result<()> {
+            let (normed, sum) = add_rms_norm(&x, &res, &w, 1e-6)?;
+            let act = silu_and_mul(&(normed + sum)?)?;
+            rserve_kernels::to_f32_into(&act, &out)
+        };
+        step()?;
+        let want = out.to_vec2::<f32>()?;
+        let g = Graph::capture(&dev, step)?;
+        rserve_kernels::to_f32_into(&Tensor::zeros((4, 256), DType::BF16, &dev)?, &out)?;
+        g.launch()?;
+        assert_eq!(out.to_vec2::<f32>()?, want);
+        let s = g.shape;
+        eprintln!("{s:?}");
+        assert!(s.kernels >= 4 && s.memory_nodes >= 4, "{s:?}");
+        if std::env::var("RSERVE_CUDA_PDL").map_or(true, |v| v != "0") {
+            // the norm and the SiLU-and-multiply
+            assert!(s.dependents >= 2, "{s:?}");
+        }
+        assert!(s.overlapping + s.behind_memory <= s.dependents, "{s:?}");
+        Ok(())
+    }
+
+    #[test]
     fn cuda_quick_gelu_matches_reference() -> Result<()> {
         use rserve_kernels::activation::{quick_gelu, quick_gelu_reference};
         let dev = gpu();

@@ -373,11 +373,19 @@ fn capture_bucket(
     let started = std::time::Instant::now();
     match Graph::capture(device, || forward(&bucket.batch)) {
         Ok(g) => {
+            let s = g.shape;
             tracing::debug!(
-                "captured the decode graph for batch {} in {:.0} ms; graph memory {:.0} MiB",
+                "captured the decode graph for batch {} in {:.0} ms; graph memory {:.0} MiB; \
+                 {} kernels, {} memory nodes; of {} programmatic dependents {} overlap the \
+                 kernel before them, {} wait behind a memory node",
                 bucket.size,
                 started.elapsed().as_secs_f64() * 1e3,
-                graph_memory(device).unwrap_or(0) as f64 / (1u64 << 20) as f64
+                graph_memory(device).unwrap_or(0) as f64 / (1u64 << 20) as f64,
+                s.kernels,
+                s.memory_nodes,
+                s.dependents,
+                s.overlapping,
+                s.behind_memory
             );
             bucket.graph = Some(g);
             true

@@ -1,0 +1,122 @@
+//! What stream capture makes of a step: its kernels, its memory nodes and how the programmatic
+//! dependents hang on the nodes before them.
+//!
+//! Every tensor allocated or dropped between two launches on the capturing stream becomes a memory
+//! node between them (`cuMemAllocAsync` / `cuMemFreeAsync`), so a kernel launched as a
+//! programmatic dependent right after an allocation depends on that node by a full edge: it starts
+//! only once the kernel before has ended, as a plain launch would. [`shape`] counts the dependents
+//! that capture could hang on the kernel before them (a programmatic edge) and those it could not.
+//! The graph API cannot move the memory nodes afterwards (a graph holding them can be neither
+//! cloned nor have edges removed), so closing the gap means allocating nothing between kernels.
+
+/// What a node of a captured graph is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// A kernel; `dependent`: launched as a programmatic dependent of the launch before it.
+    Kernel {
+        dependent: bool,
+    },
+    Alloc,
+    Free,
+    /// Anything else (copies, memsets, events).
+    Other,
+}
+
+/// An edge's kind: a full dependency, or a programmatic one (the node after may start once the
+/// kernel before has triggered its dependents).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Edge {
+    Full,
+    Programmatic,
+}
+
+/// The counts [`shape`] finds in a captured graph.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphShape {
+    pub kernels: usize,
+    pub memory_nodes: usize,
+    /// kernels launched as programmatic dependents
+    pub dependents: usize,
+    /// dependents on a programmatic edge from the kernel before them
+    pub overlapping: usize,
+    /// dependents whose only predecessor is a memory node (they start once the kernel before ends)
+    pub behind_memory: usize,
+}
+
+/// Counts `kinds` (one per node) and how each dependent kernel hangs on its predecessors in
+/// `edges` (from, to, kind; node indices).
+pub fn shape(kinds: &[Kind], edges: &[(usize, usize, Edge)]) -> GraphShape {
+    let mut s = GraphShape::default();
+    for k in kinds {
+        match k {
+            Kind::Kernel { dependent } => {
+                s.kernels += 1;
+                s.dependents += usize::from(*dependent);
+            }
+            Kind::Alloc | Kind::Free => s.memory_nodes += 1,
+            Kind::Other => {}
+        }
+    }
+    for (i, k) in kinds.iter().enumerate() {
+        if *k != (Kind::Kernel { dependent: true }) {
+            continue;
+        }
+        let mut ins = edges.iter().filter(|e| e.1 == i);
+        if edges.iter().any(|e| e.1 == i && e.2 == Edge::Programmatic) {
+            s.overlapping += 1;
+        } else if let (Some(&(from, _, _)), None) = (ins.next(), ins.next()) {
+            if matches!(kinds.get(from), Some(Kind::Alloc | Kind::Free)) {
+                s.behind_memory += 1;
+            }
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEP: Kind = Kind::Kernel { dependent: true };
+    const PLAIN: Kind = Kind::Kernel { dependent: false };
+
+    #[test]
+    fn dependents_are_counted_by_what_they_hang_on() {
+        // 0 K -P-> 1 dep; 1 -> 2 alloc -> 3 dep; 3 -> 4 free -> 5 dep; 5 -> 6 memset -> 7 dep;
+        // 7 -> 8 plain
+        let kinds = [
+            PLAIN,
+            DEP,
+            Kind::Alloc,
+            DEP,
+            Kind::Free,
+            DEP,
+            Kind::Other,
+            DEP,
+            PLAIN,
+        ];
+        let mut edges: Vec<_> = (1..kinds.len()).map(|i| (i - 1, i, Edge::Full)).collect();
+        edges[0].2 = Edge::Programmatic;
+        let s = shape(&kinds, &edges);
+        assert_eq!(
+            s,
+            GraphShape {
+                kernels: 6,
+                memory_nodes: 2,
+                dependents: 4,
+                overlapping: 1,
+                behind_memory: 2,
+            }
+        );
+    }
+
+    #[test]
+    fn a_dependent_with_a_programmatic_edge_and_an_allocation_overlaps() {
+        // what a capture that kept the kernel edge would give: 0 -P-> 2, 1 alloc -> 2
+        let kinds = [PLAIN, Kind::Alloc, DEP];
+        let edges = [(0, 2, Edge::Programmatic), (1, 2, Edge::Full)];
+        let s = shape(&kinds, &edges);
+        assert_eq!((s.overlapping, s.behind_memory), (1, 0));
+        assert_eq!(shape(&[], &[]), GraphShape::default());
+    }
+}
