@@ -694,9 +694,9 @@ static void bench_chain(int sms) {
   const Gemv g1 = {"prod_m1", gemv_m1_bf16, 4, 256, 1};
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  // A mode: which launches are dependents, and which kernels between the products run.
   CK(cudaFuncSetAttribute(tk_w4_early, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           std::max(tc_smem, 48 << 10)));
+  // A mode: which launches are dependents, and which kernels between the products run.
   struct Mode {
     const char* name;
     bool pdl, glu, all_dep, rotary, attention, merge, norms, early_attention, early_rotary,

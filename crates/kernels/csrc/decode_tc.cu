@@ -45,7 +45,9 @@ namespace {
 // This needs every other key, the metadata and the block tables to be written before the step's
 // first kernel, as in the engine's decode steps (a test that fills the cache with a kernel just
 // before the attention breaks it). benchmarks/gpu/kbench.cu's chain compares this form with the
-// engine's, which waits at entry.
+// engine's, which waits at entry: in the engine's captured graphs the attention's output and
+// partial buffers are allocated between rotary and the attention, so the attention starts only
+// once rotary has ended and an early form has nothing to overlap (benchmarks/gpu-notes.md).
 //
 // Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs

@@ -170,7 +170,7 @@ fn describe(graph: sys::CUgraph, dependents: &HashSet<usize>) -> Result<GraphSha
     .w()?;
     let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
     let mut edges = Vec::with_capacity(m);
-    for i in 0..m.min(data.len()) {
+    for i in 0..m.min(from.len()) {
         let (Some(&a), Some(&b)) = (index.get(&(from[i] as usize)), index.get(&(to[i] as usize)))
         else {
             candle_core::bail!("a graph edge between nodes the graph does not list");

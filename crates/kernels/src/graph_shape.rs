@@ -57,15 +57,21 @@ pub fn shape(kinds: &[Kind], edges: &[(usize, usize, Edge)]) -> GraphShape {
             Kind::Other => {}
         }
     }
-    for (i, k) in kinds.iter().enumerate() {
+    // each node's incoming edges: (from, kind)
+    let mut ins = vec![Vec::new(); kinds.len()];
+    for &(from, to, e) in edges {
+        if let Some(v) = ins.get_mut(to) {
+            v.push((from, e));
+        }
+    }
+    for (k, ins) in kinds.iter().zip(&ins) {
         if *k != (Kind::Kernel { dependent: true }) {
             continue;
         }
-        let mut ins = edges.iter().filter(|e| e.1 == i);
-        if edges.iter().any(|e| e.1 == i && e.2 == Edge::Programmatic) {
+        if ins.iter().any(|&(_, e)| e == Edge::Programmatic) {
             s.overlapping += 1;
-        } else if let (Some(&(from, _, _)), None) = (ins.next(), ins.next()) {
-            if matches!(kinds.get(from), Some(Kind::Alloc | Kind::Free)) {
+        } else if let [(from, _)] = ins.as_slice() {
+            if matches!(kinds.get(*from), Some(Kind::Alloc | Kind::Free)) {
                 s.behind_memory += 1;
             }
         }
