@@ -44,7 +44,7 @@ mod cuda {
         let dev = s.device().clone();
         let xv = view::<T>(s, l, "x")?;
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, n) }?;
         let func = function(&dev, &format!("quick_gelu_{}", dtype_suffix(T::DTYPE)?))?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);

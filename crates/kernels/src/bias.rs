@@ -103,7 +103,7 @@ mod cuda {
         let wv = storage_view::<T>(&wg, wl, "weight")?;
         let bv = storage_view::<T>(&bg, bl, "bias")?;
         // SAFETY: every element is written by the product (when it runs).
-        let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+        let mut y = unsafe { crate::cuda::alloc::<T>(dev, m * n) }?;
         let ran = {
             let (xp, _x) = xv.device_ptr(&stream);
             let (wp, _w) = wv.device_ptr(&stream);
@@ -136,7 +136,7 @@ mod cuda {
         let bv = view::<T>(b.0, b.1, "bias")?;
         let n = (rows * cols) as i64;
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<T>(rows * cols) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, rows * cols) }?;
         let func = function(&dev, &format!("add_bias_{}", dtype_suffix(T::DTYPE)?))?;
         let stream = dev.cuda_stream();
         let mut l = stream.launch_builder(&func);

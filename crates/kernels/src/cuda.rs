@@ -221,6 +221,19 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
     }
 }
 
+/// `n` uninitialised elements of `T` on `dev`'s stream, for a kernel's output or scratch; while a
+/// graph with detached allocations is being captured, the allocation hangs on the graph's root
+/// ([`crate::graph`]).
+///
+/// # Safety
+/// The memory is uninitialised: the caller writes every element before anything reads it.
+pub(crate) unsafe fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: the caller's contract
+    crate::graph::detached(dev.cuda_stream().cu_stream(), || unsafe {
+        dev.alloc::<T>(n)
+    })
+}
+
 /// Whether weight-streaming kernels launch as programmatic dependents of the kernel before them
 /// (on unless `RSERVE_CUDA_PDL=0`): they start streaming weights while that kernel finishes.
 pub(crate) fn dependent_launch_enabled() -> bool {
@@ -313,6 +326,7 @@ unsafe fn launch_dependent_cfg(
     };
     if cfg.numAttrs > 0 {
         crate::graph::note_dependent(func.cu_function());
+        crate::graph::lift_past_frees(stream.cu_stream())?;
     }
     // SAFETY: the caller's contract covers the function and its arguments; cfg and attr outlive
     // the call.

@@ -380,8 +380,8 @@ mod cuda {
         let (rows, k) = x.dims2()?;
         let stream = dev.cuda_stream();
         // SAFETY: every byte and scale is written by the kernel (one CTA per row).
-        let mut q = unsafe { dev.alloc::<u8>(rows * k) }?;
-        let mut s = unsafe { dev.alloc::<f32>(rows) }?;
+        let mut q = unsafe { crate::cuda::alloc::<u8>(dev, rows * k) }?;
+        let mut s = unsafe { crate::cuda::alloc::<f32>(dev, rows) }?;
         if rows > 0 && k > 0 {
             let func = function(
                 dev,
@@ -444,9 +444,9 @@ mod cuda {
         }
         let stream = dev.cuda_stream();
         // SAFETY: every element, byte and scale is written by the kernel (one CTA per row).
-        let mut out = unsafe { dev.alloc::<T>(2 * rows * h) }?;
-        let mut q = unsafe { dev.alloc::<u8>(rows * h) }?;
-        let mut s = unsafe { dev.alloc::<f32>(rows) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(dev, 2 * rows * h) }?;
+        let mut q = unsafe { crate::cuda::alloc::<u8>(dev, rows * h) }?;
+        let mut s = unsafe { crate::cuda::alloc::<f32>(dev, rows) }?;
         if rows > 0 && h > 0 {
             let func = function(
                 dev,
@@ -506,7 +506,7 @@ mod cuda {
         let (rows, k) = q.dims2()?;
         let stream = dev.cuda_stream();
         // SAFETY: every element is written by the kernel.
-        let mut y = unsafe { dev.alloc::<T>(rows * k) }?;
+        let mut y = unsafe { crate::cuda::alloc::<T>(dev, rows * k) }?;
         if rows > 0 && k > 0 {
             let func = function(
                 dev,

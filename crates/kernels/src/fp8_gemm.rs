@@ -74,8 +74,8 @@ fn product<T: CudaDType + WithDType + DeviceRepr>(
     let stream = dev.cuda_stream();
     // SAFETY: every element is written by the product.
     let mut sums = match T::DTYPE {
-        DType::BF16 => Sums::Own(unsafe { dev.alloc::<T>(m * n) }?),
-        _ => Sums::F32(unsafe { dev.alloc::<f32>(m * n) }?),
+        DType::BF16 => Sums::Own(unsafe { crate::cuda::alloc::<T>(dev, m * n) }?),
+        _ => Sums::F32(unsafe { crate::cuda::alloc::<f32>(dev, m * n) }?),
     };
     let (xg, xl) = xq.storage_and_layout();
     let (wg, wl) = wq.storage_and_layout();
@@ -141,7 +141,7 @@ fn scaled_mm_as<T: CudaDType + WithDType + DeviceRepr>(
         }
         Sums::F32(s) => {
             // SAFETY: every element is written by the scaling kernel.
-            let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+            let mut y = unsafe { crate::cuda::alloc::<T>(dev, m * n) }?;
             scale_outer::<T>(dev, &mut y, Some(&s), sxp, swp, (m, n))?;
             y
         }
@@ -172,9 +172,9 @@ fn glu_rows_as<T: CudaDType + WithDType + DeviceRepr>(
     let stream = dev.cuda_stream();
     scale_ptrs!(&stream, sx, sw, sxp, swp);
     // SAFETY: every element, byte and scale is written by the kernel (one CTA per row).
-    let mut a = unsafe { dev.alloc::<T>(m * inter) }?;
-    let mut q = unsafe { dev.alloc::<u8>(m * inter) }?;
-    let mut qs = unsafe { dev.alloc::<f32>(m) }?;
+    let mut a = unsafe { crate::cuda::alloc::<T>(dev, m * inter) }?;
+    let mut q = unsafe { crate::cuda::alloc::<u8>(dev, m * inter) }?;
+    let mut qs = unsafe { crate::cuda::alloc::<f32>(dev, m) }?;
     {
         let (form, (mut dp, _d)) = match &sums {
             Sums::Own(y) => ("", y.device_ptr(&stream)),

@@ -340,7 +340,7 @@ mod cuda {
         let input = view::<T>(s, l, "x")?;
         let n = l.shape().elem_count();
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<f32>(n) }?;
+        let mut out = unsafe { crate::cuda::alloc::<f32>(&dev, n) }?;
         if n > 0 {
             launch_to_f32(&dev, &mut out.slice_mut(..), &input, n)?;
         }
@@ -440,7 +440,7 @@ mod cuda {
         let dev = s.device().clone();
         let input = view::<T>(s, l, "gate_up")?;
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<T>(t * inter) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, t * inter) }?;
         let n = (t * inter) as i64;
         if n > 0 {
             let func = function(&dev, &format!("silu_and_mul_{}", dtype_suffix(T::DTYPE)?))?;
@@ -490,7 +490,7 @@ mod cuda {
         let rv = view::<T>(r.0, r.1, "residual")?;
         let wv = view::<T>(w.0, w.1, "weight")?;
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<T>(2 * t * h) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, 2 * t * h) }?;
         if t > 0 {
             let func = function(&dev, &format!("add_rms_norm_{}", dtype_suffix(T::DTYPE)?))?;
             let stream = dev.cuda_stream();

@@ -120,7 +120,7 @@ mod cuda {
         let dev = x.0.device().clone();
         let xv = view::<T>(x.0, x.1, "x")?;
         // SAFETY: every element of y is written by the kernel.
-        let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+        let mut y = unsafe { crate::cuda::alloc::<T>(&dev, m * n) }?;
         if n > 0 {
             let (bucket, threads) = super::gemv_kernel_shape(m, glu, fp8.is_some());
             let form = if glu { "gemv_glu" } else { "gemv" };

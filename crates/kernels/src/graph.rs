@@ -7,6 +7,14 @@
 //! eagerly, which loads kernels and fills candle's cache of small uploads, then recorded. What the
 //! capture made (kernels, memory nodes, dependents that overlap the kernel before them) is counted
 //! into [`Graph::shape`] (see `graph_shape`).
+//!
+//! Capture turns every allocation and free between two launches into a memory node between them,
+//! and a programmatic dependent behind one waits for the kernel before it to end. A capture with
+//! detached allocations ([`CaptureOptions`]) places those nodes itself: the kernels' allocations
+//! ([`detached`], through `cuda::alloc`) hang on an empty root node, and each dependent hangs on
+//! what the frees captured since the kernel before it hang on ([`graph_shape::past_frees`]), so it
+//! overlaps that kernel. No allocation of such a graph then reuses the memory of another, so it
+//! is for graphs of few rows.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -21,6 +29,197 @@ use crate::graph_shape::{self, Edge, GraphShape, Kind};
 thread_local! {
     /// The functions launched as programmatic dependents while this thread captures a graph.
     static DEPENDENTS: RefCell<Option<HashSet<usize>>> = const { RefCell::new(None) };
+    /// While this thread captures a graph with detached allocations: the empty root node they
+    /// hang on, once made.
+    static DETACHED: RefCell<Option<Option<usize>>> = const { RefCell::new(None) };
+}
+
+/// How [`Graph::capture_with`] records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CaptureOptions {
+    /// Hang the kernels' allocations on the graph's root and each programmatic dependent on the
+    /// kernel before it rather than on the frees since (see the module's notes). Each allocation
+    /// then has memory of its own for the graph's life.
+    pub detach_allocations: bool,
+}
+
+/// Whether decode graphs of few rows are captured with detached allocations: off unless
+/// `RSERVE_CUDA_GRAPH_DETACH=1`.
+pub fn detach_allocations_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_GRAPH_DETACH").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// The root node of the graph being captured on this thread with detached allocations, or `None`
+/// when none is.
+fn detached_root(graph: sys::CUgraph) -> Result<Option<sys::CUgraphNode>> {
+    DETACHED.with(|d| {
+        let mut d = d.borrow_mut();
+        let Some(root) = d.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(node) = *root {
+            return Ok(Some(node as sys::CUgraphNode));
+        }
+        let mut node: sys::CUgraphNode = std::ptr::null_mut();
+        // SAFETY: adds an empty node without dependencies to the graph being captured (nodes may
+        // be added to it while the capture runs); writes its handle into `node`.
+        unsafe { sys::cuGraphAddEmptyNode(&mut node, graph, std::ptr::null(), 0) }
+            .result()
+            .w()?;
+        *root = Some(node as usize);
+        Ok(Some(node))
+    })
+}
+
+/// A capturing stream's dependency set: the nodes the next captured node will hang on, each with
+/// its edge data, and the graph being captured.
+type CaptureDeps = (sys::CUgraph, Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>);
+
+/// `stream`'s [`CaptureDeps`]; `None` when it is not capturing.
+fn capture_deps(stream: sys::CUstream) -> Result<Option<CaptureDeps>> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut nodes: *const sys::CUgraphNode = std::ptr::null();
+    let mut data: *const sys::CUgraphEdgeData = std::ptr::null();
+    let mut n = 0usize;
+    // SAFETY: queries the stream's capture; the arrays it points at stay valid until the next
+    // call on the stream and are copied below.
+    unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            std::ptr::null_mut(),
+            &mut graph,
+            &mut nodes,
+            &mut data,
+            &mut n,
+        )
+    }
+    .result()
+    .w()?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    if n == 0 {
+        return Ok(Some((graph, Vec::new())));
+    }
+    let deps = (0..n)
+        .map(|i| {
+            // SAFETY: `nodes` holds n handles; `data`, when not null, n edge data (null: default
+            // edges)
+            unsafe {
+                let e = if data.is_null() {
+                    std::mem::zeroed()
+                } else {
+                    *data.add(i)
+                };
+                (*nodes.add(i), e)
+            }
+        })
+        .collect();
+    Ok(Some((graph, deps)))
+}
+
+fn set_capture_deps(
+    stream: sys::CUstream,
+    deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)],
+) -> Result<()> {
+    let mut nodes: Vec<sys::CUgraphNode> = deps.iter().map(|d| d.0).collect();
+    let data: Vec<sys::CUgraphEdgeData> = deps.iter().map(|d| d.1).collect();
+    let set = sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES;
+    // SAFETY: replaces the capturing stream's dependency set with `deps`, nodes of its graph,
+    // with one edge datum each
+    unsafe {
+        sys::cuStreamUpdateCaptureDependencies_v2(
+            stream,
+            nodes.as_mut_ptr(),
+            data.as_ptr(),
+            nodes.len(),
+            set as u32,
+        )
+    }
+    .result()
+    .w()
+}
+
+/// `deps` with each free node replaced by what it hangs on ([`graph_shape::past_frees`]).
+fn lifted(
+    deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)],
+) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>> {
+    let is_free = |node: sys::CUgraphNode| -> Result<bool> {
+        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the graph being captured; writes its type
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+            .result()
+            .w()?;
+        Ok(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE)
+    };
+    graph_shape::past_frees(deps, is_free, node_deps)
+}
+
+/// The nodes `node` hangs on, with their edge data.
+fn node_deps(node: sys::CUgraphNode) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>> {
+    let mut n = 0usize;
+    // SAFETY: counts the node's dependencies
+    unsafe {
+        sys::cuGraphNodeGetDependencies_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n)
+    }
+    .result()
+    .w()?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: zeroed edge data is plain data the call overwrites
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![unsafe { std::mem::zeroed() }; n];
+    // SAFETY: fills at most n dependencies into buffers of n
+    unsafe {
+        sys::cuGraphNodeGetDependencies_v2(node, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n)
+    }
+    .result()
+    .w()?;
+    Ok(nodes.into_iter().zip(data).take(n).collect())
+}
+
+/// Runs `alloc`, one stream-ordered allocation on `stream`. While this thread captures a graph
+/// with detached allocations, the allocation hangs on the graph's root node instead of on the work
+/// captured before it, and the stream's dependencies afterwards are those from before (past any
+/// frees) and the allocation.
+pub(crate) fn detached<R>(stream: sys::CUstream, alloc: impl FnOnce() -> Result<R>) -> Result<R> {
+    if DETACHED.with(|d| d.borrow().is_none()) {
+        return alloc();
+    }
+    let Some((graph, before)) = capture_deps(stream)? else {
+        return alloc();
+    };
+    let Some(root) = detached_root(graph)? else {
+        return alloc();
+    };
+    let mut deps = lifted(&before)?;
+    // SAFETY: a zeroed edge datum is the default (full) edge
+    let full: sys::CUgraphEdgeData = unsafe { std::mem::zeroed() };
+    set_capture_deps(stream, &[(root, full)])?;
+    let made = alloc();
+    let (_, after) = capture_deps(stream)?.unwrap_or_default();
+    deps.extend(after.into_iter().filter(|d| d.0 != root));
+    set_capture_deps(stream, &deps)?;
+    made
+}
+
+/// Before a programmatic dependent is launched on `stream` while this thread captures a graph with
+/// detached allocations: the stream's dependencies past the frees captured since the kernel before,
+/// so the dependent hangs on that kernel by a programmatic edge.
+pub(crate) fn lift_past_frees(stream: sys::CUstream) -> Result<()> {
+    if DETACHED.with(|d| d.borrow().is_none()) {
+        return Ok(());
+    }
+    let Some((_, deps)) = capture_deps(stream)? else {
+        return Ok(());
+    };
+    let kept = lifted(&deps)?;
+    let same = kept.len() == deps.len() && kept.iter().zip(&deps).all(|(a, b)| a.0 == b.0);
+    if same || kept.is_empty() {
+        return Ok(());
+    }
+    set_capture_deps(stream, &kept)
 }
 
 /// Notes that `func` is being launched as a programmatic dependent (kept only while capturing).
@@ -47,7 +246,16 @@ unsafe impl Send for Graph {}
 impl Graph {
     /// Runs `work` once eagerly, then records it into a graph. `work` must launch the same kernels
     /// on the same tensors both times and must not copy between host and device.
-    pub fn capture(device: &Device, mut work: impl FnMut() -> Result<()>) -> Result<Self> {
+    pub fn capture(device: &Device, work: impl FnMut() -> Result<()>) -> Result<Self> {
+        Self::capture_with(device, CaptureOptions::default(), work)
+    }
+
+    /// [`Graph::capture`] as `options` say.
+    pub fn capture_with(
+        device: &Device,
+        options: CaptureOptions,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<Self> {
         let Device::Cuda(dev) = device else {
             candle_core::bail!("CUDA graphs need a CUDA device");
         };
@@ -59,7 +267,11 @@ impl Graph {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
         DEPENDENTS.with(|d| *d.borrow_mut() = Some(HashSet::new()));
+        if options.detach_allocations {
+            DETACHED.with(|d| *d.borrow_mut() = Some(None));
+        }
         let recorded = work();
+        DETACHED.with(|d| *d.borrow_mut() = None);
         let dependents = DEPENDENTS
             .with(|d| d.borrow_mut().take())
             .unwrap_or_default();

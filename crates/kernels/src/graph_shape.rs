@@ -7,7 +7,10 @@
 //! only once the kernel before has ended, as a plain launch would. [`shape`] counts the dependents
 //! that capture could hang on the kernel before them (a programmatic edge) and those it could not.
 //! The graph API cannot move the memory nodes afterwards (a graph holding them can be neither
-//! cloned nor have edges removed), so closing the gap means allocating nothing between kernels.
+//! cloned nor have edges removed), so the capture itself must place them: a capture with detached
+//! allocations (`graph::CaptureOptions`) hangs each kernel's allocations on the graph's root and
+//! each dependent on what the frees before it hang on ([`past_frees`]), so the dependent keeps its
+//! programmatic edge to the kernel before it.
 
 /// What a node of a captured graph is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +82,36 @@ pub fn shape(kinds: &[Kind], edges: &[(usize, usize, Edge)]) -> GraphShape {
     s
 }
 
+/// The dependencies a node should take in place of `deps` so that no free node stands between it
+/// and the work before: each free (per `is_free`) is replaced by its own dependencies (`parents`),
+/// repeatedly; every other node stays, once, in the order first met, with its edge data. A free
+/// left out this way becomes a leaf of the graph, still after everything that used its memory.
+pub fn past_frees<N, E, X>(
+    deps: &[(N, E)],
+    mut is_free: impl FnMut(N) -> std::result::Result<bool, X>,
+    mut parents: impl FnMut(N) -> std::result::Result<Vec<(N, E)>, X>,
+) -> std::result::Result<Vec<(N, E)>, X>
+where
+    N: Copy + Eq + std::hash::Hash,
+    E: Copy,
+{
+    let mut kept = Vec::with_capacity(deps.len());
+    let mut seen = std::collections::HashSet::new();
+    // depth first, so kept nodes keep the order of the edges they came from
+    let mut todo: Vec<(N, E)> = deps.iter().rev().copied().collect();
+    while let Some((n, e)) = todo.pop() {
+        if !seen.insert(n) {
+            continue;
+        }
+        if is_free(n)? {
+            todo.extend(parents(n)?.into_iter().rev());
+        } else {
+            kept.push((n, e));
+        }
+    }
+    Ok(kept)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +157,27 @@ mod tests {
         let s = shape(&kinds, &edges);
         assert_eq!((s.overlapping, s.behind_memory), (1, 0));
         assert_eq!(shape(&[], &[]), GraphShape::default());
+    }
+
+    #[test]
+    fn frees_give_way_to_what_they_hang_on() {
+        // 1 kernel, 2 alloc (a root), 3 free after 1, 4 free after 3 and 2, 5 free after 1
+        let free = |n: u32| Ok::<_, ()>(matches!(n, 3..=5));
+        let parents = |n: u32| {
+            Ok(match n {
+                3 | 5 => vec![(1, 'p')],
+                4 => vec![(3, 'f'), (2, 'a')],
+                _ => vec![],
+            })
+        };
+        let lifted = past_frees(&[(4, 'x'), (5, 'y')], free, parents);
+        assert_eq!(lifted, Ok(vec![(1, 'p'), (2, 'a')]));
+        // nothing to lift: kept as is, duplicates once
+        let plain = past_frees(&[(1, 'k'), (2, 'a'), (1, 'k')], free, parents);
+        assert_eq!(plain, Ok(vec![(1, 'k'), (2, 'a')]));
+        assert_eq!(past_frees(&[], free, parents), Ok(vec![]));
+        // a failing lookup is passed on
+        let failing = past_frees(&[(3, 'x')], free, |_| Err(()));
+        assert_eq!(failing, Err(()));
     }
 }

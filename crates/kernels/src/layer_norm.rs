@@ -149,7 +149,7 @@ mod cuda {
             None => (1, Shape::from((t, h))),
         };
         // SAFETY: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<T>(parts * t * h) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, parts * t * h) }?;
         if t > 0 {
             let suffix = dtype_suffix(T::DTYPE)?;
             let stream = dev.cuda_stream();

@@ -429,7 +429,7 @@ pub(crate) mod cuda {
         let stream = dev.cuda_stream();
         let sfx = dtype_suffix(T::DTYPE)?;
         // SAFETY: the expand reads the partials of adapter rows only, all written by the shrink.
-        let mut part = unsafe { dev.alloc::<f32>(chunks * t * pr) }?;
+        let mut part = unsafe { crate::cuda::alloc::<f32>(dev, chunks * t * pr) }?;
         // the listed rows' device address (0: token t is row t), held until both launches
         let list_guard = list.as_ref().map(|l| l.storage_and_layout());
         let list_view = match &list_guard {
@@ -567,7 +567,7 @@ pub(crate) mod cuda {
         // SAFETY: with glu or u in the row every element of the new output is written by the
         // expand (rows without an adapter copied).
         let mut fresh = if new_output && over.is_none() {
-            Some(unsafe { dev.alloc::<T>(rows * width) }?)
+            Some(unsafe { crate::cuda::alloc::<T>(dev, rows * width) }?)
         } else {
             None
         };

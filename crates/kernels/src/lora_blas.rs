@@ -349,7 +349,7 @@ unsafe fn terms<T: KernelElem>(
     let stream = dev.cuda_stream();
     // SAFETY: each run's rows of the scratch are written by its shrink before its expands read
     // them.
-    let mut scratch = unsafe { dev.alloc::<T>(rows * pr) }?;
+    let mut scratch = unsafe { crate::cuda::alloc::<T>(dev, rows * pr) }?;
     let (up, _u) = scratch.device_ptr_mut(&stream);
     let g = Gemm::new::<T>(dev)?;
     let beta = if add { 1. } else { 0. };
@@ -382,7 +382,7 @@ pub(crate) fn product_over_terms<T: KernelElem>(
     let stream = dev.cuda_stream();
     // SAFETY: every row of y is either zeroed below or inside a run, whose terms write all of
     // its n columns (not added).
-    let mut y = unsafe { dev.alloc::<T>(t * n) }?;
+    let mut y = unsafe { crate::cuda::alloc::<T>(dev, t * n) }?;
     {
         let (xg, xl) = x.storage_and_layout();
         let (wg, wl) = w.storage_and_layout();

@@ -335,8 +335,8 @@ mod cuda {
         let stream = dev.cuda_stream();
         // SAFETY: every element of y is written by the kernel; u's rows of tokens with an adapter
         // are written by the shrink CTAs, and the expand reads only those.
-        let mut y = unsafe { dev.alloc::<T>(m * n) }?;
-        let mut u = unsafe { dev.alloc::<f32>(LORA_TOKENS * pr) }?;
+        let mut y = unsafe { crate::cuda::alloc::<T>(dev, m * n) }?;
+        let mut u = unsafe { crate::cuda::alloc::<f32>(dev, LORA_TOKENS * pr) }?;
         {
             let (xg, xl) = x.storage_and_layout();
             let (wg, wl) = w.storage_and_layout();

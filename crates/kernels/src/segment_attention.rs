@@ -264,7 +264,7 @@ mod cuda {
         let work = storage_view::<u32>(&wg, wl, "segment work")?;
         let items = op.work.dim(0)?;
         // SAFETY: every row of every segment is written; the bounds cover all N rows.
-        let mut out = unsafe { dev.alloc::<T>(n * op.heads * d) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, n * op.heads * d) }?;
         let func = function(
             &dev,
             &format!("segment_attention_d{d}_{}", dtype_suffix(T::DTYPE)?),

@@ -463,6 +463,50 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_graph_with_detached_allocations_overlaps_its_dependents() -> Result<()> {
+        // norm -> SiLU-and-multiply -> norm, each allocating its output and dropping tensors
+        // between launches: with detached allocations every dependent after the first hangs on
+        // the kernel before it by a programmatic edge, and the replay computes what the launches do
+        use rserve_kernels::graph::{CaptureOptions, Graph};
+        let dev = gpu();
+        let x = Tensor::randn(0f32, 1.0, (4, 1024), &dev)?.to_dtype(DType::BF16)?;
+        let res = Tensor::randn(0f32, 1.0, (4, 1024), &dev)?.to_dtype(DType::BF16)?;
+        let w = Tensor::randn(1f32, 0.1, 1024, &dev)?.to_dtype(DType::BF16)?;
+        let w2 = Tensor::randn(1f32, 0.1, 512, &dev)?.to_dtype(DType::BF16)?;
+        let res2 = Tensor::randn(0f32, 1.0, (4, 512), &dev)?.to_dtype(DType::BF16)?;
+        let out = Tensor::zeros((4, 512), DType::F32, &dev)?;
+        let step = || -> Result<()> {
+            let (sum, normed) = add_rms_norm(&x, &res, &w, 1e-6)?;
+            drop(sum);
+            let act = silu_and_mul(&normed)?;
+            drop(normed);
+            let (_sum, normed) = add_rms_norm(&act, &res2, &w2, 1e-6)?;
+            drop(act);
+            rserve_kernels::to_f32_into(&normed, &out)
+        };
+        step()?;
+        let want = out.to_vec2::<f32>()?;
+        let options = CaptureOptions {
+            detach_allocations: true,
+        };
+        let g = Graph::capture_with(&dev, options, step)?;
+        rserve_kernels::to_f32_into(&Tensor::zeros((4, 512), DType::BF16, &dev)?, &out)?;
+        g.launch()?;
+        assert_eq!(out.to_vec2::<f32>()?, want);
+        g.launch()?;
+        assert_eq!(out.to_vec2::<f32>()?, want);
+        let s = g.shape;
+        eprintln!("{s:?}");
+        if std::env::var("RSERVE_CUDA_PDL").map_or(true, |v| v != "0") {
+            // two norms and the SiLU-and-multiply; only the first has no kernel before it
+            assert!(s.dependents >= 3, "{s:?}");
+            assert!(s.overlapping + 1 >= s.dependents, "{s:?}");
+            assert!(s.behind_memory <= 1, "{s:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn cuda_quick_gelu_matches_reference() -> Result<()> {
         use rserve_kernels::activation::{quick_gelu, quick_gelu_reference};
         let dev = gpu();

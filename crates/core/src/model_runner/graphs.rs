@@ -359,6 +359,13 @@ fn write(_bucket: &Bucket, _host: &HostBatch) -> Result<()> {
     candle_core::bail!("decode graphs need the cuda feature")
 }
 
+/// The largest bucket captured with detached allocations (`rserve_kernels::graph::CaptureOptions`):
+/// its kernels overlap the kernel before them whatever the step allocates between them, and each
+/// of its allocations has memory of its own (an 8B step of 16 rows: ~0.2 GB, of which the driver
+/// keeps the largest such graph's).
+#[cfg(feature = "cuda")]
+const DETACHED_MAX_ROWS: usize = 16;
+
 /// Captures the bucket's graph if it has none; false when that fails (logged).
 #[cfg(feature = "cuda")]
 fn capture_bucket(
@@ -366,19 +373,37 @@ fn capture_bucket(
     forward: &dyn Fn(&ForwardBatch) -> Result<()>,
     device: &Device,
 ) -> bool {
-    use rserve_kernels::graph::{graph_memory, Graph};
+    use rserve_kernels::graph::{detach_allocations_enabled, graph_memory, CaptureOptions, Graph};
     if bucket.graph.is_some() {
         return true;
     }
     let started = std::time::Instant::now();
-    match Graph::capture(device, || forward(&bucket.batch)) {
+    let mut options = CaptureOptions {
+        detach_allocations: bucket.size <= DETACHED_MAX_ROWS && detach_allocations_enabled(),
+    };
+    let mut captured = Graph::capture_with(device, options, || forward(&bucket.batch));
+    if let (Err(e), true) = (&captured, options.detach_allocations) {
+        tracing::warn!(
+            "decode graph for batch {} not captured with detached allocations ({e}); \
+             capturing it plainly",
+            bucket.size
+        );
+        options.detach_allocations = false;
+        captured = Graph::capture_with(device, options, || forward(&bucket.batch));
+    }
+    match captured {
         Ok(g) => {
             let s = g.shape;
             tracing::debug!(
-                "captured the decode graph for batch {} in {:.0} ms; graph memory {:.0} MiB; \
+                "captured the decode graph for batch {}{} in {:.0} ms; graph memory {:.0} MiB; \
                  {} kernels, {} memory nodes; of {} programmatic dependents {} overlap the \
                  kernel before them, {} wait behind a memory node",
                 bucket.size,
+                if options.detach_allocations {
+                    " (allocations detached)"
+                } else {
+                    ""
+                },
                 started.elapsed().as_secs_f64() * 1e3,
                 graph_memory(device).unwrap_or(0) as f64 / (1u64 << 20) as f64,
                 s.kernels,

@@ -40,8 +40,8 @@ fn quantize_as<T: crate::cuda::KernelElem>(
     let blocks = n * per_row;
     let stream = dev.cuda_stream();
     // SAFETY: the kernel writes every block's data and scale.
-    let mut q = unsafe { dev.alloc::<u8>(blocks * data_bytes(t)) }?;
-    let mut d = unsafe { dev.alloc::<half::f16>(blocks.max(1)) }?;
+    let mut q = unsafe { crate::cuda::alloc::<u8>(dev, blocks * data_bytes(t)) }?;
+    let mut d = unsafe { crate::cuda::alloc::<half::f16>(dev, blocks.max(1)) }?;
     if blocks > 0 {
         let name = format!(
             "ggml_quantize_{}_{}",
@@ -127,7 +127,7 @@ fn dequantize_as<T: crate::cuda::KernelElem>(
     let (n, k) = w.shape;
     let stream = dev.cuda_stream();
     // SAFETY: every element is written by the kernel.
-    let mut y = unsafe { dev.alloc::<T>(n * k) }?;
+    let mut y = unsafe { crate::cuda::alloc::<T>(dev, n * k) }?;
     if n * k > 0 {
         let name = format!(
             "ggml_dequantize_{}{}_{}",
@@ -204,7 +204,7 @@ fn gemv_as<T: crate::cuda::KernelElem>(
     let n = if glu { wn / 2 } else { wn };
     let stream = dev.cuda_stream();
     // SAFETY: every element of y is written by the kernel.
-    let mut y = unsafe { dev.alloc::<T>(m * n) }?;
+    let mut y = unsafe { crate::cuda::alloc::<T>(dev, m * n) }?;
     if n > 0 {
         // the kernels are built for 1, 2, 4 and 8 rows (m <= GEMV_MAX_ROWS = 8)
         let bucket = m.next_power_of_two();

@@ -89,7 +89,12 @@ impl Splits {
         let n = if count > 1 { count * rows } else { 1 };
         // SAFETY: a splitting launch writes every (split, row) entry that the merge reads;
         // a launch that does not split never touches them.
-        let (acc, ml) = unsafe { (dev.alloc::<f32>(n * d)?, dev.alloc::<f32>(n * 2)?) };
+        let (acc, ml) = unsafe {
+            (
+                crate::cuda::alloc::<f32>(dev, n * d)?,
+                crate::cuda::alloc::<f32>(dev, n * 2)?,
+            )
+        };
         Ok(Self {
             count,
             keys: if count > 1 { keys as i32 } else { 0 },
@@ -176,7 +181,7 @@ impl PagedAttention<'_> {
         let total_rows = num_tokens * num_heads;
         // SAFETY: every (token, head) row is written below: decode rows by the decode kernel (or
         // its merge), the other rows by a prompt kernel's work items, which cover every token.
-        let mut out = unsafe { dev.alloc::<T>(total_rows * d) }?;
+        let mut out = unsafe { crate::cuda::alloc::<T>(&dev, total_rows * d) }?;
         if total_rows == 0 {
             return Ok((T::wrap_cuda_slice(out, dev), Shape::from(dims)));
         }
