@@ -222,14 +222,15 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
 }
 
 /// `n` uninitialised elements of `T` on `dev`'s stream, for a kernel's output or scratch; while a
-/// graph with detached allocations is being captured, the allocation hangs on the graph's root
-/// ([`crate::graph`]).
+/// graph with detached allocations is being captured, an allocation of up to
+/// [`crate::graph::DETACH_MAX_BYTES`] hangs on the graph's root ([`crate::graph`]).
 ///
 /// # Safety
 /// The memory is uninitialised: the caller writes every element before anything reads it.
 pub(crate) unsafe fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
     // SAFETY: the caller's contract
-    crate::graph::detached(dev.cuda_stream().cu_stream(), || unsafe {
+    let bytes = n * std::mem::size_of::<T>();
+    crate::graph::detached(dev.cuda_stream().cu_stream(), bytes, || unsafe {
         dev.alloc::<T>(n)
     })
 }

@@ -179,12 +179,21 @@ fn node_deps(node: sys::CUgraphNode) -> Result<Vec<(sys::CUgraphNode, sys::CUgra
     Ok(nodes.into_iter().zip(data).take(n).collect())
 }
 
-/// Runs `alloc`, one stream-ordered allocation on `stream`. While this thread captures a graph
-/// with detached allocations, the allocation hangs on the graph's root node instead of on the work
-/// captured before it, and the stream's dependencies afterwards are those from before (past any
-/// frees) and the allocation.
-pub(crate) fn detached<R>(stream: sys::CUstream, alloc: impl FnOnce() -> Result<R>) -> Result<R> {
-    if DETACHED.with(|d| d.borrow().is_none()) {
+/// The largest allocation a capture detaches: activations and split partials of a small step. A
+/// larger one (a weight dequantized for one product: 33 MB and up in an 8B model) stays in the
+/// chain, where the graph's later allocations may reuse its memory.
+pub const DETACH_MAX_BYTES: usize = 8 << 20;
+
+/// Runs `alloc`, one stream-ordered allocation of `bytes` on `stream`. While this thread captures
+/// a graph with detached allocations, an allocation of up to [`DETACH_MAX_BYTES`] hangs on the
+/// graph's root node instead of on the work captured before it, and the stream's dependencies
+/// afterwards are those from before (past any frees) and the allocation.
+pub(crate) fn detached<R>(
+    stream: sys::CUstream,
+    bytes: usize,
+    alloc: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    if bytes > DETACH_MAX_BYTES || DETACHED.with(|d| d.borrow().is_none()) {
         return alloc();
     }
     let Some((graph, before)) = capture_deps(stream)? else {
@@ -297,12 +306,22 @@ impl Graph {
                 }
             }
         }
-        recorded?;
-        freed.w()?;
-        let graph = ended
-            .w()?
-            .ok_or_else(|| candle_core::Error::Msg("the captured graph is empty".into()))?;
-        graph.upload().w()?;
+        let made = recorded.and_then(|()| freed.w()).and_then(|()| {
+            let graph = ended
+                .w()?
+                .ok_or_else(|| candle_core::Error::Msg("the captured graph is empty".into()))?;
+            graph.upload().w()?;
+            Ok(graph)
+        });
+        let graph = match made {
+            Ok(g) => g,
+            Err(e) => {
+                // what a failed capture reserved for graph allocations goes back to the device
+                // SAFETY: the context's own device; trimming keeps what live graphs use
+                unsafe { sys::cuDeviceGraphMemTrim(stream.context().cu_device()) };
+                return Err(e);
+            }
+        };
         let shape = describe(graph.cu_graph(), &dependents).unwrap_or_else(|e| {
             tracing::debug!("the captured graph's nodes not read: {e}");
             GraphShape::default()

@@ -361,8 +361,8 @@ fn write(_bucket: &Bucket, _host: &HostBatch) -> Result<()> {
 
 /// The largest bucket captured with detached allocations (`rserve_kernels::graph::CaptureOptions`):
 /// its kernels overlap the kernel before them whatever the step allocates between them, and each
-/// of its allocations has memory of its own (an 8B step of 16 rows: ~0.2 GB, of which the driver
-/// keeps the largest such graph's).
+/// of its small allocations has memory of its own (the `fp8` 8B graphs of 1 to 16 rows fit in the
+/// 128 MiB the driver reserves for graphs either way).
 #[cfg(feature = "cuda")]
 const DETACHED_MAX_ROWS: usize = 16;
 
