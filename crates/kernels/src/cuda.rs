@@ -228,11 +228,9 @@ pub(crate) fn cuda_slice<'a, T: CudaDType + WithDType>(
 /// # Safety
 /// The memory is uninitialised: the caller writes every element before anything reads it.
 pub(crate) unsafe fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: the caller's contract
     let bytes = n * std::mem::size_of::<T>();
-    crate::graph::detached(dev.cuda_stream().cu_stream(), bytes, || unsafe {
-        dev.alloc::<T>(n)
-    })
+    // SAFETY: the caller's contract
+    crate::graph::detached(dev, bytes, || unsafe { dev.alloc::<T>(n) })
 }
 
 /// Whether weight-streaming kernels launch as programmatic dependents of the kernel before them

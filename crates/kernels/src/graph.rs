@@ -21,7 +21,7 @@ use std::collections::{HashMap, HashSet};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DevicePtrMut};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Result, Tensor, WithDType};
 
 use crate::graph_shape::{self, Edge, GraphShape, Kind};
@@ -48,6 +48,11 @@ pub struct CaptureOptions {
 pub fn detach_allocations_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("RSERVE_CUDA_GRAPH_DETACH").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Whether this thread is capturing a graph with detached allocations.
+fn detaching() -> bool {
+    DETACHED.with(|d| d.borrow().is_some())
 }
 
 /// The root node of the graph being captured on this thread with detached allocations, or `None`
@@ -147,15 +152,18 @@ fn set_capture_deps(
 fn lifted(
     deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)],
 ) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>> {
-    let is_free = |node: sys::CUgraphNode| -> Result<bool> {
-        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: a node of the graph being captured; writes its type
-        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
-            .result()
-            .w()?;
-        Ok(t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE)
-    };
+    let is_free = |node| Ok(node_type(node)? == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE);
     graph_shape::past_frees(deps, is_free, node_deps)
+}
+
+/// The type of `node`, a node of a graph this thread holds.
+fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType> {
+    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    // SAFETY: a node of a live graph; writes its type
+    unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+        .result()
+        .w()?;
+    Ok(t)
 }
 
 /// The nodes `node` hangs on, with their edge data.
@@ -184,18 +192,19 @@ fn node_deps(node: sys::CUgraphNode) -> Result<Vec<(sys::CUgraphNode, sys::CUgra
 /// chain, where the graph's later allocations may reuse its memory.
 pub const DETACH_MAX_BYTES: usize = 8 << 20;
 
-/// Runs `alloc`, one stream-ordered allocation of `bytes` on `stream`. While this thread captures
-/// a graph with detached allocations, an allocation of up to [`DETACH_MAX_BYTES`] hangs on the
-/// graph's root node instead of on the work captured before it, and the stream's dependencies
-/// afterwards are those from before (past any frees) and the allocation.
+/// Runs `alloc`, one stream-ordered allocation of `bytes` on `dev`'s stream. While this thread
+/// captures a graph with detached allocations, an allocation of up to [`DETACH_MAX_BYTES`] hangs
+/// on the graph's root node instead of on the work captured before it, and the stream's
+/// dependencies afterwards are those from before (past any frees) and the allocation.
 pub(crate) fn detached<R>(
-    stream: sys::CUstream,
+    dev: &CudaDevice,
     bytes: usize,
     alloc: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
-    if bytes > DETACH_MAX_BYTES || DETACHED.with(|d| d.borrow().is_none()) {
+    if bytes > DETACH_MAX_BYTES || !detaching() {
         return alloc();
     }
+    let stream = dev.cuda_stream().cu_stream();
     let Some((graph, before)) = capture_deps(stream)? else {
         return alloc();
     };
@@ -217,7 +226,7 @@ pub(crate) fn detached<R>(
 /// detached allocations: the stream's dependencies past the frees captured since the kernel before,
 /// so the dependent hangs on that kernel by a programmatic edge.
 pub(crate) fn lift_past_frees(stream: sys::CUstream) -> Result<()> {
-    if DETACHED.with(|d| d.borrow().is_none()) {
+    if !detaching() {
         return Ok(());
     }
     let Some((_, deps)) = capture_deps(stream)? else {
@@ -356,12 +365,7 @@ fn describe(graph: sys::CUgraph, dependents: &HashSet<usize>) -> Result<GraphSha
         .collect();
     let mut kinds = Vec::with_capacity(n);
     for &node in &nodes {
-        let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: a node of this graph; writes its type
-        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
-            .result()
-            .w()?;
-        kinds.push(match t {
+        kinds.push(match node_type(node)? {
             sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {
                 // SAFETY: zeroed kernel parameters are plain data the call overwrites
                 let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
