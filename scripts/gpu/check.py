@@ -535,7 +535,8 @@ def part_speed(a, out: Path) -> None:
     requests, an 8k prompt's TTFT, and (with `sweep` in --speed) the concurrency sweep; for each
     model shape in --big. With RSERVE_AB_ENV="NAME=VALUE ...", RSERVE_AB_ARGS="--flag value" and/or
     RSERVE_AB_BINARY=PATH (another build) each shape is served a second time with those variables
-    set, flags added and that binary (an A/B on one checkpoint and one machine); RSERVE_AB_ROUNDS=N
+    set, flags added and that binary (an A/B on one checkpoint and one machine; RSERVE_AB_ENV="A=1|A=1
+    B=1" serves one more time per `|`-separated set of variables); RSERVE_AB_ROUNDS=N
     repeats the pair N times, interleaved. RSERVE_SPEED_SETS="ARGS;ARGS;..." serves the checkpoint
     once per set of server arguments (e.g. ";--isq fp8 --kv-cache-dtype fp8;--isq q4k": bf16,
     then the two formats), each with its A/B pair."""
@@ -543,7 +544,9 @@ def part_speed(a, out: Path) -> None:
 
     want = a.speed.split(",")
     arg_sets = [shlex.split(x) for x in os.environ.get("RSERVE_SPEED_SETS", "").split(";")]
-    ab_env = dict(kv.split("=", 1) for kv in shlex.split(os.environ.get("RSERVE_AB_ENV", "")))
+    ab_envs = [dict(kv.split("=", 1) for kv in shlex.split(chunk))
+               for chunk in os.environ.get("RSERVE_AB_ENV", "").split("|")]
+    ab_envs = [e for e in ab_envs if e] or [{}]
     ab_args = shlex.split(os.environ.get("RSERVE_AB_ARGS", ""))
     ab_binary = Path(os.environ["RSERVE_AB_BINARY"]) if os.environ.get("RSERVE_AB_BINARY") else None
     rounds = int(os.environ.get("RSERVE_AB_ROUNDS", "1"))
@@ -559,8 +562,10 @@ def part_speed(a, out: Path) -> None:
             del model
             torch.cuda.empty_cache()
             subprocess.run(["sync"])
-        ab = ab_env or ab_args or ab_binary
-        pair = [({}, [], a.binary, "")] + ([(ab_env, ab_args, ab_binary or a.binary, "-ab")] if ab else [])
+        pair = [({}, [], a.binary, "")]
+        for n, ab_env in enumerate(ab_envs):
+            if ab_env or ab_args or ab_binary:
+                pair.append((ab_env, ab_args, ab_binary or a.binary, "-ab" + (str(n + 1) if n else "")))
         variants = [(v, base + x, b, f"-s{i}{t}" if len(arg_sets) > 1 else t)
                     for i, base in enumerate(arg_sets) for v, x, b, t in pair * rounds]
         for variant, extra, binary, tag in variants:

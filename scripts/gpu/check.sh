@@ -46,6 +46,9 @@ if has kernels; then
   test_bin kernels paged_attention
   # the attention's kernels launched plainly (RSERVE_CUDA_PDL_ATTENTION=0, for comparisons)
   RSERVE_CUDA_PDL_ATTENTION=0 test_bin kernels-plain paged_attention cuda_decode cuda_split
+  # the batch-1 decode attention asking for its first tiles before its wait (opt-in)
+  RSERVE_CUDA_EARLY_ATTENTION=1 test_bin kernels-early paged_attention cuda_decode cuda_split
+  RSERVE_CUDA_EARLY_ATTENTION=1 test_bin fp8-cache-early fp8_cache cuda_fp8_split_decode
   test_bin candle-sass candle_sass
   test_bin fused fused
   test_bin sampling sampling
@@ -62,6 +65,9 @@ fi
 if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin parity-f32 parity
   RSERVE_TEST_DEVICE=cuda test_bin batching batching
+  # decode graphs captured with detached allocations, the early decode attention in them (opt-in)
+  RSERVE_TEST_DEVICE=cuda RSERVE_CUDA_GRAPH_DETACH=1 RSERVE_CUDA_EARLY_ATTENTION=1 \
+    test_bin batching-detached batching
   RSERVE_TEST_DEVICE=cuda test_bin lora-serving lora_serving
   RSERVE_TEST_DEVICE=cuda test_bin prefix-cache prefix_cache
   RSERVE_TEST_DEVICE=cuda test_bin structured structured

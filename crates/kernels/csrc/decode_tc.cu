@@ -45,9 +45,11 @@ namespace {
 // This needs every other key, the metadata and the block tables to be written before the step's
 // first kernel, as in the engine's decode steps (a test that fills the cache with a kernel just
 // before the attention breaks it). benchmarks/gpu/kbench.cu's chain compares this form with the
-// engine's, which waits at entry: in the engine's captured graphs the attention's output and
-// partial buffers are allocated between rotary and the attention, so the attention starts only
-// once rotary has ended and an early form has nothing to overlap (benchmarks/gpu-notes.md).
+// engine's, which waits at entry. The engine takes it with RSERVE_CUDA_EARLY_ATTENTION=1: in a
+// plainly captured graph the attention's output and partial buffers are allocated between rotary
+// and the attention, so the attention starts only once rotary has ended and the early form has
+// nothing to overlap; with detached allocations (RSERVE_CUDA_GRAPH_DETACH=1) it does
+// (benchmarks/gpu-notes.md).
 //
 // Host guarantees, beyond the direct kernel's: block_size is a power of two.
 // Shared bytes: decode_tc_shared_bytes in paged_attention.rs
@@ -442,8 +444,17 @@ __device__ void paged_decode_tc_impl(
       paged_decode_tk_w##W##_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                           \
     paged_decode_tc_impl<T, C, D, 3, W, true>(PAGED_DECODE_ARGS);                                 \
   }
-#define PAGED_DECODE_TC(T, C, NAME, D) \
-  PAGED_DECODE_TC_W(T, C, NAME, D, 2) PAGED_DECODE_TC_W(T, C, NAME, D, 4)
+// paged_decode_tk_early_*: the keys-as-rows form of 4 warps (the small grids' width) asking for
+// its first tiles before its wait (EARLY above; only for decode-only steps, whose every key but
+// the newest an earlier step wrote)
+#define PAGED_DECODE_TK_EARLY(T, C, NAME, D)                                                      \
+  extern "C" __global__ void __launch_bounds__(128)                                               \
+      paged_decode_tk_early_w4_d##D##_##NAME(PAGED_DECODE_PARAMS(T, C)) {                         \
+    paged_decode_tc_impl<T, C, D, 3, 4, true, true>(PAGED_DECODE_ARGS);                           \
+  }
+#define PAGED_DECODE_TC(T, C, NAME, D)                                   \
+  PAGED_DECODE_TC_W(T, C, NAME, D, 2) PAGED_DECODE_TC_W(T, C, NAME, D, 4) \
+  PAGED_DECODE_TK_EARLY(T, C, NAME, D)
 #define PAGED_DECODE_TC_DIMS(T, C, NAME) PAGED_DECODE_TC(T, C, NAME, 64) PAGED_DECODE_TC(T, C, NAME, 128)
 PAGED_DECODE_TC_DIMS(__nv_bfloat16, __nv_bfloat16, bf16)
 PAGED_DECODE_TC_DIMS(__half, __half, f16)
@@ -451,4 +462,5 @@ PAGED_DECODE_TC_DIMS(__nv_bfloat16, e4m3, bf16_fp8)
 PAGED_DECODE_TC_DIMS(__half, e4m3, f16_fp8)
 #undef PAGED_DECODE_TC_DIMS
 #undef PAGED_DECODE_TC
+#undef PAGED_DECODE_TK_EARLY
 #undef PAGED_DECODE_TC_W

@@ -90,6 +90,13 @@ pub(crate) fn function_with_shared(
     let l = &mut loaded[i];
     if !l.functions.contains_key(name) {
         let f = l.module.load_function(name).w()?;
+        if let Some(percent) = shared_carveout() {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent,
+            )
+            .w()?;
+        }
         l.functions
             .insert(name.to_string(), (f, DEFAULT_SHARED_BYTES));
     }
@@ -105,6 +112,31 @@ pub(crate) fn function_with_shared(
         *allowed = shared_bytes;
     }
     Ok(f.clone())
+}
+
+/// The shared-memory carveout every kernel prefers, in percent of the unified L1 and shared
+/// memory (`RSERVE_CUDA_CARVEOUT`: `max`, or 0-100), or the driver's choice per kernel (unset, the
+/// default). An SM holds CTAs of one split at a time, so a programmatic dependent whose split
+/// differs from the running kernel's (the decode attention needs most of an SM's shared memory,
+/// the products little) cannot start beside it; one split for all kernels lets it.
+pub(crate) fn shared_carveout() -> Option<i32> {
+    static CARVEOUT: OnceLock<Option<i32>> = OnceLock::new();
+    *CARVEOUT.get_or_init(|| {
+        let v = std::env::var("RSERVE_CUDA_CARVEOUT").ok()?;
+        let parsed = parse_carveout(&v);
+        if parsed.is_none() {
+            tracing::warn!("RSERVE_CUDA_CARVEOUT={v:?} is neither `max` nor 0-100; ignored");
+        }
+        parsed
+    })
+}
+
+/// `max` (100) or a percentage of 0-100.
+fn parse_carveout(v: &str) -> Option<i32> {
+    match v.trim() {
+        "max" => Some(100),
+        p => p.parse::<i32>().ok().filter(|p| (0..=100).contains(p)),
+    }
 }
 
 /// A grid-stride launch over `items` work items: 256 threads a block, blocks enough for one item
@@ -265,6 +297,15 @@ pub(crate) fn attention_dependents_enabled() -> bool {
     switched_on(&ON, "RSERVE_CUDA_PDL_ATTENTION")
 }
 
+/// Whether the batch-1-sized decode attention of decode-only steps asks for its first key tiles
+/// before it waits for rotary (`paged_decode_tk_early_*`: every key but the newest was written by
+/// an earlier step); off unless `RSERVE_CUDA_EARLY_ATTENTION=1`, until measured in the engine with
+/// detached graph allocations.
+pub(crate) fn early_attention_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RSERVE_CUDA_EARLY_ATTENTION").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// A switch that is on unless the environment variable `var` is `0`, read once into `cell`.
 fn switched_on(cell: &OnceLock<bool>, var: &str) -> bool {
     *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v.trim() != "0"))
@@ -411,5 +452,19 @@ impl<'a> Dependent<'a> {
                 &mut self.params,
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn carveout_is_max_or_a_percentage() {
+        use super::parse_carveout;
+        assert_eq!(parse_carveout("max"), Some(100));
+        assert_eq!(parse_carveout(" 50 "), Some(50));
+        assert_eq!(parse_carveout("0"), Some(0));
+        assert_eq!(parse_carveout("101"), None);
+        assert_eq!(parse_carveout("-1"), None);
+        assert_eq!(parse_carveout("most"), None);
     }
 }

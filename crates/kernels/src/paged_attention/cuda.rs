@@ -164,8 +164,8 @@ impl PagedAttention<'_> {
         C: crate::cuda::KernelElem,
     {
         use crate::cuda::{
-            cuda_slice, dtype_suffix, function, function_with_shared, keys_as_rows_decode_enabled,
-            tensor_core_decode_enabled, token_rows,
+            cuda_slice, dtype_suffix, early_attention_enabled, function, function_with_shared,
+            keys_as_rows_decode_enabled, tensor_core_decode_enabled, token_rows,
         };
 
         let dims = ql.dims();
@@ -250,7 +250,15 @@ impl PagedAttention<'_> {
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
                 // keys as the products' rows where the group fits their 8 columns
                 let keys_as_rows = group <= 8 && keys_as_rows_decode_enabled();
-                let layout = if keys_as_rows { "tk" } else { "tc" };
+                // a decode-only step's keys but the newest were written by earlier steps, so the
+                // 4-warp form may ask for its first tiles before it waits for rotary
+                let early =
+                    keys_as_rows && w == 4 && n_dec == num_seqs && early_attention_enabled();
+                let layout = match (keys_as_rows, early) {
+                    (true, true) => "tk_early",
+                    (true, false) => "tk",
+                    _ => "tc",
+                };
                 (
                     format!("paged_decode_{layout}_w{w}_d{d}_{ksuffix}"),
                     grid,
@@ -277,9 +285,9 @@ impl PagedAttention<'_> {
                 let mut b = ops.args(&stream, &func, &mut out, seqs_s, &iv);
                 splits.push(&mut b);
                 // SAFETY: argument order and types match `paged_decode_g<G>_<dtype>` (csrc/decode.cu)
-                // and `paged_decode_{tc,tk}_w<W>_d<D>_<dtype>` (csrc/decode_tc.cu); the group fits G (16
-                // for the tc kernel, 8 for tk, whose head dim and q alignment are checked above),
-                // rows are 16-byte multiples, metadata validated.
+                // and `paged_decode_{tc,tk,tk_early}_w<W>_d<D>_<dtype>` (csrc/decode_tc.cu); the group
+                // fits G (16 for the tc kernel, 8 for tk, whose head dim and q alignment are checked
+                // above), rows are 16-byte multiples, metadata validated.
                 unsafe { b.launch(cfg) }?;
             }
             splits.merge(&dev, suffix, &mut out, d)?;
