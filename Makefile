@@ -47,14 +47,14 @@ cuda-wheel:
 cuda-check:
 	$(CUDA_ENV) && cargo check --workspace --tests --features rserve-server/cuda
 
-gpu-bundle: cuda-binary
+gpu-bundle: cuda-binary kbench
 	set -o pipefail && $(CUDA_ENV) && cargo test --release --features cuda -p rserve-kernels -p rserve-core --no-run \
 	  --test paged_attention --test candle_sass --test fused --test sampling --test gemv --test fp8 --test fp8_cache --test ggml --test lora --test parity --test batching --test lora_serving --test prefix_cache --test structured --test vision --test tensor_parallel --test allreduce --message-format=json 2>/dev/null \
 	  | python3 -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 	  >target/cuda/test-binaries.txt
 	$(CUDA_ENV) && cargo build --release --features cuda -p rserve-kernels --example ggml_gpu_bench
 	rm -rf $(BUNDLE) && mkdir -p $(BUNDLE)
-	cp target/cuda/release/rserve target/cuda/release/examples/ggml_gpu_bench $(BUNDLE)/
+	cp target/cuda/release/rserve target/cuda/release/examples/ggml_gpu_bench target/kbench/kbench $(BUNDLE)/
 	while read -r exe; do name=$$(basename "$$exe"); cp "$$exe" "$(BUNDLE)/$${name%-*}"; done <target/cuda/test-binaries.txt
 	strip $(BUNDLE)/*
 	ls -la $(BUNDLE)

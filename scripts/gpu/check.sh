@@ -2,7 +2,7 @@
 # The whole GPU check-and-measure, run from the repository root on a GPU machine; builds nothing.
 # Needs the bundle that `make gpu-bundle` leaves in target/gpu-bundle (the CUDA rserve binary and the
 # CUDA test binaries), python3 with torch + transformers, and the CUDA 13 runtime libraries.
-#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup, tp, tp70, ggml-bench
+#   scripts/gpu/check.sh [parts]      parts: kernels,parity,coldstart,tiny,batch,big (default), wheel, profile, speed, quant, lora, prefix, structured, vision, startup, tp, tp70, ggml-bench, kbench
 # `tp` runs the tensor-parallel tests (every GPU of the machine) and the 8B shape at TP=1 and TP=2,4
 # where the GPUs are there; `tp70` the 70B shape at the largest TP (scripts/gpu/check_tp.py).
 # RSERVE_TP_AB names the variants each TP > 1 also runs in (check_tp.py's VARIANTS; default all).
@@ -61,6 +61,9 @@ if has kernels; then
 fi
 if has ggml-bench; then  # the GGML dequantizers and 256-row products, 8B shapes
   if [[ -x "$BUNDLE/ggml_gpu_bench" ]]; then step ggml-bench "$BUNDLE/ggml_gpu_bench"; else echo "ggml-bench: skipped (no $BUNDLE/ggml_gpu_bench)" | tee -a "$OUT/summary.txt"; fi
+fi
+if has kbench; then  # the 8B batch-1 step's kernels replayed from a graph, mode by mode (kbench.cu)
+  if [[ -x "$BUNDLE/kbench" ]]; then step kbench "$BUNDLE/kbench" chain; else echo "kbench: skipped (no $BUNDLE/kbench)" | tee -a "$OUT/summary.txt"; fi
 fi
 if has parity; then
   RSERVE_TEST_DEVICE=cuda test_bin parity-f32 parity
