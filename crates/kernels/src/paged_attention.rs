@@ -227,6 +227,24 @@ pub fn decode_tc_warps(ctas: usize, sms: usize) -> usize {
     }
 }
 
+/// The layout part of a tensor-core decode kernel's name (`paged_decode_<layout>_w<W>_...`): keys
+/// as the products' rows (`tk`) where the group fits their 8 columns (`keys_as_rows`), else heads
+/// as rows (`tc`); the keys-as-rows form of 4 warps that asks for its first key tiles before its
+/// wait (`tk_early`) when `early` is asked for and the step is decode-only (every key but each
+/// sequence's newest then comes from an earlier step).
+pub fn decode_tc_layout(
+    keys_as_rows: bool,
+    warps: usize,
+    decode_only: bool,
+    early: bool,
+) -> &'static str {
+    match (keys_as_rows, early && warps == 4 && decode_only) {
+        (true, true) => "tk_early",
+        (true, false) => "tk",
+        (false, _) => "tc",
+    }
+}
+
 /// Head dims of the tensor-core prompt kernel (16-bit types only).
 pub const PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
 

@@ -169,6 +169,28 @@ fn tensor_core_decode_narrows_its_ctas_for_large_grids() {
 }
 
 #[test]
+fn the_early_decode_form_only_in_decode_only_steps_of_four_warps() {
+    use rserve_kernels::paged_attention::decode_tc_layout;
+    assert_eq!(decode_tc_layout(true, 4, true, true), "tk_early");
+    assert_eq!(
+        decode_tc_layout(true, 4, true, false),
+        "tk",
+        "not asked for"
+    );
+    assert_eq!(decode_tc_layout(true, 4, false, true), "tk", "a mixed step");
+    assert_eq!(
+        decode_tc_layout(true, 2, true, true),
+        "tk",
+        "many sequences"
+    );
+    assert_eq!(
+        decode_tc_layout(false, 4, true, true),
+        "tc",
+        "a group past 8 heads"
+    );
+}
+
+#[test]
 fn rejects_inconsistent_metadata() {
     let dev = Device::Cpu;
     // more queries than context

@@ -2,9 +2,9 @@
 //! rows, prompt tokens, or every row), the operands every attention kernel takes first, and the
 //! split buffers the decode and generic kernels take last.
 use super::{
-    decode_group_bucket, decode_shared_bytes, decode_splits, decode_tc_shared_bytes,
-    decode_tc_warps, prefill_shared_bytes, LaunchPlan, PagedAttention, DECODE_MIN_SPLIT_KEYS,
-    PREFILL_HEAD_DIMS,
+    decode_group_bucket, decode_shared_bytes, decode_splits, decode_tc_layout,
+    decode_tc_shared_bytes, decode_tc_warps, prefill_shared_bytes, LaunchPlan, PagedAttention,
+    DECODE_MIN_SPLIT_KEYS, PREFILL_HEAD_DIMS,
 };
 use crate::cuda::{function, Dependent};
 use candle_core::backend::BackendStorage;
@@ -250,15 +250,12 @@ impl PagedAttention<'_> {
                 let grid = (kvh as u32, n_dec as u32, splits.count as u32);
                 // keys as the products' rows where the group fits their 8 columns
                 let keys_as_rows = group <= 8 && keys_as_rows_decode_enabled();
-                // a decode-only step's keys but the newest were written by earlier steps, so the
-                // 4-warp form may ask for its first tiles before it waits for rotary
-                let early =
-                    keys_as_rows && w == 4 && n_dec == num_seqs && early_attention_enabled();
-                let layout = match (keys_as_rows, early) {
-                    (true, true) => "tk_early",
-                    (true, false) => "tk",
-                    _ => "tc",
-                };
+                let layout = decode_tc_layout(
+                    keys_as_rows,
+                    w,
+                    n_dec == num_seqs,
+                    early_attention_enabled(),
+                );
                 (
                     format!("paged_decode_{layout}_w{w}_d{d}_{ksuffix}"),
                     grid,
