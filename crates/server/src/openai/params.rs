@@ -69,6 +69,13 @@ pub fn sampling_params_with(
         p.frequency_penalty = x as f32;
     }
     p.n = samples(c)?;
+    if c.stream_options.is_some() && !c.stream.unwrap_or(false) {
+        // vLLM refuses them too: they would be silently ignored
+        return Err(ApiError::bad_request(
+            "`stream_options` can only be given when `stream` is true",
+        )
+        .with_param("stream_options"));
+    }
     if let Some(k) = c.prompt_logprobs {
         if c.stream.unwrap_or(false) {
             return Err(ApiError::bad_request(
