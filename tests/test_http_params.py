@@ -48,6 +48,7 @@ UNSERVED = [
     ("cmpl-best_of-below-n", COMPLETIONS, _cmpl(n=3, best_of=2), "best_of"),
     ("chat-best_of-stream", CHAT, _chat(n=1, best_of=2, stream=True), "best_of"),
     ("cmpl-best_of-stream", COMPLETIONS, _cmpl(n=1, best_of=2, stream=True), "best_of"),
+    ("chat-chat_template", CHAT, _chat(chat_template="{{ messages[0].content }}"), "chat_template"),
     ("chat-stream_options-without-stream", CHAT, _chat(stream_options={"include_usage": True}), "stream_options"),
     ("cmpl-stream_options-stream-false", COMPLETIONS, _cmpl(stream=False, stream_options={"include_usage": True}),
      "stream_options"),

@@ -177,6 +177,11 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// A template sent with the request: refused (vLLM refuses it too unless told to trust
+    /// clients' templates); the server's template is set at start (`--chat-template`).
+    #[serde(default)]
+    #[schema(value_type = Option<String>)]
+    pub chat_template: Option<Value>,
 }
 
 /// `prompt` of completions: text, texts, token ids or lists of token ids.

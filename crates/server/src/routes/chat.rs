@@ -180,6 +180,13 @@ fn refuse_unserved(req: &ChatCompletionRequest) -> Result<(), ApiError> {
             .with_param(field));
         }
     }
+    if req.chat_template.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad_request(
+            "`chat_template` in a request is not served: the chat template is the server's \
+             (`--chat-template` at start)",
+        )
+        .with_param("chat_template"));
+    }
     if let Some(m) = req
         .modalities
         .as_ref()
