@@ -378,6 +378,27 @@ def test_completion_echo(client):
     check_usage(r.usage, completion_tokens=5)
 
 
+def test_completion_echo_with_logprobs_streamed_equals_non_streamed(http):
+    # the prompt's tokens and logprobs lead the first streamed chunk, as the whole response has them
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True,
+            "logprobs": 1, **IGNORE_EOS}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    events = stream_raw(http, "/v1/completions", body)
+    chunks = [e["choices"][0] for e in events if e.get("choices")]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    first = chunks[0]["logprobs"]
+    assert first["token_logprobs"][0] is None  # the prompt's first token has none
+    for key in ("tokens", "token_logprobs"):
+        streamed = [x for c in chunks for x in c["logprobs"][key]]
+        assert len(streamed) == len(whole["logprobs"][key]), key
+        if key == "tokens":
+            assert streamed == whole["logprobs"][key]
+        else:
+            assert [x is None for x in streamed] == [x is None for x in whole["logprobs"][key]]
+            assert [x for x in streamed if x is not None] == pytest.approx(
+                [x for x in whole["logprobs"][key] if x is not None], abs=1e-4)
+
+
 def test_completion_logprobs(client):
     r = complete(client, max_tokens=6, logprobs=2, extra=IGNORE_EOS)
     c = r.choices[0]

@@ -132,7 +132,12 @@ impl ChunkFormat for ChatFormat {
         Some(self.chunk(json!([{"index": index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": null, "finish_reason": null}])))
     }
 
-    fn content(&self, index: usize, out: &CompletionDelta, _first: bool) -> Option<Value> {
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionDelta,
+        _first: Option<&[Option<TokenLogprob>]>,
+    ) -> Option<Value> {
         let new_lps = &out.logprobs;
         let logprobs = if self.want_logprobs {
             logprobs_content(&self.tokenizer, new_lps, self.as_ids)

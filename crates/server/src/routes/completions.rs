@@ -59,6 +59,27 @@ fn legacy_logprobs(
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
+/// The tokens and logprobs of an echoed prompt (the first entry `None`; alternatives cut to the
+/// `k` asked for), which a completion's then follow.
+fn echoed_prompt(
+    prompt_ids: &[u32],
+    prompt_lps: &[Option<TokenLogprob>],
+    k: usize,
+) -> (Vec<u32>, Vec<Option<TokenLogprob>>) {
+    let mut lps: Vec<Option<TokenLogprob>> = prompt_lps
+        .iter()
+        .take(prompt_ids.len())
+        .map(|l| {
+            l.clone().map(|mut l| {
+                l.top.truncate(k);
+                l
+            })
+        })
+        .collect();
+    lps.resize(prompt_ids.len(), None);
+    (prompt_ids.to_vec(), lps)
+}
+
 struct CompletionFormat {
     id: String,
     created: u64,
@@ -68,6 +89,10 @@ struct CompletionFormat {
     as_ids: bool,
     /// Per request: its prompt text when echoing.
     echo: Vec<Option<String>>,
+    /// Per request: its prompt's token ids when echoing with `logprobs` (empty otherwise).
+    echo_ids: Vec<Vec<u32>>,
+    /// The alternatives asked for by `logprobs`.
+    legacy_k: usize,
     n: usize,
 }
 
@@ -76,17 +101,33 @@ impl ChunkFormat for CompletionFormat {
         None
     }
 
-    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Option<Value> {
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionDelta,
+        first: Option<&[Option<TokenLogprob>]>,
+    ) -> Option<Value> {
         let new_lps = &out.logprobs;
+        let request = index / self.n.max(1);
         let mut text = out.text.clone();
-        if first {
-            if let Some(Some(p)) = self.echo.get(index / self.n.max(1)) {
+        // the first chunk of an echoing choice starts with the prompt, and its tokens
+        let echo_lps = match (first, self.echo.get(request)) {
+            (Some(prompt_lps), Some(Some(p))) => {
                 text = format!("{p}{text}");
+                Some(prompt_lps)
             }
-        }
+            _ => None,
+        };
         let logprobs = if self.logprobs {
-            let ids: Vec<u32> = new_lps.iter().map(|l| l.token_id).collect();
-            let lps: Vec<Option<TokenLogprob>> = new_lps.iter().cloned().map(Some).collect();
+            let (mut ids, mut lps) = match echo_lps {
+                Some(plps) => {
+                    let prompt_ids = self.echo_ids.get(request).map_or(&[][..], Vec::as_slice);
+                    echoed_prompt(prompt_ids, plps, self.legacy_k)
+                }
+                None => (Vec::new(), Vec::new()),
+            };
+            ids.extend(new_lps.iter().map(|l| l.token_id));
+            lps.extend(new_lps.iter().cloned().map(Some));
             legacy_logprobs(&self.tokenizer, &lps, &ids, 0, self.as_ids)
         } else {
             Value::Null
@@ -161,8 +202,14 @@ pub async fn completions(
         .await?;
     let samples = params.n;
     let mut echo_text = Vec::with_capacity(prompts.len());
+    let mut echo_ids = Vec::with_capacity(prompts.len());
     let mut reqs = Vec::with_capacity(prompts.len());
     for (p, text) in prompts {
+        echo_ids.push(if echo && params.logprobs.is_some() {
+            p.clone()
+        } else {
+            Vec::new()
+        });
         echo_text.push(match (echo, text) {
             (false, _) => None,
             (true, Some(t)) => Some(t),
@@ -187,7 +234,7 @@ pub async fn completions(
         .enumerate()
         .map(|(i, t)| (t, i * samples, samples))
         .collect();
-    let legacy_k = req.logprobs.map(|k| k.max(0) as usize);
+    let legacy_k = req.logprobs.map_or(0, |k| k.max(0) as usize);
     let fmt = CompletionFormat {
         id: format!("cmpl-{}", super::misc::random_id()),
         created: super::misc::now(),
@@ -196,6 +243,8 @@ pub async fn completions(
         logprobs: params.logprobs.is_some(),
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
         echo: echo_text,
+        echo_ids,
+        legacy_k,
         n: samples,
     };
     if req.common.stream.unwrap_or(false) {
@@ -226,19 +275,12 @@ pub async fn completions(
         for c in &out.outputs {
             let text = format!("{}{}", echo_prefix.as_deref().unwrap_or(""), c.text);
             let logprobs = if fmt.logprobs {
-                let mut ids = Vec::new();
-                let mut lps: Vec<Option<TokenLogprob>> = Vec::new();
-                if echo_prefix.is_some() {
-                    ids.extend(&out.prompt_token_ids);
-                    let k = legacy_k.unwrap_or(0);
-                    lps.extend(out.prompt_logprobs.iter().flatten().map(|l| {
-                        l.clone().map(|mut l| {
-                            l.top.truncate(k);
-                            l
-                        })
-                    }));
-                    lps.resize(ids.len(), None);
-                }
+                let (mut ids, mut lps) = if echo_prefix.is_some() {
+                    let plps = out.prompt_logprobs.as_deref().unwrap_or_default();
+                    echoed_prompt(&out.prompt_token_ids, plps, legacy_k)
+                } else {
+                    (Vec::new(), Vec::new())
+                };
                 ids.extend(&c.token_ids);
                 lps.extend(c.logprobs.clone().unwrap_or_default().into_iter().map(Some));
                 legacy_logprobs(&fmt.tokenizer, &lps, &ids, 0, fmt.as_ids)

@@ -143,7 +143,7 @@ use crate::openai::error::ApiError;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, Stream, StreamExt};
-use rserve_core::request::CompletionDelta;
+use rserve_core::request::{CompletionDelta, TokenLogprob};
 use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -155,9 +155,15 @@ pub trait ChunkFormat: Send + Sync + 'static {
     /// A chunk sent once per choice before any text (chat: the role).
     fn opening(&self, index: usize) -> Option<Value>;
     /// A chunk carrying new text and tokens of one choice (`out.logprobs` are the new tokens');
-    /// `first` is true for its first content chunk (completions' `echo` puts the prompt there).
+    /// `first` holds, for its first content chunk only, the prompt logprobs received so far
+    /// (completions' `echo` puts the prompt, and with `logprobs` its logprobs, there).
     /// `None` when there is nothing to send yet (text held back).
-    fn content(&self, index: usize, out: &CompletionDelta, first: bool) -> Option<Value>;
+    fn content(
+        &self,
+        index: usize,
+        out: &CompletionDelta,
+        first: Option<&[Option<TokenLogprob>]>,
+    ) -> Option<Value>;
     /// The final usage chunk.
     fn usage(&self, usage: Value) -> Value;
 }
@@ -200,8 +206,9 @@ fn one_request<F: ChunkFormat>(
     n: usize,
     counts: Arc<StreamCounts>,
 ) -> EventStream {
-    let init = (tracked, vec![Progress::default(); n], false);
-    let s = stream::unfold(init, move |(mut t, mut prog, opened)| {
+    // the prompt logprobs received so far, for the choices' first chunks
+    let init = (tracked, vec![Progress::default(); n], false, Vec::new());
+    let s = stream::unfold(init, move |(mut t, mut prog, opened, mut prompt_lps)| {
         let fmt = fmt.clone();
         let counts = counts.clone();
         async move {
@@ -218,16 +225,17 @@ fn one_request<F: ChunkFormat>(
                     if events.is_empty() {
                         None
                     } else {
-                        Some((events, (t, prog, true)))
+                        Some((events, (t, prog, true, prompt_lps)))
                     }
                 }
                 Some(Err(e)) => {
                     events.push(data(&ApiError::from(e).body()));
                     // end this request's stream after the error
                     prog.iter_mut().for_each(|p| p.finished = true);
-                    Some((events, (t, prog, true)))
+                    Some((events, (t, prog, true, prompt_lps)))
                 }
                 Some(Ok(delta)) => {
+                    prompt_lps.extend(delta.prompt_logprobs.iter().cloned());
                     if let Some(c) = delta.num_cached_tokens {
                         counts.cached.fetch_add(c, Ordering::Relaxed);
                     }
@@ -241,7 +249,8 @@ fn one_request<F: ChunkFormat>(
                         p.tokens += c.token_ids.len();
                         let finishing = c.finish_reason.is_some();
                         if !c.text.is_empty() || finishing || !c.logprobs.is_empty() {
-                            if let Some(v) = fmt.content(base + c.index, c, !p.content_sent) {
+                            let first = (!p.content_sent).then_some(prompt_lps.as_slice());
+                            if let Some(v) = fmt.content(base + c.index, c, first) {
                                 events.push(data(&v));
                                 p.content_sent = true;
                             }
@@ -251,7 +260,7 @@ fn one_request<F: ChunkFormat>(
                             counts.generated.fetch_add(p.tokens, Ordering::Relaxed);
                         }
                     }
-                    Some((events, (t, prog, true)))
+                    Some((events, (t, prog, true, prompt_lps)))
                 }
             }
         }
