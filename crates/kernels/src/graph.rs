@@ -13,8 +13,9 @@
 //! detached allocations ([`CaptureOptions`]) places those nodes itself: the kernels' allocations
 //! ([`detached`], through `cuda::alloc`) hang on an empty root node, and each dependent hangs on
 //! what the frees captured since the kernel before it hang on ([`graph_shape::past_frees`]), so it
-//! overlaps that kernel. No allocation of such a graph then reuses the memory of another, so it
-//! is for graphs of few rows.
+//! overlaps that kernel (only the frees of detached allocations are lifted so). No detached
+//! allocation reuses the memory of another, so it is for graphs of few rows; larger allocations
+//! stay in the chain, behind the frees before them.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -29,9 +30,37 @@ use crate::graph_shape::{self, Edge, GraphShape, Kind};
 thread_local! {
     /// The functions launched as programmatic dependents while this thread captures a graph.
     static DEPENDENTS: RefCell<Option<HashSet<usize>>> = const { RefCell::new(None) };
-    /// While this thread captures a graph with detached allocations: the empty root node they
-    /// hang on, once made.
-    static DETACHED: RefCell<Option<Option<usize>>> = const { RefCell::new(None) };
+    /// While this thread captures a graph with detached allocations: what they hang on and
+    /// which they are.
+    static DETACHED: RefCell<Option<Detached>> = const { RefCell::new(None) };
+}
+
+/// The detached allocations of the graph this thread captures.
+#[derive(Default)]
+struct Detached {
+    /// The empty root node they hang on, once made.
+    root: Option<usize>,
+    /// Their device addresses: only their frees are lifted ([`lifted`]), so an allocation left in
+    /// the chain stays behind the frees before it and may reuse their memory.
+    ptrs: HashSet<u64>,
+}
+
+/// Clears this thread's capture state when dropped, however the capture ends (a panic included).
+struct CaptureState;
+
+impl CaptureState {
+    fn begin(detach: bool) -> Self {
+        DEPENDENTS.with(|d| *d.borrow_mut() = Some(HashSet::new()));
+        DETACHED.with(|d| *d.borrow_mut() = detach.then(Detached::default));
+        Self
+    }
+}
+
+impl Drop for CaptureState {
+    fn drop(&mut self) {
+        DEPENDENTS.with(|d| *d.borrow_mut() = None);
+        DETACHED.with(|d| *d.borrow_mut() = None);
+    }
 }
 
 /// How [`Graph::capture_with`] records.
@@ -60,7 +89,7 @@ fn detaching() -> bool {
 fn detached_root(graph: sys::CUgraph) -> Result<Option<sys::CUgraphNode>> {
     DETACHED.with(|d| {
         let mut d = d.borrow_mut();
-        let Some(root) = d.as_mut() else {
+        let Some(Detached { root, .. }) = d.as_mut() else {
             return Ok(None);
         };
         if let Some(node) = *root {
@@ -148,12 +177,42 @@ fn set_capture_deps(
     .w()
 }
 
-/// `deps` with each free node replaced by what it hangs on ([`graph_shape::past_frees`]).
+/// `deps` with each free of a detached allocation replaced by what it hangs on
+/// ([`graph_shape::past_frees`]); frees of allocations left in the chain stay.
 fn lifted(
     deps: &[(sys::CUgraphNode, sys::CUgraphEdgeData)],
 ) -> Result<Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)>> {
-    let is_free = |node| Ok(node_type(node)? == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE);
+    let is_free = |node| {
+        if node_type(node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE {
+            return Ok(false);
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a free node of the graph being captured; writes the address it frees
+        unsafe { sys::cuGraphMemFreeNodeGetParams(node, &mut ptr) }
+            .result()
+            .w()?;
+        Ok(DETACHED.with(|d| d.borrow().as_ref().is_some_and(|d| d.ptrs.contains(&ptr))))
+    };
     graph_shape::past_frees(deps, is_free, node_deps)
+}
+
+/// Records the address of `node` when it is an allocation node (a detached allocation).
+fn note_detached(node: sys::CUgraphNode) -> Result<()> {
+    if node_type(node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC {
+        return Ok(());
+    }
+    // SAFETY: zeroed parameters are plain data the call overwrites
+    let mut params: sys::CUDA_MEM_ALLOC_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: an allocation node of the graph being captured; writes its parameters
+    unsafe { sys::cuGraphMemAllocNodeGetParams(node, &mut params) }
+        .result()
+        .w()?;
+    DETACHED.with(|d| {
+        if let Some(d) = d.borrow_mut().as_mut() {
+            d.ptrs.insert(params.dptr);
+        }
+    });
+    Ok(())
 }
 
 /// The type of `node`, a node of a graph this thread holds.
@@ -211,15 +270,36 @@ pub(crate) fn detached<R>(
     let Some(root) = detached_root(graph)? else {
         return alloc();
     };
-    let mut deps = lifted(&before)?;
+    let lifted_before = lifted(&before)?;
     // SAFETY: a zeroed edge datum is the default (full) edge
     let full: sys::CUgraphEdgeData = unsafe { std::mem::zeroed() };
     set_capture_deps(stream, &[(root, full)])?;
     let made = alloc();
-    let (_, after) = capture_deps(stream)?.unwrap_or_default();
-    deps.extend(after.into_iter().filter(|d| d.0 != root));
-    set_capture_deps(stream, &deps)?;
-    made
+    // the stream hangs on what it hung on, and on the allocation
+    let restored = (|| {
+        let (_, after) = capture_deps(stream)?.unwrap_or_default();
+        let mut deps = lifted_before.clone();
+        for d in after.into_iter().filter(|d| d.0 != root) {
+            if made.is_ok() {
+                note_detached(d.0)?;
+            }
+            deps.push(d);
+        }
+        set_capture_deps(stream, &deps)
+    })();
+    match (made, restored) {
+        (Ok(r), Ok(())) => Ok(r),
+        (made, restored) => {
+            // the allocation's error first (an allocation made is freed here), then the stream
+            // back on what it hung on, best effort: the capture fails either way
+            let err = made
+                .err()
+                .or(restored.err())
+                .unwrap_or_else(|| candle_core::Error::Msg("detached allocation failed".into()));
+            let _ = set_capture_deps(stream, &before);
+            Err(err)
+        }
+    }
 }
 
 /// Before a programmatic dependent is launched on `stream` while this thread captures a graph with
@@ -284,15 +364,12 @@ impl Graph {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()?;
-        DEPENDENTS.with(|d| *d.borrow_mut() = Some(HashSet::new()));
-        if options.detach_allocations {
-            DETACHED.with(|d| *d.borrow_mut() = Some(None));
-        }
+        let state = CaptureState::begin(options.detach_allocations);
         let recorded = work();
-        DETACHED.with(|d| *d.borrow_mut() = None);
         let dependents = DEPENDENTS
             .with(|d| d.borrow_mut().take())
             .unwrap_or_default();
+        drop(state);
         // The capture must end whatever happened, or the stream stays unusable. Errors recorded
         // by frees inside the capture would make cudarc's end_capture return before ending it:
         // they are taken first, and the capture is ended directly if it is still open.
@@ -509,6 +586,21 @@ impl<T: CudaDType + WithDType> InplaceOp1 for WriteRows<'_, T> {
 
 /// Bytes of device memory the driver holds for the allocations inside graphs on `dev`'s GPU.
 pub fn graph_memory(device: &Device) -> Result<usize> {
+    graph_mem_attribute(
+        device,
+        sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+    )
+}
+
+/// Bytes of device memory the live graphs' allocations on `dev`'s GPU are using.
+pub fn graph_memory_in_use(device: &Device) -> Result<usize> {
+    graph_mem_attribute(
+        device,
+        sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+    )
+}
+
+fn graph_mem_attribute(device: &Device, attr: sys::CUgraphMem_attribute) -> Result<usize> {
     let Device::Cuda(dev) = device else {
         return Ok(0);
     };
@@ -519,11 +611,7 @@ pub fn graph_memory(device: &Device) -> Result<usize> {
     // SAFETY: the attribute is a 64-bit count written into `bytes`; the device handle is the
     // context's own.
     unsafe {
-        sys::cuDeviceGetGraphMemAttribute(
-            ctx.cu_device(),
-            sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
-            (&mut bytes as *mut u64).cast(),
-        )
+        sys::cuDeviceGetGraphMemAttribute(ctx.cu_device(), attr, (&mut bytes as *mut u64).cast())
     }
     .result()
     .w()?;

@@ -507,6 +507,43 @@ mod cuda {
     }
 
     #[test]
+    fn cuda_graph_with_detached_allocations_keeps_large_ones_sharing_memory() -> Result<()> {
+        // eight 16 MiB outputs, each dropped before a small kernel whose detached output lifts
+        // the frees before it: only detached allocations' frees are lifted, so each large output
+        // still comes after the free of the one before and may take its memory, as in a plain
+        // capture (were its free lifted too, the eight would hold 128 MiB)
+        use rserve_kernels::graph::{graph_memory_in_use, CaptureOptions, Graph};
+        let dev = gpu();
+        let big = Tensor::randn(0f32, 1.0, (1024, 16384), &dev)?.to_dtype(DType::BF16)?;
+        let small = Tensor::randn(0f32, 1.0, (4, 256), &dev)?.to_dtype(DType::BF16)?;
+        let work = || -> Result<()> {
+            for _ in 0..8 {
+                drop(silu_and_mul(&big)?);
+                drop(silu_and_mul(&small)?);
+            }
+            Ok(())
+        };
+        let in_graphs = |detach_allocations| -> Result<usize> {
+            let before = graph_memory_in_use(&dev)?;
+            let g = Graph::capture_with(&dev, CaptureOptions { detach_allocations }, work)?;
+            g.launch()?;
+            dev.synchronize()?;
+            let used = graph_memory_in_use(&dev)?.saturating_sub(before);
+            drop(g);
+            dev.synchronize()?;
+            Ok(used)
+        };
+        let plain = in_graphs(false)?;
+        let detached = in_graphs(true)?;
+        eprintln!("graph memory in use: plain {plain} B, detached {detached} B");
+        assert!(
+            detached <= plain + (32 << 20),
+            "plain {plain} B, detached {detached} B"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn cuda_quick_gelu_matches_reference() -> Result<()> {
         use rserve_kernels::activation::{quick_gelu, quick_gelu_reference};
         let dev = gpu();

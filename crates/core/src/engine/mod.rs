@@ -297,8 +297,10 @@ impl Engine {
         device
             .synchronize()
             .map_err(|e| EngineError::Model(e.to_string()))?;
-        let graphs = (!cfg.enforce_eager)
-            .then(|| GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size));
+        let graphs = (!cfg.enforce_eager).then(|| GraphPlan {
+            detach: cfg.tensor_parallel_size <= 1,
+            ..GraphPlan::new(cfg.max_num_seqs, max_model_len, cfg.block_size)
+        });
         if let Some(g) = &group {
             g.allocate(num_blocks, cfg.block_size, kv_dtype, graphs.clone())?;
         }

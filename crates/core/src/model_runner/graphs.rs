@@ -41,6 +41,10 @@ pub struct GraphPlan {
     pub max_blocks: usize,
     /// The longest context a graph serves (the decode split is planned for it).
     pub max_context: usize,
+    /// Whether buckets of few rows may be captured with detached allocations (with
+    /// `RSERVE_CUDA_GRAPH_DETACH=1`); off for tensor-parallel ranks, whose fallback capture would
+    /// run collectives the other ranks do not.
+    pub detach: bool,
 }
 
 impl GraphPlan {
@@ -55,6 +59,7 @@ impl GraphPlan {
             buckets,
             max_blocks: max_model_len.div_ceil(block_size.max(1)).max(1),
             max_context: max_model_len,
+            detach: true,
         }
     }
 
@@ -116,6 +121,8 @@ pub fn lora_graph_set(covers: &[usize], needed: usize) -> Option<usize> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Bucket {
     size: usize,
+    /// Captured with detached allocations where they are switched on.
+    detach: bool,
     input_ids: Tensor,
     positions: Tensor,
     slots: Tensor,
@@ -175,6 +182,7 @@ impl Bucket {
         };
         Ok(Self {
             size,
+            detach: plan.detach,
             input_ids,
             positions,
             slots,
@@ -379,7 +387,9 @@ fn capture_bucket(
     }
     let started = std::time::Instant::now();
     let mut options = CaptureOptions {
-        detach_allocations: bucket.size <= DETACHED_MAX_ROWS && detach_allocations_enabled(),
+        detach_allocations: bucket.detach
+            && bucket.size <= DETACHED_MAX_ROWS
+            && detach_allocations_enabled(),
     };
     let mut captured = Graph::capture_with(device, options, || forward(&bucket.batch));
     if let (Err(e), true) = (&captured, options.detach_allocations) {
