@@ -270,7 +270,7 @@ pub(crate) fn detached<R>(
     let Some(root) = detached_root(graph)? else {
         return alloc();
     };
-    let lifted_before = lifted(&before)?;
+    let mut deps = lifted(&before)?;
     // SAFETY: a zeroed edge datum is the default (full) edge
     let full: sys::CUgraphEdgeData = unsafe { std::mem::zeroed() };
     set_capture_deps(stream, &[(root, full)])?;
@@ -278,7 +278,6 @@ pub(crate) fn detached<R>(
     // the stream hangs on what it hung on, and on the allocation
     let restored = (|| {
         let (_, after) = capture_deps(stream)?.unwrap_or_default();
-        let mut deps = lifted_before.clone();
         for d in after.into_iter().filter(|d| d.0 != root) {
             if made.is_ok() {
                 note_detached(d.0)?;

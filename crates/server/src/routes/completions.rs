@@ -80,6 +80,12 @@ fn echoed_prompt(
     (prompt_ids.to_vec(), lps)
 }
 
+/// An echoed prompt: its text, and its token ids (for `logprobs`).
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
+}
+
 struct CompletionFormat {
     id: String,
     created: u64,
@@ -87,10 +93,8 @@ struct CompletionFormat {
     tokenizer: Arc<Tokenizer>,
     logprobs: bool,
     as_ids: bool,
-    /// Per request: its prompt text when echoing.
-    echo: Vec<Option<String>>,
-    /// Per request: its prompt's token ids when echoing with `logprobs` (empty otherwise).
-    echo_ids: Vec<Vec<u32>>,
+    /// Per request: its prompt when echoing.
+    echo: Vec<Option<Echo>>,
     /// The alternatives asked for by `logprobs`.
     legacy_k: usize,
     n: usize,
@@ -111,19 +115,16 @@ impl ChunkFormat for CompletionFormat {
         let request = index / self.n.max(1);
         let mut text = out.text.clone();
         // the first chunk of an echoing choice starts with the prompt, and its tokens
-        let echo_lps = match (first, self.echo.get(request)) {
-            (Some(prompt_lps), Some(Some(p))) => {
-                text = format!("{p}{text}");
-                Some(prompt_lps)
+        let echoed = match (first, self.echo.get(request)) {
+            (Some(prompt_lps), Some(Some(e))) => {
+                text = format!("{}{text}", e.text);
+                Some((e, prompt_lps))
             }
             _ => None,
         };
         let logprobs = if self.logprobs {
-            let (mut ids, mut lps) = match echo_lps {
-                Some(plps) => {
-                    let prompt_ids = self.echo_ids.get(request).map_or(&[][..], Vec::as_slice);
-                    echoed_prompt(prompt_ids, plps, self.legacy_k)
-                }
+            let (mut ids, mut lps) = match echoed {
+                Some((e, plps)) => echoed_prompt(&e.ids, plps, self.legacy_k),
                 None => (Vec::new(), Vec::new()),
             };
             ids.extend(new_lps.iter().map(|l| l.token_id));
@@ -201,23 +202,22 @@ pub async fn completions(
         .blocking(move || completion_prompts(&prompt, &work))
         .await?;
     let samples = params.n;
-    let mut echo_text = Vec::with_capacity(prompts.len());
-    let mut echo_ids = Vec::with_capacity(prompts.len());
+    let mut echoes = Vec::with_capacity(prompts.len());
     let mut reqs = Vec::with_capacity(prompts.len());
     for (p, text) in prompts {
-        echo_ids.push(if echo && params.logprobs.is_some() {
-            p.clone()
-        } else {
-            Vec::new()
-        });
-        echo_text.push(match (echo, text) {
+        echoes.push(match (echo, text) {
             (false, _) => None,
-            (true, Some(t)) => Some(t),
-            (true, None) => Some(
-                info.tokenizer
+            (true, Some(text)) => Some(Echo {
+                text,
+                ids: p.clone(),
+            }),
+            (true, None) => Some(Echo {
+                text: info
+                    .tokenizer
                     .decode(&p, false)
                     .map_err(|e| ApiError::bad_request(e.to_string()))?,
-            ),
+                ids: p.clone(),
+            }),
         });
         reqs.push(EngineRequest {
             prompt_token_ids: p,
@@ -242,8 +242,7 @@ pub async fn completions(
         tokenizer: info.tokenizer.clone(),
         logprobs: params.logprobs.is_some(),
         as_ids: req.common.return_tokens_as_token_ids.unwrap_or(false),
-        echo: echo_text,
-        echo_ids,
+        echo: echoes,
         legacy_k,
         n: samples,
     };
@@ -263,7 +262,11 @@ pub async fn completions(
         completion_tokens += out.num_generated_tokens();
         cached += out.num_cached_tokens.unwrap_or(0);
         keep_best(&mut out, n);
-        let echo_prefix = fmt.echo.get(pi).cloned().flatten();
+        let echo_prefix = fmt
+            .echo
+            .get(pi)
+            .and_then(Option::as_ref)
+            .map(|e| e.text.as_str());
         let prompt_lps = want_prompt_logprobs.then(|| {
             prompt_logprobs_json(
                 &fmt.tokenizer,
@@ -273,7 +276,7 @@ pub async fn completions(
             )
         });
         for c in &out.outputs {
-            let text = format!("{}{}", echo_prefix.as_deref().unwrap_or(""), c.text);
+            let text = format!("{}{}", echo_prefix.unwrap_or(""), c.text);
             let logprobs = if fmt.logprobs {
                 let (mut ids, mut lps) = if echo_prefix.is_some() {
                     let plps = out.prompt_logprobs.as_deref().unwrap_or_default();
